@@ -1,0 +1,184 @@
+"""PPO losses (Schulman et al. 2017) over masked [B, T] token arrays.
+
+Every loss returns ``(scalar_loss, metrics)``. ``aggregation`` picks how per-token terms become a
+scalar (``ops.aggregate``): ``"token_mean"`` (every token weighs the same; trl) or ``"seq_mean"``
+(mean per sequence, then over sequences). Metrics are always token means over the mask.
+Inputs at padded positions are replaced by neutral values before any arithmetic, so they affect
+neither the loss nor its gradient (not even NaN/Inf there).
+"""
+
+from __future__ import annotations
+
+import chex
+import jax
+import jax.numpy as jnp
+
+from ppojax import ops
+
+Array = jax.Array
+
+
+def _masked_inputs(mask: Array, *xs: Array, fill: float = 0.0):
+  mask = mask.astype(jnp.bool_)
+  return (mask,) + tuple(jnp.where(mask, x.astype(jnp.float32), fill) for x in xs)
+
+
+def policy_loss(
+    logp: Array,
+    old_logp: Array,
+    advantages: Array,
+    mask: Array,
+    *,
+    clip_eps: float = 0.2,
+    clip_eps_low: float | None = None,
+    clip_eps_high: float | None = None,
+    dual_clip: float | None = None,
+    aggregation: str = "token_mean",
+) -> tuple[Array, dict[str, Array]]:
+  """Clipped surrogate: L = agg( max(−A·ρ, −A·clip(ρ, 1 − ε_low, 1 + ε_high)) ), ρ = e^{logp − old}.
+
+  ε_low and ε_high default to ``clip_eps`` (set them apart for "clip-higher", DAPO). With
+  ``dual_clip`` = c > 1 (Ye et al. 2020), tokens with A < 0 have their loss capped at −c·A, so a
+  huge ratio on a bad action cannot dominate the batch. Where the clip is active in the
+  advantage's favour (A > 0, ρ > 1 + ε_high; or A < 0, ρ < 1 − ε_low) the gradient is exactly 0.
+
+  Args:
+    logp: [B, T] log-probs under the current policy (differentiated).
+    old_logp: [B, T] log-probs under the sampling policy (constant).
+    advantages: [B, T] (constant).
+    mask: [B, T] response mask.
+
+  Returns:
+    loss and metrics: ``loss``; ``approxkl`` = ½·mean((logp − old_logp)²); ``clipfrac``, the
+    fraction of tokens where the clipped term is the active one; ``dual_clipfrac``; ``ratio`` and
+    ``ratio_var``, mean and (unbiased) variance of ρ.
+  """
+  chex.assert_rank([logp, old_logp, advantages, mask], 2)
+  chex.assert_equal_shape([logp, old_logp, advantages, mask])
+  eps_low = clip_eps if clip_eps_low is None else clip_eps_low
+  eps_high = clip_eps if clip_eps_high is None else clip_eps_high
+  mask, logp, old_logp, adv = _masked_inputs(mask, logp, old_logp, advantages)
+  old_logp, adv = jax.lax.stop_gradient((old_logp, adv))
+
+  log_ratio = logp - old_logp
+  ratio = jnp.exp(log_ratio)
+  unclipped = -adv * ratio
+  clipped = -adv * jnp.clip(ratio, 1.0 - eps_low, 1.0 + eps_high)
+  per_token = jnp.maximum(unclipped, clipped)
+  if dual_clip is not None:
+    capped = jnp.where(adv < 0, jnp.minimum(per_token, -dual_clip * adv), per_token)
+    dual_active = (adv < 0) & (capped < per_token)
+    per_token = capped
+  else:
+    dual_active = jnp.zeros_like(mask)
+
+  loss = ops.aggregate(per_token, mask, aggregation)
+  metrics = {
+      "loss": loss,
+      "approxkl": 0.5 * ops.masked_mean(jnp.square(log_ratio), mask),
+      "clipfrac": ops.masked_mean((clipped > unclipped).astype(jnp.float32), mask),
+      "dual_clipfrac": ops.masked_mean(dual_active.astype(jnp.float32), mask),
+      "ratio": ops.masked_mean(ratio, mask),
+      "ratio_var": ops.masked_var(ratio, mask),
+  }
+  return loss, jax.tree.map(jax.lax.stop_gradient, metrics)
+
+
+def value_loss(
+    values: Array,
+    old_values: Array,
+    returns: Array,
+    mask: Array,
+    *,
+    clip_range: float | None = 0.2,
+    aggregation: str = "token_mean",
+) -> tuple[Array, dict[str, Array]]:
+  """Clipped value loss: L = agg( ½·max((V − R)², (V_clip − R)²) ),
+
+  V_clip = V_old + clip(V − V_old, −c, c) (PPO2 / trl). ``clip_range=None`` gives ½·(V − R)².
+
+  Returns:
+    loss and metrics: ``loss``; ``clipfrac``, the fraction of tokens where the clipped error is
+    the larger; ``error`` = mean((V − R)²); ``values``, the mean prediction.
+  """
+  chex.assert_rank([values, old_values, returns, mask], 2)
+  chex.assert_equal_shape([values, old_values, returns, mask])
+  mask, values, old_values, returns = _masked_inputs(mask, values, old_values, returns)
+  old_values, returns = jax.lax.stop_gradient((old_values, returns))
+
+  err = jnp.square(values - returns)
+  if clip_range is None:
+    per_token, clip_active = err, jnp.zeros_like(mask)
+  else:
+    v_clip = old_values + jnp.clip(values - old_values, -clip_range, clip_range)
+    err_clip = jnp.square(v_clip - returns)
+    per_token, clip_active = jnp.maximum(err, err_clip), err_clip > err
+  loss = 0.5 * ops.aggregate(per_token, mask, aggregation)
+  metrics = {
+      "loss": loss,
+      "clipfrac": ops.masked_mean(clip_active.astype(jnp.float32), mask),
+      "error": ops.masked_mean(err, mask),
+      "values": ops.masked_mean(values, mask),
+  }
+  return loss, jax.tree.map(jax.lax.stop_gradient, metrics)
+
+
+def entropy_bonus(entropy: Array, mask: Array, aggregation: str = "token_mean") -> Array:
+  """Mean policy entropy agg(H_t) over the mask (``ops.entropy_from_logits`` gives H_t)."""
+  mask, entropy = _masked_inputs(mask, entropy)
+  return ops.aggregate(entropy, mask, aggregation)
+
+
+def ppo_loss(
+    logp: Array,
+    old_logp: Array,
+    advantages: Array,
+    values: Array,
+    old_values: Array,
+    returns: Array,
+    mask: Array,
+    entropy: Array | None = None,
+    *,
+    vf_coef: float = 0.1,
+    ent_coef: float = 0.0,
+    clip_eps: float = 0.2,
+    clip_eps_low: float | None = None,
+    clip_eps_high: float | None = None,
+    dual_clip: float | None = None,
+    value_clip: float | None = 0.2,
+    aggregation: str = "token_mean",
+) -> tuple[Array, dict[str, Array]]:
+  """Total PPO loss  L = L_policy + vf_coef·L_value − ent_coef·H.
+
+  The defaults are trl's (vf_coef 0.1, no entropy bonus, ε = 0.2 for ratio and value clip).
+  Metric names follow trl (without its ``_avg`` suffix): ``loss/policy``, ``loss/value``,
+  ``loss/total``, ``policy/approxkl``, ``policy/clipfrac``, ``policy/dual_clipfrac``,
+  ``policy/entropy``, ``val/ratio``, ``val/ratio_var``, ``val/clipfrac``, ``val/error``,
+  ``val/values``.
+  """
+  pg_loss, pg = policy_loss(
+      logp, old_logp, advantages, mask, clip_eps=clip_eps, clip_eps_low=clip_eps_low,
+      clip_eps_high=clip_eps_high, dual_clip=dual_clip, aggregation=aggregation)
+  vf_loss, vf = value_loss(
+      values, old_values, returns, mask, clip_range=value_clip, aggregation=aggregation)
+  total = pg_loss + vf_coef * vf_loss
+  metrics = {
+      "loss/policy": pg["loss"],
+      "loss/value": vf["loss"],
+      "policy/approxkl": pg["approxkl"],
+      "policy/clipfrac": pg["clipfrac"],
+      "policy/dual_clipfrac": pg["dual_clipfrac"],
+      "val/ratio": pg["ratio"],
+      "val/ratio_var": pg["ratio_var"],
+      "val/clipfrac": vf["clipfrac"],
+      "val/error": vf["error"],
+      "val/values": vf["values"],
+  }
+  if entropy is not None:
+    ent = entropy_bonus(entropy, mask, aggregation)
+    total = total - ent_coef * ent
+    metrics["policy/entropy"] = jax.lax.stop_gradient(ent)
+  elif not isinstance(ent_coef, jax.Array) and ent_coef != 0:
+    raise ValueError("ent_coef > 0 needs the per-token entropy (ops.entropy_from_logits)")
+  metrics["loss/total"] = jax.lax.stop_gradient(total)
+  return total, metrics

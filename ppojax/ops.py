@@ -1,0 +1,329 @@
+"""Array primitives shared by every part of the PPO step.
+
+Conventions (see DESIGN.md):
+  * arrays are shaped ``[batch, time]`` (plus ``vocab`` for logits);
+  * a ``mask`` is boolean or {0, 1}; masked-out positions contribute *nothing*: values there are
+    never read arithmetically (``jnp.where``, not ``x * mask``), so even NaN/Inf padding is inert;
+  * response masks come from the position of the first stop token, never from ``token != pad_id``.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Sequence
+
+import chex
+import jax
+import jax.numpy as jnp
+
+Array = jax.Array
+
+# ---------------------------------------------------------------------------------------------
+# Masked statistics
+# ---------------------------------------------------------------------------------------------
+
+
+def _as_bool(mask: Array) -> Array:
+  return mask if mask.dtype == jnp.bool_ else mask != 0
+
+
+def masked_sum(x: Array, mask: Array, axis=None) -> Array:
+  """Σ_i x_i·m_i, with masked-out entries never read (NaN-safe)."""
+  chex.assert_equal_shape([x, mask])
+  return jnp.sum(jnp.where(_as_bool(mask), x, 0), axis=axis)
+
+
+def masked_count(mask: Array, axis=None) -> Array:
+  """Number of unmasked entries, as float32."""
+  return jnp.sum(_as_bool(mask), axis=axis, dtype=jnp.float32)
+
+
+def masked_mean(x: Array, mask: Array, axis=None) -> Array:
+  """mean_m(x) = Σ x·m / Σ m.
+
+  An empty mask gives 0 (not NaN), so an all-padding row cannot poison a batch statistic.
+  """
+  count = masked_count(mask, axis)
+  return masked_sum(x, mask, axis) / jnp.maximum(count, 1.0)
+
+
+def masked_var(x: Array, mask: Array, unbiased: bool = True) -> Array:
+  """Variance over the unmasked entries (all axes).
+
+  var = mean_m((x − mean_m(x))²) · n/(n−1) if ``unbiased`` (Bessel's correction, as trl's
+  ``masked_var``), with n = Σ m. For n ≤ 1 the correction factor is taken as 1 (trl raises; we
+  cannot raise under ``jit``).
+  """
+  mean = masked_mean(x, mask)
+  var = masked_mean(jnp.square(x - mean), mask)
+  if unbiased:
+    n = masked_count(mask)
+    var = var * jnp.where(n > 1, n / jnp.maximum(n - 1, 1.0), 1.0)
+  return var
+
+
+def masked_whiten(x: Array, mask: Array, shift_mean: bool = True, eps: float = 1e-8) -> Array:
+  """(x − μ)/√(σ² + eps) over the mask, with μ, σ² = ``masked_mean``, unbiased ``masked_var``.
+
+  With ``shift_mean=False`` the mean is added back: x ↦ (x − μ)/σ + μ (trl's reward whitening).
+  Masked-out positions of the result are 0.
+  """
+  mean = masked_mean(x, mask)
+  var = masked_var(x, mask, unbiased=True)
+  white = (x - mean) * jax.lax.rsqrt(var + eps)
+  if not shift_mean:
+    white = white + mean
+  return jnp.where(_as_bool(mask), white, 0)
+
+
+AGGREGATIONS = ("token_mean", "seq_mean")
+
+
+def aggregate(x: Array, mask: Array, mode: str = "token_mean") -> Array:
+  """Reduce per-token values ``x`` [B, T] over ``mask`` to a scalar.
+
+  * ``token_mean``: Σ_{b,t} x·m / Σ_{b,t} m — every token weighs the same (trl, PPO in RLHF).
+  * ``seq_mean``:   mean over non-empty rows b of (Σ_t x·m / Σ_t m) — every sequence weighs the
+    same, whatever its length (tunix's "sequence-mean-token-mean").
+  """
+  chex.assert_rank(x, 2)
+  chex.assert_equal_shape([x, mask])
+  if mode == "token_mean":
+    return masked_mean(x, mask)
+  if mode == "seq_mean":
+    row_mean = masked_mean(x, mask, axis=1)
+    row_nonempty = jnp.any(_as_bool(mask), axis=1)
+    return masked_mean(row_mean, row_nonempty)
+  raise ValueError(f"unknown aggregation {mode!r}; choose one of {AGGREGATIONS}")
+
+
+# ---------------------------------------------------------------------------------------------
+# Log-probabilities and entropy from logits, chunked over tokens
+# ---------------------------------------------------------------------------------------------
+
+_DEFAULT_CHUNK = 1024  # tokens per chunk: [chunk, V] float32 is 192 MiB for V = 49152
+
+
+def _chunk_size(n: int, target: int) -> int:
+  """Largest divisor of ``n`` that is ≤ ``target`` (so chunking needs no padding copy)."""
+  target = max(1, min(n, target))
+  for c in range(target, 0, -1):
+    if n % c == 0:
+      return c
+  return 1
+
+
+def _bf16_as_bits() -> bool:
+  # XLA's CPU backend has no native bf16 loops: it rewrites a bf16 loop carry to f32 and upcasts
+  # the whole input before the loop. Carrying the uint16 bit pattern instead costs one bf16-sized
+  # copy there, never an f32 one. Other backends handle bf16 natively and need no trick.
+  return jax.default_backend() == "cpu"
+
+
+def _to_bits(a: Array) -> Array:
+  if a.dtype == jnp.bfloat16 and _bf16_as_bits():
+    return jax.lax.bitcast_convert_type(a, jnp.uint16)
+  return a
+
+
+def _from_bits(a: Array, dtype) -> Array:
+  if dtype == jnp.bfloat16 and a.dtype == jnp.uint16:
+    return jax.lax.bitcast_convert_type(a, jnp.bfloat16)
+  return a
+
+
+def _map_chunks(fn, arrays, n: int, chunk: int):
+  """Apply ``fn`` to consecutive row-chunks of ``arrays`` (each [n, ...]) with ``lax.map``.
+
+  Reshaping [n, ...] → [n/chunk, chunk, ...] is free (row-major), so no input is copied; only one
+  chunk's float32 temporaries are alive at a time. The barrier keeps the float32 upcast of each
+  chunk inside the loop (XLA would otherwise hoist it and convert the whole input up front: the
+  very copy chunking exists to avoid); see ``_bf16_as_bits`` for bf16 on CPU.
+  """
+  c = _chunk_size(n, chunk)
+  dtypes = [a.dtype for a in arrays]
+  chunked = [_to_bits(a).reshape((n // c, c) + a.shape[1:]) for a in arrays]
+  out_dtypes = []
+
+  def body(xs):
+    xs = jax.lax.optimization_barrier(xs)
+    out = fn(*[_from_bits(x, d) for x, d in zip(xs, dtypes)])
+    out_dtypes[:] = [o.dtype for o in jax.tree.leaves(out)]
+    return jax.tree.map(_to_bits, out)
+
+  out = jax.lax.map(body, chunked)
+  leaves, tree = jax.tree.flatten(out)
+  leaves = [_from_bits(o.reshape((n,) + o.shape[2:]), d) for o, d in zip(leaves, out_dtypes)]
+  return jax.tree.unflatten(tree, leaves)
+
+
+def _scaled(logits: Array, temperature) -> Array:
+  return logits.astype(jnp.float32) / temperature
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _token_logprobs(logits: Array, tokens: Array, temperature: Array, chunk: int):
+  out, _ = _token_logprobs_fwd(logits, tokens, temperature, chunk)
+  return out
+
+
+def _token_logprobs_fwd(logits, tokens, temperature, chunk):
+  def fn(z, tok):
+    z = _scaled(z, temperature)
+    lse = jax.nn.logsumexp(z, axis=-1)
+    picked = jnp.take_along_axis(z, tok[:, None], axis=-1)[:, 0]
+    return picked - lse, lse
+
+  logp, lse = _map_chunks(fn, [logits, tokens], logits.shape[0], chunk)
+  return logp, (logits, tokens, temperature, lse)
+
+
+def _token_logprobs_bwd(chunk, res, g):
+  logits, tokens, temperature, lse = res
+
+  def fn(z, tok, lse_c, g_c):
+    z = _scaled(z, temperature)
+    p = jnp.exp(z - lse_c[:, None])
+    onehot = jax.nn.one_hot(tok, z.shape[-1], dtype=jnp.float32)
+    d_z = g_c[:, None] * (onehot - p)  # ∂ log p_tok / ∂z = onehot − p
+    # z = logits/T:  ∂/∂logits = ∂/∂z / T,  ∂/∂T = −Σ_v ∂/∂z_v · z_v / T.
+    d_t = -jnp.sum(d_z * z, axis=-1) / temperature
+    return (d_z / temperature).astype(logits.dtype), d_t
+
+  d_logits, d_t = _map_chunks(fn, [logits, tokens, lse, g], logits.shape[0], chunk)
+  return d_logits, None, jnp.sum(d_t).astype(temperature.dtype)
+
+
+_token_logprobs.defvjp(_token_logprobs_fwd, _token_logprobs_bwd)
+
+
+def selective_log_softmax(
+    logits: Array,
+    tokens: Array,
+    temperature: float | Array = 1.0,
+    chunk_size: int = _DEFAULT_CHUNK,
+) -> Array:
+  """log π(token) = z_token − logsumexp(z), with z = logits / temperature, in float32.
+
+  Args:
+    logits: [..., T, V], any float dtype (bf16 is upcast chunk by chunk).
+    tokens: [..., T] integer ids.
+    temperature: the sampling temperature; the log-probs used in the PPO ratio must come from the
+      same temperature-scaled distribution that sampled the tokens.
+    chunk_size: tokens (flattened batch×time positions) per chunk.
+
+  Returns:
+    float32 [..., T].
+
+  Memory: no second [..., T, V] float32 array exists, forward or backward: the float32 copy lives
+  one chunk at a time, and a custom VJP keeps only (logits, tokens, lse) as residuals and writes
+  the gradient ∂/∂z = (onehot − softmax)/temperature chunk by chunk in the logits' dtype.
+  """
+  chex.assert_equal_shape_prefix([logits, tokens], tokens.ndim)
+  chex.assert_rank(logits, tokens.ndim + 1)
+  lead, vocab = tokens.shape, logits.shape[-1]
+  temperature = jnp.asarray(temperature, jnp.float32)
+  flat = _token_logprobs(logits.reshape(-1, vocab), tokens.reshape(-1), temperature, chunk_size)
+  return flat.reshape(lead)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _entropy(logits: Array, temperature: Array, chunk: int):
+  out, _ = _entropy_fwd(logits, temperature, chunk)
+  return out
+
+
+def _entropy_fwd(logits, temperature, chunk):
+  def fn(z):
+    z = _scaled(z, temperature)
+    lse = jax.nn.logsumexp(z, axis=-1)
+    mean_z = jnp.sum(jnp.exp(z - lse[:, None]) * z, axis=-1)  # E_p[z]
+    return lse - mean_z, lse, mean_z
+
+  ent, lse, mean_z = _map_chunks(fn, [logits], logits.shape[0], chunk)
+  return ent, (logits, temperature, lse, mean_z)
+
+
+def _entropy_bwd(chunk, res, g):
+  logits, temperature, lse, mean_z = res
+
+  def fn(z, lse_c, mean_c, g_c):
+    z = _scaled(z, temperature)
+    p = jnp.exp(z - lse_c[:, None])
+    d_z = -g_c[:, None] * p * (z - mean_c[:, None])  # ∂H/∂z_i = −p_i (z_i − E_p[z])
+    d_t = -jnp.sum(d_z * z, axis=-1) / temperature
+    return (d_z / temperature).astype(logits.dtype), d_t
+
+  d_logits, d_t = _map_chunks(fn, [logits, lse, mean_z, g], logits.shape[0], chunk)
+  return d_logits, jnp.sum(d_t).astype(temperature.dtype)
+
+
+_entropy.defvjp(_entropy_fwd, _entropy_bwd)
+
+
+def entropy_from_logits(
+    logits: Array, temperature: float | Array = 1.0, chunk_size: int = _DEFAULT_CHUNK
+) -> Array:
+  """H(π) = logsumexp(z) − Σ_v softmax(z)_v·z_v, with z = logits / temperature, in float32.
+
+  Same memory behaviour as ``selective_log_softmax``: [..., T, V] in, float32 [..., T] out.
+  """
+  lead, vocab = logits.shape[:-1], logits.shape[-1]
+  temperature = jnp.asarray(temperature, jnp.float32)
+  return _entropy(logits.reshape(-1, vocab), temperature, chunk_size).reshape(lead)
+
+
+# ---------------------------------------------------------------------------------------------
+# Response masks from stop tokens
+# ---------------------------------------------------------------------------------------------
+
+
+def is_stop_token(tokens: Array, stop_ids: Sequence[int] | Array) -> Array:
+  """Boolean [B, T]: whether each token is one of ``stop_ids``."""
+  stop_ids = jnp.asarray(stop_ids, dtype=tokens.dtype).reshape(-1)
+  return jnp.any(tokens[..., None] == stop_ids, axis=-1)
+
+
+def response_mask(tokens: Array, stop_ids: Sequence[int] | Array) -> Array:
+  """Mask of the response: every position up to **and including** the first stop token.
+
+  m_t = 1 iff no stop token occurs at positions < t. Everything after the first stop is padding,
+  whatever its id — so pad_id == eos_id is safe: the EOS that ends the response is an action and
+  stays inside the mask, the identical pad ids after it do not. A row without any stop token is
+  all response (it hit the length limit).
+
+  Args:
+    tokens: [B, T] sampled response tokens.
+    stop_ids: one or more stop token ids (EOS, end-of-turn, ...).
+
+  Returns:
+    bool [B, T].
+  """
+  chex.assert_rank(tokens, 2)
+  stop = is_stop_token(tokens, stop_ids).astype(jnp.int32)
+  stops_before = jnp.cumsum(stop, axis=1) - stop  # exclusive cumulative count
+  return stops_before == 0
+
+
+def has_stop_token(tokens: Array, stop_ids: Sequence[int] | Array) -> Array:
+  """Boolean [B]: whether the response contains a stop token (False = cut off by the limit)."""
+  chex.assert_rank(tokens, 2)
+  return jnp.any(is_stop_token(tokens, stop_ids), axis=1)
+
+
+def truncate_after_stop(tokens: Array, stop_ids: Sequence[int] | Array, pad_id: int) -> Array:
+  """Replace every token after the first stop token with ``pad_id`` (the stop token stays)."""
+  return jnp.where(response_mask(tokens, stop_ids), tokens, jnp.asarray(pad_id, tokens.dtype))
+
+
+def last_index(mask: Array) -> Array:
+  """Int32 [B]: the last position where ``mask`` is set (−1 for an empty row)."""
+  chex.assert_rank(mask, 2)
+  pos = jnp.arange(mask.shape[1], dtype=jnp.int32)
+  return jnp.max(jnp.where(_as_bool(mask), pos, -1), axis=1)
+
+
+def last_token_mask(mask: Array) -> Array:
+  """Boolean [B, T], True only at the last position of each row's mask (the episode's end)."""
+  pos = jnp.arange(mask.shape[1], dtype=jnp.int32)
+  return pos[None, :] == last_index(mask)[:, None]

@@ -1,0 +1,21 @@
+"""The README's research-code example runs as printed, and its commands stay in sync with CI."""
+
+import pathlib
+import re
+
+ROOT = pathlib.Path(__file__).parents[1]
+README = (ROOT / "README.md").read_text()
+
+
+def test_research_example_runs():
+  code = re.search(r"## Using single functions.*?```python\n(.*?)```", README, re.S).group(1)
+  namespace = {}
+  exec(compile(code, "README.md", "exec"), namespace)  # pylint: disable=exec-used
+  assert namespace["mask"].tolist() == [[1, 1, 1, 0, 0], [1, 1, 1, 1, 1]]
+  assert float(namespace["loss"]) != 0.0
+  assert namespace["grad"].shape == (2, 5)
+
+
+def test_ci_runs_the_readme_test_command():
+  assert "<!-- ci:test-command -->" in README
+  assert "ci:test-command" in (ROOT / ".ci" / "run").read_text()
