@@ -112,7 +112,10 @@ def value_loss(
   else:
     v_clip = old_values + jnp.clip(values - old_values, -clip_range, clip_range)
     err_clip = jnp.square(v_clip - returns)
-    per_token, clip_active = jnp.maximum(err, err_clip), err_clip > err
+    # Counted only where the clip moved V: float32 V_old + (V − V_old) can differ from V by an
+    # ulp, which must not count as clipping.
+    clip_active = (jnp.abs(values - old_values) > clip_range) & (err_clip > err)
+    per_token = jnp.maximum(err, err_clip)
   loss = 0.5 * ops.aggregate(per_token, mask, aggregation)
   metrics = {
       "loss": loss,
@@ -154,7 +157,7 @@ def ppo_loss(
   Metric names follow trl (without its ``_avg`` suffix): ``loss/policy``, ``loss/value``,
   ``loss/total``, ``policy/approxkl``, ``policy/clipfrac``, ``policy/dual_clipfrac``,
   ``policy/entropy``, ``val/ratio``, ``val/ratio_var``, ``val/clipfrac``, ``val/error``,
-  ``val/values``.
+  ``val/values``. ``ent_coef`` != 0 without ``entropy`` raises ``ValueError``.
   """
   pg_loss, pg = policy_loss(
       logp, old_logp, advantages, mask, clip_eps=clip_eps, clip_eps_low=clip_eps_low,

@@ -54,6 +54,7 @@ def masked_var(x: Array, mask: Array, unbiased: bool = True) -> Array:
   ``masked_var``), with n = Σ m. For n ≤ 1 the correction factor is taken as 1 (trl raises; we
   cannot raise under ``jit``).
   """
+  x = jnp.where(_as_bool(mask), x, 0)  # masked entries must not reach any gradient path either
   mean = masked_mean(x, mask)
   var = masked_mean(jnp.square(x - mean), mask)
   if unbiased:
@@ -68,6 +69,7 @@ def masked_whiten(x: Array, mask: Array, shift_mean: bool = True, eps: float = 1
   With ``shift_mean=False`` the mean is added back: x ↦ (x − μ)/σ + μ (trl's reward whitening).
   Masked-out positions of the result are 0.
   """
+  x = jnp.where(_as_bool(mask), x, 0)
   mean = masked_mean(x, mask)
   var = masked_var(x, mask, unbiased=True)
   white = (x - mean) * jax.lax.rsqrt(var + eps)
@@ -161,6 +163,19 @@ def _scaled(logits: Array, temperature) -> Array:
   return logits.astype(jnp.float32) / temperature
 
 
+def _log_softmax(z: Array, lse: Array) -> Array:
+  return z - lse[:, None]
+
+
+def _temperature_cotangent(d_z: Array, logp: Array, temperature: Array) -> Array:
+  """∂/∂T per row, given ∂/∂z for z = logits/T: −Σ_v ∂z_v·z_v/T.
+
+  Σ_v ∂z_v = 0 for both kernels, so z may be replaced by the better-conditioned log p = z − lse.
+  Entries with p = 0 (logits of −inf, e.g. from top-k masking) contribute 0, not NaN.
+  """
+  return -jnp.sum(jnp.where(d_z != 0, d_z * logp, 0.0), axis=-1) / temperature
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
 def _token_logprobs(logits: Array, tokens: Array, temperature: Array, chunk: int):
   out, _ = _token_logprobs_fwd(logits, tokens, temperature, chunk)
@@ -182,13 +197,11 @@ def _token_logprobs_bwd(chunk, res, g):
   logits, tokens, temperature, lse = res
 
   def fn(z, tok, lse_c, g_c):
-    z = _scaled(z, temperature)
-    p = jnp.exp(z - lse_c[:, None])
+    logp = _log_softmax(_scaled(z, temperature), lse_c)
     onehot = jax.nn.one_hot(tok, z.shape[-1], dtype=jnp.float32)
-    d_z = g_c[:, None] * (onehot - p)  # ∂ log p_tok / ∂z = onehot − p
-    # z = logits/T:  ∂/∂logits = ∂/∂z / T,  ∂/∂T = −Σ_v ∂/∂z_v · z_v / T.
-    d_t = -jnp.sum(d_z * z, axis=-1) / temperature
-    return (d_z / temperature).astype(logits.dtype), d_t
+    d_z = g_c[:, None] * (onehot - jnp.exp(logp))  # ∂ log p_tok / ∂z = onehot − p
+    d_t = _temperature_cotangent(d_z, logp, temperature)
+    return (d_z / temperature).astype(logits.dtype), d_t  # ∂/∂logits = ∂/∂z / T
 
   d_logits, d_t = _map_chunks(fn, [logits, tokens, lse, g], logits.shape[0], chunk)
   return d_logits, None, jnp.sum(d_t).astype(temperature.dtype)
@@ -197,6 +210,7 @@ def _token_logprobs_bwd(chunk, res, g):
 _token_logprobs.defvjp(_token_logprobs_fwd, _token_logprobs_bwd)
 
 
+@functools.partial(jax.jit, static_argnames=("chunk_size",))
 def selective_log_softmax(
     logits: Array,
     tokens: Array,
@@ -237,36 +251,42 @@ def _entropy_fwd(logits, temperature, chunk):
   def fn(z):
     z = _scaled(z, temperature)
     lse = jax.nn.logsumexp(z, axis=-1)
-    mean_z = jnp.sum(jnp.exp(z - lse[:, None]) * z, axis=-1)  # E_p[z]
-    return lse - mean_z, lse, mean_z
+    logp = _log_softmax(z, lse)
+    p = jnp.exp(logp)
+    # −Σ p·log p rather than lse − Σ p·z: the latter cancels catastrophically for large logits.
+    ent = -jnp.sum(jnp.where(p > 0, p * logp, 0.0), axis=-1)
+    return ent, lse
 
-  ent, lse, mean_z = _map_chunks(fn, [logits], logits.shape[0], chunk)
-  return ent, (logits, temperature, lse, mean_z)
+  ent, lse = _map_chunks(fn, [logits], logits.shape[0], chunk)
+  return ent, (logits, temperature, lse, ent)
 
 
 def _entropy_bwd(chunk, res, g):
-  logits, temperature, lse, mean_z = res
+  logits, temperature, lse, ent = res
 
-  def fn(z, lse_c, mean_c, g_c):
-    z = _scaled(z, temperature)
-    p = jnp.exp(z - lse_c[:, None])
-    d_z = -g_c[:, None] * p * (z - mean_c[:, None])  # ∂H/∂z_i = −p_i (z_i − E_p[z])
-    d_t = -jnp.sum(d_z * z, axis=-1) / temperature
+  def fn(z, lse_c, ent_c, g_c):
+    logp = _log_softmax(_scaled(z, temperature), lse_c)
+    p = jnp.exp(logp)
+    # ∂H/∂z_i = −p_i (z_i − E_p[z]) = −p_i (log p_i + H)
+    d_z = jnp.where(p > 0, -g_c[:, None] * p * (logp + ent_c[:, None]), 0.0)
+    d_t = _temperature_cotangent(d_z, logp, temperature)
     return (d_z / temperature).astype(logits.dtype), d_t
 
-  d_logits, d_t = _map_chunks(fn, [logits, lse, mean_z, g], logits.shape[0], chunk)
+  d_logits, d_t = _map_chunks(fn, [logits, lse, ent, g], logits.shape[0], chunk)
   return d_logits, jnp.sum(d_t).astype(temperature.dtype)
 
 
 _entropy.defvjp(_entropy_fwd, _entropy_bwd)
 
 
+@functools.partial(jax.jit, static_argnames=("chunk_size",))
 def entropy_from_logits(
     logits: Array, temperature: float | Array = 1.0, chunk_size: int = _DEFAULT_CHUNK
 ) -> Array:
-  """H(π) = logsumexp(z) − Σ_v softmax(z)_v·z_v, with z = logits / temperature, in float32.
+  """H(π) = −Σ_v π_v·log π_v, π = softmax(logits / temperature), in float32.
 
   Same memory behaviour as ``selective_log_softmax``: [..., T, V] in, float32 [..., T] out.
+  Vocabulary entries with logit −inf (masked out) contribute 0.
   """
   lead, vocab = logits.shape[:-1], logits.shape[-1]
   temperature = jnp.asarray(temperature, jnp.float32)
