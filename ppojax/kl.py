@@ -28,7 +28,7 @@ Array = jax.Array
 def kl_k1(logp: Array, ref_logp: Array) -> Array:
   """k1 = log π(a) − log π_ref(a)."""
   chex.assert_equal_shape([logp, ref_logp])
-  return logp - ref_logp
+  return jnp.subtract(logp, ref_logp)
 
 
 def kl_k2(logp: Array, ref_logp: Array) -> Array:
@@ -106,7 +106,9 @@ def adaptive_kl_controller(init_beta: float, target: float, horizon: float) -> K
     e = clip(KL / target − 1, −0.2, 0.2),    β ← β·(1 + e·n_steps / horizon)
 
   ``kl`` is the observed KL of the batch (per sequence, summed over tokens, as trl) and
-  ``n_steps`` the number of samples (episodes) it was measured on.
+  ``n_steps`` the number of samples (episodes) it was measured on. The factor is floored at ½:
+  the published rule turns β ≤ 0 once n_steps ≥ 5·horizon (and a negative β would *reward*
+  divergence); the floor only acts when n_steps > 2.5·horizon.
   """
   if target <= 0 or horizon <= 0:
     raise ValueError(f"adaptive KL needs target > 0 and horizon > 0, got {target=}, {horizon=}")
@@ -116,6 +118,7 @@ def adaptive_kl_controller(init_beta: float, target: float, horizon: float) -> K
 
   def update(state, kl, n_steps):
     error = jnp.clip(jnp.asarray(kl, jnp.float32) / target - 1.0, -0.2, 0.2)
-    return KLControllerState(beta=state.beta * (1.0 + error * n_steps / horizon))
+    factor = jnp.maximum(1.0 + error * n_steps / horizon, 0.5)
+    return KLControllerState(beta=state.beta * factor)
 
   return KLController(init, update)

@@ -157,7 +157,7 @@ def ppo_loss(
   Metric names follow trl (without its ``_avg`` suffix): ``loss/policy``, ``loss/value``,
   ``loss/total``, ``policy/approxkl``, ``policy/clipfrac``, ``policy/dual_clipfrac``,
   ``policy/entropy``, ``val/ratio``, ``val/ratio_var``, ``val/clipfrac``, ``val/error``,
-  ``val/values``. ``ent_coef`` != 0 without ``entropy`` raises ``ValueError``.
+  ``val/values``. ``ent_coef`` other than a Python 0 without ``entropy`` raises ``ValueError``.
   """
   pg_loss, pg = policy_loss(
       logp, old_logp, advantages, mask, clip_eps=clip_eps, clip_eps_low=clip_eps_low,
@@ -181,7 +181,9 @@ def ppo_loss(
     ent = entropy_bonus(entropy, mask, aggregation)
     total = total - ent_coef * ent
     metrics["policy/entropy"] = jax.lax.stop_gradient(ent)
-  elif not isinstance(ent_coef, jax.Array) and ent_coef != 0:
-    raise ValueError("ent_coef > 0 needs the per-token entropy (ops.entropy_from_logits)")
+  elif isinstance(ent_coef, jax.Array) or ent_coef != 0:
+    raise ValueError(
+        "ent_coef needs the per-token entropy: pass entropy=ops.entropy_from_logits(logits), "
+        "or leave ent_coef at 0.0")
   metrics["loss/total"] = jax.lax.stop_gradient(total)
   return total, metrics

@@ -715,5 +715,8 @@ def test_ppo_loss_defaults():
 def test_ppo_loss_ent_coef_without_entropy_raises():
   x = jnp.zeros((2, 3))
   m = jnp.ones((2, 3), bool)
-  with pytest.raises(ValueError):
+  with pytest.raises(ValueError, match="ent_coef needs the per-token entropy"):
     losses.ppo_loss(x, x, x, x, x, x, m, None, ent_coef=0.01)
+  with pytest.raises(ValueError, match="ent_coef needs the per-token entropy"):
+    losses.ppo_loss(x, x, x, x, x, x, m, None, ent_coef=jnp.asarray(0.5))  # traced: can't check
+  losses.ppo_loss(x, x, x, x, x, x, m, None, ent_coef=0.0)
