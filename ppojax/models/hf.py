@@ -1,0 +1,269 @@
+"""Hugging Face checkpoints ↔ ppojax parameters: state-dict conversion, safetensors directories,
+hub ids, export.
+
+A Hugging Face state dict (names and [out, in] layouts of transformers' PyTorch models) is the one
+interchange format: safetensors directories and GGUF files are both read into it, and export
+writes it back. ``params_from_hf`` / ``params_to_hf`` are exact inverses.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import shutil
+import tempfile
+from typing import Any
+
+import numpy as np
+
+from ppojax.models.config import ModelConfig
+
+StateDict = dict[str, np.ndarray]
+HEADS = ("lm", "value")
+
+
+class CheckpointError(ValueError):
+  """A checkpoint file is missing, unreadable or does not match its config."""
+
+
+# ---------------------------------------------------------------------------------------------
+# Name maps: ppojax path (within the stacked layer params) ↔ Hugging Face name
+# ---------------------------------------------------------------------------------------------
+
+_LLAMA_LAYER = {  # ours → HF (under model.layers.{i}.); Linear weights are transposed
+    ("attn", "q"): "self_attn.q_proj", ("attn", "k"): "self_attn.k_proj",
+    ("attn", "v"): "self_attn.v_proj", ("attn", "o"): "self_attn.o_proj",
+    ("mlp", "gate"): "mlp.gate_proj", ("mlp", "up"): "mlp.up_proj",
+    ("mlp", "down"): "mlp.down_proj",
+}
+_GPT2_LAYER = {("attn", "o"): "attn.c_proj", ("mlp", "fc"): "mlp.c_fc",
+               ("mlp", "proj"): "mlp.c_proj"}  # Conv1D weights are already [in, out]
+
+
+def _strip_prefix(sd: StateDict, cfg: ModelConfig) -> StateDict:
+  """Names relative to the backbone: drop 'model.' / 'transformer.' (kept for heads)."""
+  prefix = "transformer." if cfg.is_gpt2 else "model."
+  out = {}
+  for name, value in sd.items():
+    if name.endswith((".attn.bias", ".attn.masked_bias")) and cfg.is_gpt2 and value.ndim == 4:
+      continue  # GPT-2's stored causal-mask buffers
+    out[name[len(prefix):] if name.startswith(prefix) else name] = value
+  return out
+
+
+def _take(sd: StateDict, name: str, shape: tuple[int, ...]) -> np.ndarray:
+  if name not in sd:
+    raise CheckpointError(f"tensor {name!r} is missing from the checkpoint")
+  value = sd.pop(name)
+  if tuple(value.shape) != tuple(shape):
+    raise CheckpointError(
+        f"tensor {name!r} has shape {tuple(value.shape)}, the config implies {tuple(shape)}")
+  return value
+
+
+def params_from_hf(cfg: ModelConfig, sd: StateDict, head: str = "lm", dtype=None) -> dict:
+  """Hugging Face state dict → ppojax params for ``CausalLM`` (head="lm") or ``ValueModel``
+  (head="value", reading ``score.weight``). Leftover or missing tensors raise ``CheckpointError``.
+  """
+  if head not in HEADS:
+    raise ValueError(f"head must be one of {HEADS}, got {head!r}")
+  dtype = np.dtype(dtype or cfg.param_dtype)
+  sd = _strip_prefix(dict(sd), cfg)
+  d, L, i_size = cfg.hidden_size, cfg.num_layers, cfg.intermediate_size
+  q_out, kv_out = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+
+  def stack(fmt, shape, transpose=False):
+    arrays = [_take(sd, fmt.format(i), shape) for i in range(L)]
+    return np.stack([a.T if transpose else a for a in arrays]).astype(dtype)
+
+  layers: dict[str, dict] = {"attn": {}, "mlp": {}}
+  if cfg.is_gpt2:
+    backbone = {"embed": {"embedding": _take(sd, "wte.weight", (cfg.vocab_size, d))},
+                "wpe": {"embedding": _take(sd, "wpe.weight", (cfg.max_position_embeddings, d))}}
+    qkv_w = stack("h.{}.attn.c_attn.weight", (d, 3 * d))
+    qkv_b = stack("h.{}.attn.c_attn.bias", (3 * d,))
+    for j, name in enumerate("qkv"):
+      layers["attn"][name] = {"kernel": qkv_w[:, :, j * d:(j + 1) * d],
+                              "bias": qkv_b[:, j * d:(j + 1) * d]}
+    sizes = {("attn", "o"): (d, d), ("mlp", "fc"): (d, i_size), ("mlp", "proj"): (i_size, d)}
+    for (group, ours), theirs in _GPT2_LAYER.items():
+      out_dim = sizes[(group, ours)][1]
+      layers[group][ours] = {"kernel": stack(f"h.{{}}.{theirs}.weight", sizes[(group, ours)]),
+                             "bias": stack(f"h.{{}}.{theirs}.bias", (out_dim,))}
+    for ours, theirs in (("attn_norm", "ln_1"), ("mlp_norm", "ln_2")):
+      layers[ours] = {"scale": stack(f"h.{{}}.{theirs}.weight", (d,)),
+                      "bias": stack(f"h.{{}}.{theirs}.bias", (d,))}
+    backbone["final_norm"] = {"scale": _take(sd, "ln_f.weight", (d,)),
+                              "bias": _take(sd, "ln_f.bias", (d,))}
+  else:
+    backbone = {"embed": {"embedding": _take(sd, "embed_tokens.weight", (cfg.vocab_size, d))}}
+    out_dims = {"q": q_out, "k": kv_out, "v": kv_out, "o": d, "gate": i_size, "up": i_size,
+                "down": d}
+    in_dims = {"o": q_out, "down": i_size}
+    for (group, ours), theirs in _LLAMA_LAYER.items():
+      shape = (out_dims[ours], in_dims.get(ours, d))
+      layers[group][ours] = {"kernel": stack(f"layers.{{}}.{theirs}.weight", shape, True)}
+      if cfg.qkv_bias and ours in "qkv":
+        layers[group][ours]["bias"] = stack(f"layers.{{}}.{theirs}.bias", (out_dims[ours],))
+    layers["attn_norm"] = {"scale": stack("layers.{}.input_layernorm.weight", (d,))}
+    layers["mlp_norm"] = {"scale": stack("layers.{}.post_attention_layernorm.weight", (d,))}
+    backbone["final_norm"] = {"scale": _take(sd, "norm.weight", (d,))}
+  backbone["layers"] = layers
+
+  params: dict[str, Any] = {"model": backbone}
+  if head == "value":
+    params["score"] = {"kernel": _take(sd, "score.weight", (1, d)).T}
+    sd.pop("lm_head.weight", None)  # a policy checkpoint used to initialise a critic
+  elif not cfg.tie_word_embeddings:
+    params["lm_head"] = {"kernel": _take(sd, "lm_head.weight", (cfg.vocab_size, d)).T}
+  else:
+    sd.pop("lm_head.weight", None)  # some tied checkpoints store the copy anyway
+  if sd:
+    raise CheckpointError(f"unexpected tensors in the checkpoint: {sorted(sd)[:8]}")
+  return _cast(params, dtype)
+
+
+def _cast(tree, dtype):
+  if isinstance(tree, dict):
+    return {k: _cast(v, dtype) for k, v in tree.items()}
+  return np.ascontiguousarray(np.asarray(tree, dtype=dtype))
+
+
+def params_to_hf(cfg: ModelConfig, params: dict, head: str = "lm") -> StateDict:
+  """ppojax params → Hugging Face state dict (float32 NumPy), the inverse of ``params_from_hf``."""
+  p = _cast(params, np.float32)
+  m, layers = p["model"], p["model"]["layers"]
+  sd: StateDict = {}
+  if cfg.is_gpt2:
+    pre = "transformer."
+    sd[pre + "wte.weight"] = m["embed"]["embedding"]
+    sd[pre + "wpe.weight"] = m["wpe"]["embedding"]
+    for i in range(cfg.num_layers):
+      h = f"{pre}h.{i}."
+      attn = layers["attn"]
+      sd[h + "attn.c_attn.weight"] = np.concatenate([attn[n]["kernel"][i] for n in "qkv"], 1)
+      sd[h + "attn.c_attn.bias"] = np.concatenate([attn[n]["bias"][i] for n in "qkv"])
+      for (group, ours), theirs in _GPT2_LAYER.items():
+        sd[h + theirs + ".weight"] = layers[group][ours]["kernel"][i]
+        sd[h + theirs + ".bias"] = layers[group][ours]["bias"][i]
+      for ours, theirs in (("attn_norm", "ln_1"), ("mlp_norm", "ln_2")):
+        sd[h + theirs + ".weight"] = layers[ours]["scale"][i]
+        sd[h + theirs + ".bias"] = layers[ours]["bias"][i]
+    sd[pre + "ln_f.weight"] = m["final_norm"]["scale"]
+    sd[pre + "ln_f.bias"] = m["final_norm"]["bias"]
+    if head == "lm":
+      sd["lm_head.weight"] = m["embed"]["embedding"]
+  else:
+    sd["model.embed_tokens.weight"] = m["embed"]["embedding"]
+    for i in range(cfg.num_layers):
+      h = f"model.layers.{i}."
+      for (group, ours), theirs in _LLAMA_LAYER.items():
+        sd[h + theirs + ".weight"] = layers[group][ours]["kernel"][i].T
+        if "bias" in layers[group][ours]:
+          sd[h + theirs + ".bias"] = layers[group][ours]["bias"][i]
+      sd[h + "input_layernorm.weight"] = layers["attn_norm"]["scale"][i]
+      sd[h + "post_attention_layernorm.weight"] = layers["mlp_norm"]["scale"][i]
+    sd["model.norm.weight"] = m["final_norm"]["scale"]
+    if head == "lm":
+      sd["lm_head.weight"] = (m["embed"]["embedding"] if cfg.tie_word_embeddings
+                              else p["lm_head"]["kernel"].T)
+  if head == "value":
+    sd["score.weight"] = p["score"]["kernel"].T
+  return {k: np.ascontiguousarray(v) for k, v in sd.items()}
+
+
+# ---------------------------------------------------------------------------------------------
+# Files
+# ---------------------------------------------------------------------------------------------
+
+
+def read_safetensors(directory: str | os.PathLike) -> StateDict:
+  """All tensors of ``model.safetensors`` or of the shards listed in its index, as float32."""
+  from safetensors import safe_open  # pylint: disable=import-outside-toplevel
+
+  directory = pathlib.Path(directory)
+  index = directory / "model.safetensors.index.json"
+  if index.exists():
+    files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+  elif (directory / "model.safetensors").exists():
+    files = ["model.safetensors"]
+  else:
+    raise CheckpointError(
+        f"{directory} has neither model.safetensors nor model.safetensors.index.json "
+        "(PyTorch .bin checkpoints are not supported: convert them with safetensors first)")
+  sd: StateDict = {}
+  for name in files:
+    path = directory / name
+    if not path.exists():
+      raise CheckpointError(f"shard {path} listed in the index is missing")
+    try:
+      with safe_open(str(path), framework="flax") as f:  # flax: reads bfloat16 too
+        for key in f.keys():
+          sd[key] = np.asarray(f.get_tensor(key).astype("float32"))
+    except CheckpointError:
+      raise
+    except Exception as e:  # safetensors raises several types for corrupt files
+      raise CheckpointError(f"cannot read {path}: {e}") from e
+  return sd
+
+
+def resolve(name_or_path: str) -> pathlib.Path:
+  """A local directory, or a hub id downloaded (once) with huggingface_hub."""
+  path = pathlib.Path(name_or_path).expanduser()
+  if path.is_dir():
+    return path
+  if path.exists() or name_or_path.startswith((".", "/", "~")) or name_or_path.count("/") > 1:
+    raise CheckpointError(f"{name_or_path} is not a model directory")
+  try:
+    from huggingface_hub import snapshot_download  # pylint: disable=import-outside-toplevel
+    return pathlib.Path(snapshot_download(
+        name_or_path, allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja"]))
+  except Exception as e:
+    raise CheckpointError(
+        f"{name_or_path!r} is not a local directory and could not be downloaded from the "
+        f"Hugging Face Hub ({type(e).__name__}: {e}). Offline? Download it on a connected "
+        "machine (huggingface-cli download NAME --local-dir DIR) and pass DIR.") from e
+
+
+def load_config(directory: str | os.PathLike, **overrides) -> ModelConfig:
+  path = pathlib.Path(directory) / "config.json"
+  if not path.exists():
+    raise CheckpointError(f"{path} is missing")
+  try:
+    hf = json.loads(path.read_text())
+  except json.JSONDecodeError as e:
+    raise CheckpointError(f"{path} is not valid JSON: {e}") from e
+  return ModelConfig.from_hf(hf, **overrides)
+
+
+def save_pretrained(directory: str | os.PathLike, cfg: ModelConfig, params: dict,
+                    tokenizer=None, head: str = "lm") -> pathlib.Path:
+  """Write a Hugging Face directory (config.json, model.safetensors, tokenizer files).
+
+  Written to a temporary sibling and renamed into place, so an interrupted export never leaves
+  a half-written model where a complete one is expected.
+  """
+  from safetensors.numpy import save_file  # pylint: disable=import-outside-toplevel
+
+  directory = pathlib.Path(directory)
+  directory.parent.mkdir(parents=True, exist_ok=True)
+  tmp = pathlib.Path(tempfile.mkdtemp(prefix=f".{directory.name}.", dir=directory.parent))
+  try:
+    hf = cfg.to_hf()
+    if head == "value":
+      arch = hf["architectures"][0].replace("ForCausalLM", "ForSequenceClassification")
+      hf.update(architectures=[arch.replace("LMHeadModel", "ForSequenceClassification")],
+                num_labels=1, id2label={"0": "LABEL_0"}, label2id={"LABEL_0": 0})
+    (tmp / "config.json").write_text(json.dumps(hf, indent=2))
+    save_file(params_to_hf(cfg, params, head), str(tmp / "model.safetensors"),
+              metadata={"format": "pt"})
+    if tokenizer is not None:
+      tokenizer.save_pretrained(str(tmp))
+    if directory.exists():
+      shutil.rmtree(directory)
+    os.replace(tmp, directory)
+  finally:
+    if tmp.exists():
+      shutil.rmtree(tmp, ignore_errors=True)
+  return directory

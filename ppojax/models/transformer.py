@@ -1,0 +1,248 @@
+"""Decoder-only transformers in Flax linen: the Llama family (Llama 2/3, Mistral, Qwen2, SmolLM2)
+and GPT-2, with an explicit KV cache, as a causal LM or a value/reward model.
+
+One ``Block`` serves both families; ``ModelConfig`` switches the three places they differ
+(RMSNorm vs LayerNorm, RoPE vs learned positions, gated SiLU vs GELU MLP). Layers are one
+``nn.scan`` over stacked parameters, so the compiled program holds one layer body.
+
+Calling convention (``CausalLM`` and ``ValueModel`` alike)::
+
+    out, cache = model.apply({"params": p}, tokens, positions, kv_mask, cache, cache_index)
+
+* ``tokens``/``positions``: [B, T] int32. Prompts are left-padded; ``positions`` count real tokens
+  only (``positions_from_mask``), so a row's first real token has position 0.
+* without a cache: ``kv_mask`` [B, T] marks real tokens; attention is causal over the T tokens.
+* with a cache (``init_cache``, [L, B, S, H_kv, D] keys and values): the T new tokens are written
+  at slots ``cache_index … cache_index + T − 1``; ``kv_mask`` [B, S] marks every slot holding a
+  real token (prompt and generated so far, the new ones included); the returned cache is the
+  updated one. Prefill is ``cache_index=0`` with the whole prompt, decode ``T=1``.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ppojax.models.config import ModelConfig
+
+Array = jax.Array
+
+
+class KVCache(NamedTuple):
+  k: Array  # [L, B, S, H_kv, D]
+  v: Array
+
+
+def init_cache(cfg: ModelConfig, batch: int, max_length: int, dtype=None) -> KVCache:
+  """A zeroed cache for ``max_length`` slots (prompt + response) per row."""
+  shape = (cfg.num_layers, batch, max_length, cfg.num_kv_heads, cfg.head_dim)
+  dtype = dtype or cfg.compute_dtype
+  return KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
+
+
+def positions_from_mask(mask: Array) -> Array:
+  """Position ids of left-padded rows: p_t = (Σ_{s ≤ t} m_s) − 1, clipped at 0."""
+  return jnp.maximum(jnp.cumsum(mask.astype(jnp.int32), axis=-1) - 1, 0)
+
+
+# ---------------------------------------------------------------------------------------------
+# Rotary position embeddings (rotate-half layout, as Hugging Face's Llama)
+# ---------------------------------------------------------------------------------------------
+
+
+def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
+  """θ_i = base^(−2i/D), rescaled for "linear" (θ/f) or "llama3" (per-wavelength) scaling."""
+  d = cfg.head_dim
+  inv = 1.0 / (cfg.rope_theta ** (np.arange(0, d, 2, dtype=np.float64) / d))
+  params = dict(cfg.rope_scaling or ())
+  if cfg.rope_type == "linear":
+    inv = inv / params["factor"]
+  elif cfg.rope_type == "llama3":
+    factor, lo, hi = params["factor"], params["low_freq_factor"], params["high_freq_factor"]
+    old_len = params["original_max_position_embeddings"]
+    wavelen = 2 * math.pi / inv
+    scaled = np.where(wavelen > old_len / lo, inv / factor, inv)  # long waves: slowed by factor
+    smooth = (old_len / wavelen - lo) / (hi - lo)
+    medium = (wavelen >= old_len / hi) & (wavelen <= old_len / lo)
+    inv = np.where(medium, (1 - smooth) * scaled / factor + smooth * scaled, scaled)
+  return inv.astype(np.float32)
+
+
+def apply_rope(x: Array, positions: Array, inv_freq: np.ndarray) -> Array:
+  """x·cos(pθ) + rotate_half(x)·sin(pθ) on [B, T, H, D], angles in float32."""
+  angles = positions[..., None].astype(jnp.float32) * inv_freq  # [B, T, D/2]
+  angles = jnp.concatenate([angles, angles], axis=-1)[:, :, None, :]
+  x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
+  rotated = jnp.concatenate([-x2, x1], axis=-1)
+  return (x * jnp.cos(angles) + rotated * jnp.sin(angles)).astype(x.dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# Layers
+# ---------------------------------------------------------------------------------------------
+
+
+class RMSNorm(nn.Module):
+  """y = x / √(mean(x²) + ε) · w, normalised in float32."""
+
+  eps: float
+  dtype: jnp.dtype
+  param_dtype: jnp.dtype
+
+  @nn.compact
+  def __call__(self, x):
+    w = self.param("scale", nn.initializers.ones, (x.shape[-1],), self.param_dtype)
+    x32 = x.astype(jnp.float32)
+    y = x32 * jax.lax.rsqrt(jnp.mean(jnp.square(x32), axis=-1, keepdims=True) + self.eps)
+    return w.astype(self.dtype) * y.astype(self.dtype)
+
+
+def _norm(cfg: ModelConfig, name: str) -> nn.Module:
+  if cfg.is_gpt2:
+    return nn.LayerNorm(epsilon=cfg.norm_eps, dtype=cfg.compute_dtype,
+                        param_dtype=cfg.param_dtype, name=name)
+  return RMSNorm(cfg.norm_eps, cfg.compute_dtype, jnp.dtype(cfg.param_dtype), name=name)
+
+
+def _dense(cfg: ModelConfig, features: int, bias: bool, name: str) -> nn.Dense:
+  return nn.Dense(features, use_bias=bias, dtype=cfg.compute_dtype, param_dtype=cfg.param_dtype,
+                  kernel_init=nn.initializers.normal(0.02), name=name)
+
+
+def attend(q: Array, k: Array, v: Array, allowed: Array) -> Array:
+  """softmax(q·kᵀ/√D masked by ``allowed`` [B, T, S])·v, grouped-query: q [B,T,H,D], k/v
+  [B,S,H_kv,D] with H a multiple of H_kv. Scores and softmax in float32."""
+  b, t, h, d = q.shape
+  g = h // k.shape[2]
+  q = q.reshape(b, t, k.shape[2], g, d)
+  scores = jnp.einsum("btkgd,bskd->bkgts", q, k, preferred_element_type=jnp.float32)
+  scores = jnp.where(allowed[:, None, None], scores / math.sqrt(d), jnp.finfo(jnp.float32).min)
+  probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+  return jnp.einsum("bkgts,bskd->btkgd", probs, v).reshape(b, t, h, d)
+
+
+class Attention(nn.Module):
+  cfg: ModelConfig
+
+  @nn.compact
+  def __call__(self, x, positions, kv_mask, layer_cache, cache_index, window):
+    cfg = self.cfg
+    b, t, _ = x.shape
+    h, hk, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    q = _dense(cfg, h * d, cfg.qkv_bias, "q")(x).reshape(b, t, h, d)
+    k = _dense(cfg, hk * d, cfg.qkv_bias, "k")(x).reshape(b, t, hk, d)
+    v = _dense(cfg, hk * d, cfg.qkv_bias, "v")(x).reshape(b, t, hk, d)
+    if not cfg.is_gpt2:
+      inv_freq = rope_inv_freq(cfg)
+      q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
+
+    if layer_cache is None:
+      q_slots = kv_slots = jnp.arange(t)
+    else:
+      start = (0, cache_index, 0, 0)
+      k = jax.lax.dynamic_update_slice(layer_cache.k, k.astype(layer_cache.k.dtype), start)
+      v = jax.lax.dynamic_update_slice(layer_cache.v, v.astype(layer_cache.v.dtype), start)
+      layer_cache = KVCache(k, v)
+      q_slots, kv_slots = cache_index + jnp.arange(t), jnp.arange(k.shape[1])
+    allowed = kv_slots[None, :] <= q_slots[:, None]  # causal, over cache slots
+    allowed &= (window == 0) | (kv_slots[None, :] > q_slots[:, None] - window)  # sliding window
+    allowed = allowed[None] & kv_mask[:, None, :].astype(jnp.bool_)
+    out = attend(q, k.astype(q.dtype), v.astype(q.dtype), allowed)
+    return _dense(cfg, cfg.hidden_size, cfg.out_bias, "o")(out.reshape(b, t, h * d)), layer_cache
+
+
+class MLP(nn.Module):
+  cfg: ModelConfig
+
+  @nn.compact
+  def __call__(self, x):
+    cfg = self.cfg
+    if cfg.is_gpt2:  # fc → GELU (tanh approximation, "gelu_new") → proj
+      hidden = nn.gelu(_dense(cfg, cfg.intermediate_size, True, "fc")(x), approximate=True)
+      return _dense(cfg, cfg.hidden_size, True, "proj")(hidden)
+    gate = _dense(cfg, cfg.intermediate_size, False, "gate")(x)
+    up = _dense(cfg, cfg.intermediate_size, False, "up")(x)
+    return _dense(cfg, cfg.hidden_size, False, "down")(nn.silu(gate) * up)
+
+
+class Block(nn.Module):
+  """Pre-norm residual block: x + attn(norm(x)), then + mlp(norm(·))."""
+
+  cfg: ModelConfig
+
+  @nn.compact
+  def __call__(self, x, layer_cache, window, positions, kv_mask, cache_index):
+    attn, layer_cache = Attention(self.cfg, name="attn")(
+        _norm(self.cfg, "attn_norm")(x), positions, kv_mask, layer_cache, cache_index, window)
+    x = x + attn
+    x = x + MLP(self.cfg, name="mlp")(_norm(self.cfg, "mlp_norm")(x))
+    return x, layer_cache
+
+
+class Decoder(nn.Module):
+  """Embeddings → scanned blocks → final norm. Returns hidden states [B, T, D] and the cache."""
+
+  cfg: ModelConfig
+
+  def setup(self):
+    cfg = self.cfg
+    embed = lambda n, name: nn.Embed(  # noqa: E731
+        n, cfg.hidden_size, dtype=cfg.compute_dtype, param_dtype=cfg.param_dtype,
+        embedding_init=nn.initializers.normal(0.02), name=name)
+    self.embed = embed(cfg.vocab_size, "embed")
+    if cfg.is_gpt2:
+      self.wpe = embed(cfg.max_position_embeddings, "wpe")
+    block = nn.remat(Block, prevent_cse=False) if cfg.remat else Block
+    self.layers = nn.scan(
+        block, variable_axes={"params": 0}, split_rngs={"params": True},
+        in_axes=(0, 0, nn.broadcast, nn.broadcast, nn.broadcast), length=cfg.num_layers,
+    )(cfg, name="layers")
+    self.final_norm = _norm(cfg, "final_norm")
+
+  def __call__(self, tokens, positions, kv_mask, cache=None, cache_index=0):
+    x = self.embed(tokens)
+    if self.cfg.is_gpt2:
+      x = x + self.wpe(positions)
+    windows = jnp.asarray(self.cfg.layer_windows or (0,) * self.cfg.num_layers, jnp.int32)
+    x, cache = self.layers(x, cache, windows, positions, kv_mask, jnp.asarray(cache_index))
+    return self.final_norm(x), cache
+
+
+class CausalLM(nn.Module):
+  """Next-token logits [B, T, V] (compute dtype) and the updated cache."""
+
+  cfg: ModelConfig
+
+  def setup(self):
+    self.model = Decoder(self.cfg)
+    if not self.cfg.tie_word_embeddings:
+      self.lm_head = _dense(self.cfg, self.cfg.vocab_size, False, "lm_head")
+
+  def __call__(self, tokens, positions, kv_mask, cache=None, cache_index=0):
+    x, cache = self.model(tokens, positions, kv_mask, cache, cache_index)
+    logits = self.model.embed.attend(x) if self.cfg.tie_word_embeddings else self.lm_head(x)
+    return logits, cache
+
+
+class ValueModel(nn.Module):
+  """A scalar per position [B, T] (float32) from a linear head on the final hidden state.
+
+  As a critic, out[:, t] is V(s_t); as a reward model, the score of a sequence is ``out`` read
+  at its last response token (``ops.last_index``). The head is named ``score`` like Hugging
+  Face's ``*ForSequenceClassification`` (num_labels=1), so trl / OpenRLHF reward models load.
+  """
+
+  cfg: ModelConfig
+
+  @nn.compact
+  def __call__(self, tokens, positions, kv_mask, cache=None, cache_index=0):
+    x, cache = Decoder(self.cfg, name="model")(tokens, positions, kv_mask, cache, cache_index)
+    head = nn.Dense(1, use_bias=False, dtype=jnp.float32, param_dtype=self.cfg.param_dtype,
+                    kernel_init=nn.initializers.normal(1.0 / math.sqrt(self.cfg.hidden_size + 1)),
+                    name="score")
+    return head(x.astype(jnp.float32))[..., 0], cache
