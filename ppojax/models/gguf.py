@@ -51,10 +51,6 @@ _GLOBAL_NAMES = {
     "output_norm.weight": "model.norm.weight",
     "output.weight": "lm_head.weight",
 }
-_SUPPORTED_TYPES = {
-    gguf.GGMLQuantizationType[t] for t in ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0",
-                                           "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
-}
 
 
 class ModelFetchError(RuntimeError):
@@ -113,6 +109,7 @@ def _extract_atomically(archive: pathlib.Path, name: str, target: pathlib.Path) 
       with os.fdopen(fd, "wb") as out, zf.open(members[0]) as src:  # zipfile checks the CRC
         while chunk := src.read(1 << 22):
           out.write(chunk)
+      os.chmod(tmp, 0o644)  # mkstemp makes it owner-only; the cache is meant to be shared
       os.replace(tmp, target)
     except BaseException:
       os.unlink(tmp)
@@ -150,8 +147,13 @@ def gguf_config(meta: dict[str, Any], tensor_names: set[str], path: pathlib.Path
   if arch != "llama":
     raise GGUFError(f"{path}: architecture {arch!r} is not supported (only 'llama')")
   if "rope_freqs.weight" in tensor_names:
-    raise GGUFError(f"{path}: tensor rope_freqs.weight (llama3-style RoPE scaling) is not supported")
-  get = lambda key, default=None: meta.get(f"llama.{key}", default)
+    raise GGUFError(f"{path}: tensor rope_freqs.weight (llama3 RoPE scaling) is not supported")
+
+  def get(key, default=KeyError):
+    if f"llama.{key}" not in meta and default is KeyError:
+      raise GGUFError(f"{path}: required metadata key llama.{key} is missing")
+    return meta.get(f"llama.{key}", default)
+
   hidden, heads = get("embedding_length"), get("attention.head_count")
   config = {
       "architectures": ["LlamaForCausalLM"],
@@ -173,12 +175,10 @@ def gguf_config(meta: dict[str, Any], tensor_names: set[str], path: pathlib.Path
       "pad_token_id": meta.get("tokenizer.ggml.padding_token_id"),
       "torch_dtype": "float32",
   }
-  scaling = get("rope.scaling.type", "none")
-  if scaling != "none":
-    config["rope_scaling"] = {"rope_type": scaling, "factor": _f32(get("rope.scaling.factor"))}
-    if get("rope.scaling.original_context_length"):
-      config["rope_scaling"]["original_max_position_embeddings"] = get(
-          "rope.scaling.original_context_length")
+  if (scaling := get("rope.scaling.type", "none")) != "none":
+    config["rope_scaling"] = {"rope_type": scaling, "factor": _f32(get("rope.scaling.factor", 1.0))}
+    if original := get("rope.scaling.original_context_length", None):
+      config["rope_scaling"]["original_max_position_embeddings"] = original
   return config
 
 
@@ -205,9 +205,10 @@ def gguf_state_dict(reader: gguf.GGUFReader, config: dict, path: pathlib.Path) -
     where = f"{path}: tensor {tensor.name} ({tensor.tensor_type.name})"
     if name is None:
       raise GGUFError(f"{where} has no Hugging Face Llama counterpart")
-    if tensor.tensor_type not in _SUPPORTED_TYPES:
-      raise GGUFError(f"{where}: quantization type not supported")
-    w = np.array(gguf.quants.dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)
+    try:  # the gguf package dequantizes F32, F16, BF16, Q4_0 ... Q8_0, the K- and IQ-quants
+      w = np.array(gguf.quants.dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)
+    except NotImplementedError as e:
+      raise GGUFError(f"{where}: quantization type not supported by the gguf package") from e
     if w.shape != tuple(int(n) for n in reversed(tensor.shape)):
       raise GGUFError(f"{where}: data shape {w.shape} does not match header {tensor.shape[::-1]}")
     if name.endswith("q_proj.weight"):
@@ -215,8 +216,9 @@ def gguf_state_dict(reader: gguf.GGUFReader, config: dict, path: pathlib.Path) -
     elif name.endswith("k_proj.weight"):
       w = unpermute_rope_rows(w, config["num_key_value_heads"])
     state[name] = w
+  layers = range(config["num_hidden_layers"])
   expected = {"model.embed_tokens.weight", "model.norm.weight"} | {
-      f"model.layers.{i}.{n}" for i in range(config["num_hidden_layers"]) for n in _LAYER_NAMES.values()}
+      f"model.layers.{i}.{n}" for i in layers for n in _LAYER_NAMES.values()}
   if missing := sorted(expected - state.keys()):
     raise GGUFError(f"{path}: missing tensors {missing[:5]}{'...' if len(missing) > 5 else ''}")
   return state

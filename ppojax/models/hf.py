@@ -153,7 +153,8 @@ def params_to_hf(cfg: ModelConfig, params: dict, head: str = "lm") -> StateDict:
     sd[pre + "ln_f.weight"] = m["final_norm"]["scale"]
     sd[pre + "ln_f.bias"] = m["final_norm"]["bias"]
     if head == "lm":
-      sd["lm_head.weight"] = m["embed"]["embedding"]
+      sd["lm_head.weight"] = (m["embed"]["embedding"] if cfg.tie_word_embeddings
+                              else p["lm_head"]["kernel"].T)
   else:
     sd["model.embed_tokens.weight"] = m["embed"]["embedding"]
     for i in range(cfg.num_layers):
@@ -223,18 +224,26 @@ def resolve(name_or_path: str) -> pathlib.Path:
     raise CheckpointError(
         f"{name_or_path!r} is not a local directory and could not be downloaded from the "
         f"Hugging Face Hub ({type(e).__name__}: {e}). Offline? Download it on a connected "
-        "machine (huggingface-cli download NAME --local-dir DIR) and pass DIR.") from e
+        "machine (hf download NAME --local-dir DIR) and pass DIR.") from e
 
 
-def load_config(directory: str | os.PathLike, **overrides) -> ModelConfig:
+def read_config(directory: str | os.PathLike) -> dict[str, Any]:
+  """The ``config.json`` dict of a model directory."""
   path = pathlib.Path(directory) / "config.json"
   if not path.exists():
     raise CheckpointError(f"{path} is missing")
   try:
-    hf = json.loads(path.read_text())
+    return json.loads(path.read_text())
   except json.JSONDecodeError as e:
     raise CheckpointError(f"{path} is not valid JSON: {e}") from e
-  return ModelConfig.from_hf(hf, **overrides)
+
+
+def load_config(directory: str | os.PathLike, **overrides) -> ModelConfig:
+  hf = read_config(directory)
+  try:
+    return ModelConfig.from_hf(hf, **overrides)
+  except (ValueError, KeyError) as e:  # unsupported architecture or option, missing field
+    raise CheckpointError(f"{pathlib.Path(directory) / 'config.json'}: {e}") from e
 
 
 def save_pretrained(directory: str | os.PathLike, cfg: ModelConfig, params: dict,

@@ -246,3 +246,32 @@ class ValueModel(nn.Module):
                     kernel_init=nn.initializers.normal(1.0 / math.sqrt(self.cfg.hidden_size + 1)),
                     name="score")
     return head(x.astype(jnp.float32))[..., 0], cache
+
+
+# ---------------------------------------------------------------------------------------------
+# Partition rules over the mesh axes ("data", "fsdp", "tensor")
+# ---------------------------------------------------------------------------------------------
+
+
+def partition_rules() -> tuple[tuple[str, tuple], ...]:
+  """(regex over the '/'-joined parameter path, PartitionSpec entries), first match wins.
+
+  Megatron-style tensor parallelism: q/k/v, gate/up and fc split their output features over
+  "tensor", o/down/proj their input features; the other matrix dimension is sharded over
+  "fsdp" (ZeRO-3 style). Layer parameters carry the scanned layer axis first (never sharded).
+  Vectors (norms, most biases) are replicated. ``ppojax.sharding`` applies these, replicating
+  any dimension that the mesh axis does not divide.
+  """
+  return (
+      (r"embed/embedding$", ("tensor", "fsdp")),
+      (r"wpe/embedding$", (None, "fsdp")),
+      (r"attn/(q|k|v)/kernel$", (None, "fsdp", "tensor")),
+      (r"attn/(q|k|v)/bias$", (None, "tensor")),
+      (r"attn/o/kernel$", (None, "tensor", "fsdp")),
+      (r"mlp/(gate|up|fc)/kernel$", (None, "fsdp", "tensor")),
+      (r"mlp/fc/bias$", (None, "tensor")),
+      (r"mlp/(down|proj)/kernel$", (None, "tensor", "fsdp")),
+      (r"lm_head/kernel$", ("fsdp", "tensor")),
+      (r"score/kernel$", ("fsdp", None)),
+      (r".*", ()),  # everything else (norms, remaining biases): replicated
+  )

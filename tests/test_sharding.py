@@ -1,0 +1,60 @@
+"""Parameters placed by the models' partition rules on a simulated 8-device CPU mesh give the same
+outputs as on one device. Runs in a subprocess: the device count is fixed at JAX start-up."""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+SCRIPT = textwrap.dedent("""
+    import jax, jax.numpy as jnp, numpy as np
+    from ppojax import sharding
+    from ppojax.models import CausalLM, ModelConfig, ValueModel, partition_rules, positions_from_mask
+
+    assert jax.device_count() == 8, jax.devices()
+    for model_type in ("llama", "gpt2"):
+      gpt2 = model_type == "gpt2"
+      cfg = ModelConfig(model_type=model_type, vocab_size=64, hidden_size=32, intermediate_size=64,
+                        num_layers=2, num_heads=4, num_kv_heads=4 if gpt2 else 2, head_dim=8,
+                        max_position_embeddings=32, norm_eps=1e-5, tie_word_embeddings=gpt2,
+                        qkv_bias=gpt2, out_bias=gpt2)
+      tokens = jax.random.randint(jax.random.key(0), (8, 10), 0, 64)
+      mask = jnp.arange(10)[None] >= jnp.arange(8)[:, None] % 4   # ragged left padding
+      pos = positions_from_mask(mask)
+      for module in (CausalLM(cfg), ValueModel(cfg)):
+        params = module.init(jax.random.key(1), tokens, pos, mask)["params"]
+        ref = module.apply({"params": params}, tokens, pos, mask)[0]
+        for shape in ((8, 1, 1), (2, 2, 2), (1, 2, 4)):
+          mesh = sharding.make_mesh(shape)
+          shardings = sharding.param_shardings(params, mesh, partition_rules())
+          placed = jax.device_put(params, shardings)
+          batch = jax.device_put((tokens, pos, mask), sharding.batch_sharding(mesh))
+          out = jax.jit(lambda p, b: module.apply({"params": p}, *b)[0])(placed, batch)
+          err = float(jnp.max(jnp.abs(jnp.where(mask[..., None] if out.ndim == 3 else mask,
+                                                 out - ref, 0))))
+          assert err < 1e-5, (model_type, type(module).__name__, shape, err)
+          if shape == (1, 2, 4):
+            q = placed["model"]["layers"]["attn"]["q"]["kernel"]
+            assert q.sharding.spec == jax.sharding.PartitionSpec(None, "fsdp", "tensor"), q.sharding
+    print("OK")
+""")
+
+
+def test_sharded_forward_matches_single_device():
+  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8",
+             JAX_PLATFORMS="cpu")
+  result = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True,
+                          text=True, timeout=600)
+  assert result.returncode == 0 and "OK" in result.stdout, result.stderr[-3000:]
+
+
+def test_mesh_shape_errors():
+  from ppojax import sharding  # pylint: disable=import-outside-toplevel
+  import jax  # pylint: disable=import-outside-toplevel
+  n = jax.device_count()
+  with pytest.raises(ValueError, match="needs"):
+    sharding.make_mesh((n + 1, 1, 1))
+  with pytest.raises(ValueError, match="at most one"):
+    sharding.make_mesh((-1, -1, 1))
