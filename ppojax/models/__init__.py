@@ -55,16 +55,19 @@ def load_model(name_or_path: str | os.PathLike, head: str = "lm", **config_overr
   if name.endswith(".gguf"):
     from ppojax.models import gguf  # pylint: disable=import-outside-toplevel
     g = gguf.load_gguf(name)
-    hf_config, sd, tokenizer = g.config, g.state_dict, g.tokenizer
+    cfg = ModelConfig.from_hf(g.config, **config_overrides)
+    sd, tokenizer = g.state_dict, g.tokenizer
   else:
-    directory = hf.resolve(name)
-    hf_config = hf.read_config(directory)
-    sd = hf.read_safetensors(directory)
-    tokenizer = _tokenizer(directory)
-  cfg = ModelConfig.from_hf(hf_config, **config_overrides)
-  if head == "value" and not any(k == "score.weight" for k in sd):
+    name = hf.resolve(name)
+    cfg = hf.load_config(name, **config_overrides)
+    sd, tokenizer = hf.read_safetensors(name), _tokenizer(name)
+  if head == "value" and "score.weight" not in sd:
     sd = dict(sd, **{"score.weight": np.zeros((1, cfg.hidden_size), np.float32)})
-  return LoadedModel(cfg, hf.params_from_hf(cfg, sd, head=head), tokenizer, head)
+  try:
+    params = hf.params_from_hf(cfg, sd, head=head)
+  except hf.CheckpointError as e:
+    raise hf.CheckpointError(f"{name}: {e}") from e
+  return LoadedModel(cfg, params, tokenizer, head)
 
 
 def save_model(directory: str | os.PathLike, model: LoadedModel) -> pathlib.Path:

@@ -46,6 +46,18 @@ class ModelConfig:
   param_dtype: str = "float32"
   remat: bool = False  # rematerialise each layer's activations in the backward pass
 
+  def __post_init__(self):
+    if self.model_type not in SUPPORTED:
+      raise ValueError(f"model_type {self.model_type!r} is not one of {SUPPORTED}")
+    if self.num_heads % self.num_kv_heads:
+      raise ValueError(f"num_heads={self.num_heads} is not a multiple of "
+                       f"num_kv_heads={self.num_kv_heads} (grouped-query attention needs it)")
+    if self.head_dim % 2 and not self.is_gpt2:
+      raise ValueError(f"head_dim={self.head_dim} must be even for rotary embeddings")
+    if self.layer_windows is not None and len(self.layer_windows) != self.num_layers:
+      raise ValueError(f"layer_windows has {len(self.layer_windows)} entries for "
+                       f"{self.num_layers} layers")
+
   @property
   def is_gpt2(self) -> bool:
     return self.model_type == "gpt2"
@@ -138,7 +150,9 @@ class ModelConfig:
       hf["sliding_window"] = max(windows) or None
     elif self.model_type == "qwen2":
       window = max(windows)
+      layers = self.layer_windows or (0,) * self.num_layers
       hf.update(use_sliding_window=bool(window), sliding_window=window or None,
+                max_window_layers=next((i for i, w in enumerate(layers) if w), self.num_layers),
                 layer_types=["sliding_attention" if w else "full_attention"
                              for w in (self.layer_windows or (0,) * self.num_layers)])
     return hf

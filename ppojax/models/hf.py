@@ -258,6 +258,7 @@ def save_pretrained(directory: str | os.PathLike, cfg: ModelConfig, params: dict
   directory = pathlib.Path(directory)
   directory.parent.mkdir(parents=True, exist_ok=True)
   tmp = pathlib.Path(tempfile.mkdtemp(prefix=f".{directory.name}.", dir=directory.parent))
+  tmp.chmod(0o755)  # mkdtemp makes it owner-only
   try:
     hf = cfg.to_hf()
     if head == "value":
