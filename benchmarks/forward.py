@@ -90,16 +90,17 @@ def main():
   parser.add_argument("--repeats", type=int, default=3)
   parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
   parser.add_argument("--model", default="smollm2")
+  parser.add_argument("--remat", action="store_true", help="rematerialise each layer (ppojax)")
   args = parser.parse_args()
 
-  model = load_model(args.model, dtype=args.dtype)
+  model = load_model(args.model, dtype=args.dtype, remat=args.remat)
   rng = np.random.default_rng(0)
   tokens = jnp.asarray(rng.integers(0, model.cfg.vocab_size, (args.batch, args.seq_len)),
                        jnp.int32)
   mask = jnp.ones((args.batch, args.seq_len), bool)
   n_tokens = args.batch * args.seq_len
   print(f"device: {jax.devices()[0].device_kind}, {os.cpu_count()} CPUs; model {args.model}, "
-        f"batch {args.batch} x {args.seq_len} tokens, {args.dtype}")
+        f"batch {args.batch} x {args.seq_len} tokens, {args.dtype}, remat={args.remat}")
 
   (jf_first, jf), (jb_first, jb) = bench_ppojax(model, tokens, mask, args.repeats)
   (tf_first, tf), (tb_first, tb) = bench_torch(model, tokens, mask, args.repeats, args.dtype)
@@ -109,7 +110,7 @@ def main():
     print(f"{name:<18}{n_tokens / j:>14.0f}{n_tokens / t:>14.0f}{t / j:>8.2f}"
           f"{first - j:>11.1f}")
   print(json.dumps({
-      "batch": args.batch, "seq_len": args.seq_len, "dtype": args.dtype,
+      "batch": args.batch, "seq_len": args.seq_len, "dtype": args.dtype, "remat": args.remat,
       "ppojax_forward_tokens_per_s": n_tokens / jf, "torch_forward_tokens_per_s": n_tokens / tf,
       "ppojax_fwd_bwd_tokens_per_s": n_tokens / jb, "torch_fwd_bwd_tokens_per_s": n_tokens / tb,
       "forward_ratio": tf / jf, "fwd_bwd_ratio": tb / jb,

@@ -347,3 +347,12 @@ def last_token_mask(mask: Array) -> Array:
   """Boolean [B, T], True only at the last position of each row's mask (the episode's end)."""
   pos = jnp.arange(mask.shape[1], dtype=jnp.int32)
   return pos[None, :] == last_index(mask)[:, None]
+
+
+def gather_last(x: Array, mask: Array) -> Array:
+  """x[b, last_index(mask)[b]] for each row: e.g. a reward model's score at the last response
+  token. [B, T] → [B]; 0 for an empty row."""
+  chex.assert_equal_shape([x, mask])
+  idx = last_index(mask)
+  picked = jnp.take_along_axis(x, jnp.maximum(idx, 0)[:, None], axis=1)[:, 0]
+  return jnp.where(idx >= 0, picked, 0)

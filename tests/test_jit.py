@@ -107,6 +107,7 @@ case("ops.truncate_after_stop", ops.truncate_after_stop,
      lambda r: (_tokens(r), STOP_IDS, np.int32(r.integers(0, V))))
 case("ops.last_index", ops.last_index, lambda r: (_mask(r),))
 case("ops.last_token_mask", ops.last_token_mask, lambda r: (_mask(r),))
+case("ops.gather_last", ops.gather_last, lambda r: (_x(r), _mask(r)))
 
 # --- kl ------------------------------------------------------------------------------------------
 for _name, _fn in [("kl_k1", kl.kl_k1), ("kl_k2", kl.kl_k2), ("kl_k3", kl.kl_k3),

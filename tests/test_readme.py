@@ -19,3 +19,13 @@ def test_research_example_runs():
 def test_ci_runs_the_readme_test_command():
   assert "<!-- ci:test-command -->" in README
   assert "ci:test-command" in (ROOT / ".ci" / "run").read_text()
+
+
+def test_models_example_runs(smollm2_path, tmp_path, monkeypatch):
+  del smollm2_path  # fetched (or skipped) by the fixture
+  code = re.search(r"## Models.*?```python\n(.*?)```", README, re.S).group(1)
+  monkeypatch.chdir(tmp_path)
+  namespace = {}
+  exec(compile(code, "README.md", "exec"), namespace)  # pylint: disable=exec-used
+  assert namespace["logits"].shape[:2] == namespace["tokens"].shape
+  assert (tmp_path / "exported" / "model.safetensors").exists()

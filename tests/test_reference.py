@@ -720,3 +720,12 @@ def test_ppo_loss_ent_coef_without_entropy_raises():
   with pytest.raises(ValueError, match="ent_coef needs the per-token entropy"):
     losses.ppo_loss(x, x, x, x, x, x, m, None, ent_coef=jnp.asarray(0.5))  # traced: can't check
   losses.ppo_loss(x, x, x, x, x, x, m, None, ent_coef=0.0)
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_gather_last(shape):
+  rng = np.random.default_rng(3)
+  m = prefix_mask(rng, *shape)
+  x = rng.normal(size=shape)
+  expected = [x[b, m[b].nonzero()[0][-1]] if m[b].any() else 0.0 for b in range(shape[0])]
+  close(ops.gather_last(jnp.asarray(x, jnp.float32), jnp.asarray(m)), np.asarray(expected))

@@ -233,7 +233,7 @@ class ValueModel(nn.Module):
   """A scalar per position [B, T] (float32) from a linear head on the final hidden state.
 
   As a critic, out[:, t] is V(s_t); as a reward model, the score of a sequence is ``out`` read
-  at its last response token (``ops.last_index``). The head is named ``score`` like Hugging
+  at its last response token (``ops.gather_last(out, mask)``). The head is named ``score`` like Hugging
   Face's ``*ForSequenceClassification`` (num_labels=1), so trl / OpenRLHF reward models load.
   """
 
