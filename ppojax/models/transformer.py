@@ -15,7 +15,9 @@ Calling convention (``CausalLM`` and ``ValueModel`` alike)::
 * with a cache (``init_cache``, [L, B, S, H_kv, D] keys and values): the T new tokens are written
   at slots ``cache_index … cache_index + T − 1``; ``kv_mask`` [B, S] marks every slot holding a
   real token (prompt and generated so far, the new ones included); the returned cache is the
-  updated one. Prefill is ``cache_index=0`` with the whole prompt, decode ``T=1``.
+  updated one. Prefill is ``cache_index=0`` with the whole prompt, decode ``T=1``. The cache
+  travels through the layer scan as part of the carry, so a decode step writes only its new
+  slot in place (as scanned inputs/outputs the whole cache would be copied every step).
 """
 
 from __future__ import annotations
@@ -130,7 +132,7 @@ class Attention(nn.Module):
   cfg: ModelConfig
 
   @nn.compact
-  def __call__(self, x, positions, kv_mask, layer_cache, cache_index, window):
+  def __call__(self, x, positions, kv_mask, cache, layer, cache_index, window):
     cfg = self.cfg
     b, t, _ = x.shape
     h, hk, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
@@ -141,19 +143,19 @@ class Attention(nn.Module):
       inv_freq = rope_inv_freq(cfg)
       q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
 
-    if layer_cache is None:
+    if cache is None:
       q_slots = kv_slots = jnp.arange(t)
-    else:
-      start = (0, cache_index, 0, 0)
-      k = jax.lax.dynamic_update_slice(layer_cache.k, k.astype(layer_cache.k.dtype), start)
-      v = jax.lax.dynamic_update_slice(layer_cache.v, v.astype(layer_cache.v.dtype), start)
-      layer_cache = KVCache(k, v)
+    else:  # write the new keys/values of this layer in place, then attend over all its slots
+      start = (layer, 0, cache_index, 0, 0)
+      cache = KVCache(*(jax.lax.dynamic_update_slice(c, new[None].astype(c.dtype), start)
+                        for c, new in zip(cache, (k, v))))
+      k, v = (jax.lax.dynamic_index_in_dim(c, layer, 0, keepdims=False) for c in cache)
       q_slots, kv_slots = cache_index + jnp.arange(t), jnp.arange(k.shape[1])
     allowed = kv_slots[None, :] <= q_slots[:, None]  # causal, over cache slots
     allowed &= (window == 0) | (kv_slots[None, :] > q_slots[:, None] - window)  # sliding window
     allowed = allowed[None] & kv_mask[:, None, :].astype(jnp.bool_)
     out = attend(q, k.astype(q.dtype), v.astype(q.dtype), allowed)
-    return _dense(cfg, cfg.hidden_size, cfg.out_bias, "o")(out.reshape(b, t, h * d)), layer_cache
+    return _dense(cfg, cfg.hidden_size, cfg.out_bias, "o")(out.reshape(b, t, h * d)), cache
 
 
 class MLP(nn.Module):
@@ -176,12 +178,13 @@ class Block(nn.Module):
   cfg: ModelConfig
 
   @nn.compact
-  def __call__(self, x, layer_cache, window, positions, kv_mask, cache_index):
-    attn, layer_cache = Attention(self.cfg, name="attn")(
-        _norm(self.cfg, "attn_norm")(x), positions, kv_mask, layer_cache, cache_index, window)
+  def __call__(self, carry, layer, window, positions, kv_mask, cache_index):
+    x, cache = carry
+    attn, cache = Attention(self.cfg, name="attn")(
+        _norm(self.cfg, "attn_norm")(x), positions, kv_mask, cache, layer, cache_index, window)
     x = x + attn
     x = x + MLP(self.cfg, name="mlp")(_norm(self.cfg, "mlp_norm")(x))
-    return x, layer_cache
+    return (x, cache), None
 
 
 class Decoder(nn.Module):
@@ -209,7 +212,9 @@ class Decoder(nn.Module):
     if self.cfg.is_gpt2:
       x = x + self.wpe(positions)
     windows = jnp.asarray(self.cfg.layer_windows or (0,) * self.cfg.num_layers, jnp.int32)
-    x, cache = self.layers(x, cache, windows, positions, kv_mask, jnp.asarray(cache_index))
+    layer_ids = jnp.arange(self.cfg.num_layers, dtype=jnp.int32)
+    (x, cache), _ = self.layers((x, cache), layer_ids, windows, positions, kv_mask,
+                                jnp.asarray(cache_index, jnp.int32))
     return self.final_norm(x), cache
 
 

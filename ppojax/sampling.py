@@ -1,0 +1,163 @@
+"""Compiled generation: one prefill, then a ``lax.while_loop`` of cached decode steps that exits as
+soon as every row has stopped. No Python runs per token; static shapes compile once per
+(batch, prompt length, max_new_tokens).
+
+    out = generate(CausalLM(cfg), params, prompts, prompt_mask, key, SamplingConfig(...))
+
+Log-probs: ``out.logprobs`` is log π_T(token) under softmax(logits / temperature) — the
+distribution PPO's ratio uses (``ops.selective_log_softmax(logits, tokens, temperature)``
+recomputes exactly it). ``out.sampling_logprobs`` is under the distribution the token was actually
+drawn from: the temperature-scaled one after top-k / top-p / min-p truncation and renormalisation.
+The two are equal when no truncation is configured.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import NamedTuple
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from ppojax import ops
+from ppojax.models.transformer import init_cache, positions_from_mask
+
+Array = jax.Array
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingConfig:
+  """How to pick tokens (hashable: a jit static)."""
+
+  max_new_tokens: int
+  stop_ids: tuple[int, ...]  # the first of these ends a response (and stays in it)
+  pad_id: int  # written after the stop token; may equal a stop id
+  temperature: float = 1.0
+  greedy: bool = False  # argmax; log-probs still at ``temperature``
+  top_k: int = 0  # keep the k most likely tokens (0: off)
+  top_p: float = 1.0  # keep the smallest set with probability ≥ top_p (1: off)
+  min_p: float = 0.0  # drop tokens with p < min_p · p_max (0: off)
+
+  def __post_init__(self):
+    if self.max_new_tokens < 1:
+      raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+    if not self.stop_ids:
+      raise ValueError("stop_ids is empty: give at least one stop token id (e.g. EOS)")
+    if self.temperature <= 0:
+      raise ValueError(f"temperature must be > 0 (use greedy=True for argmax), "
+                       f"got {self.temperature}")
+    if not 0 < self.top_p <= 1 or not 0 <= self.min_p < 1 or self.top_k < 0:
+      raise ValueError(f"need 0 < top_p <= 1, 0 <= min_p < 1, top_k >= 0; got "
+                       f"top_p={self.top_p}, min_p={self.min_p}, top_k={self.top_k}")
+
+  @property
+  def truncates(self) -> bool:
+    return bool(self.top_k) or self.top_p < 1 or self.min_p > 0
+
+
+class Generation(NamedTuple):
+  tokens: Array  # [B, R] int32; pad_id after each row's first stop token
+  logprobs: Array  # [B, R] float32, log π_T(token); 0 on padding
+  sampling_logprobs: Array  # [B, R] float32, under the truncated distribution; 0 on padding
+  mask: Array  # [B, R] bool, ops.response_mask(tokens, stop_ids)
+  lengths: Array  # [B] int32, response lengths (stop token included)
+
+
+def truncate_logits(z: Array, config: SamplingConfig) -> Array:
+  """Temperature-scaled logits [B, V] with the tokens that top-k / top-p / min-p exclude set to
+  −inf (applied in that order, as Hugging Face's logits warpers)."""
+  neg_inf = jnp.finfo(z.dtype).min
+  if config.top_k:
+    kth = jax.lax.top_k(z, min(config.top_k, z.shape[-1]))[0][:, -1:]
+    z = jnp.where(z < kth, neg_inf, z)
+  if config.top_p < 1:
+    sorted_z = jnp.sort(z, axis=-1)[:, ::-1]
+    probs = jax.nn.softmax(sorted_z, axis=-1)
+    before = jnp.cumsum(probs, axis=-1) - probs  # mass strictly above each sorted token
+    keep = before < config.top_p  # always keeps the most likely token
+    threshold = jnp.min(jnp.where(keep, sorted_z, jnp.inf), axis=-1, keepdims=True)
+    z = jnp.where(z < threshold, neg_inf, z)
+  if config.min_p > 0:
+    probs = jax.nn.softmax(z, axis=-1)
+    z = jnp.where(probs < config.min_p * jnp.max(probs, axis=-1, keepdims=True), neg_inf, z)
+  return z
+
+
+def sample_token(logits: Array, key: Array, config: SamplingConfig):
+  """One token per row from next-token logits [B, V]: (tokens, logprobs, sampling_logprobs)."""
+  z = logits.astype(jnp.float32) / config.temperature
+  logp_all = jax.nn.log_softmax(z, axis=-1)
+  zt = truncate_logits(z, config) if config.truncates else z
+  if config.greedy:
+    tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+  else:
+    tokens = jax.random.categorical(key, zt, axis=-1).astype(jnp.int32)
+  pick = lambda lp: jnp.take_along_axis(lp, tokens[:, None], axis=-1)[:, 0]  # noqa: E731
+  logp = pick(logp_all)
+  sampling_logp = pick(jax.nn.log_softmax(zt, axis=-1)) if config.truncates else logp
+  return tokens, logp, sampling_logp
+
+
+class _LoopState(NamedTuple):
+  t: Array
+  cache: object
+  kv_mask: Array
+  logits: Array
+  tokens: Array
+  logp: Array
+  sampling_logp: Array
+  done: Array
+
+
+@functools.partial(jax.jit, static_argnames=("module", "config"))
+def generate(module: nn.Module, params, prompts: Array, prompt_mask: Array, key: Array,
+             config: SamplingConfig) -> Generation:
+  """Sample up to ``config.max_new_tokens`` tokens after left-padded ``prompts`` [B, P].
+
+  Args:
+    module: a ``CausalLM`` (its ``cfg`` sizes the KV cache).
+    params: its parameters (may be sharded; the batch too).
+    prompts, prompt_mask: [B, P], left-padded (real tokens at the end of each row).
+    key: PRNG key; the same key gives the same sample. Step t draws with ``fold_in(key, t)``.
+  """
+  batch, prompt_len = prompts.shape
+  length = config.max_new_tokens
+  prompt_mask = prompt_mask.astype(jnp.bool_)
+  apply = functools.partial(module.apply, {"params": params})
+
+  kv_mask = jnp.zeros((batch, prompt_len + length), jnp.bool_).at[:, :prompt_len].set(prompt_mask)
+  cache = init_cache(module.cfg, batch, prompt_len + length)
+  logits, cache = apply(prompts, positions_from_mask(prompt_mask), kv_mask, cache, 0)
+  first_position = jnp.sum(prompt_mask, axis=1, dtype=jnp.int32)  # of the first new token
+  stop_ids = jnp.asarray(config.stop_ids, jnp.int32)
+
+  def body(s: _LoopState) -> _LoopState:
+    tok, logp, slogp = sample_token(s.logits, jax.random.fold_in(key, s.t), config)
+    tok = jnp.where(s.done, config.pad_id, tok)
+    logp, slogp = jnp.where(s.done, 0.0, logp), jnp.where(s.done, 0.0, slogp)
+    write = lambda buf, x: jax.lax.dynamic_update_slice(buf, x[:, None], (0, s.t))  # noqa: E731
+    slot = prompt_len + s.t
+    kv_mask = jax.lax.dynamic_update_slice(s.kv_mask, jnp.ones((batch, 1), jnp.bool_), (0, slot))
+    logits, cache = apply(tok[:, None], (first_position + s.t)[:, None], kv_mask, s.cache, slot)
+    return _LoopState(
+        t=s.t + 1, cache=cache, kv_mask=kv_mask, logits=logits[:, -1], tokens=write(s.tokens, tok),
+        logp=write(s.logp, logp), sampling_logp=write(s.sampling_logp, slogp),
+        done=s.done | jnp.any(tok[:, None] == stop_ids, axis=-1))
+
+  def cond(s: _LoopState) -> Array:
+    return (s.t < length) & ~jnp.all(s.done)
+
+  zeros = jnp.zeros((batch, length), jnp.float32)
+  state = _LoopState(
+      t=jnp.zeros((), jnp.int32), cache=cache, kv_mask=kv_mask, logits=logits[:, -1],
+      tokens=jnp.full((batch, length), config.pad_id, jnp.int32), logp=zeros,
+      sampling_logp=zeros, done=jnp.zeros((batch,), jnp.bool_))
+  state = jax.lax.while_loop(cond, body, state)
+
+  mask = ops.response_mask(state.tokens, config.stop_ids)
+  return Generation(
+      tokens=state.tokens, logprobs=jnp.where(mask, state.logp, 0.0),
+      sampling_logprobs=jnp.where(mask, state.sampling_logp, 0.0), mask=mask,
+      lengths=jnp.sum(mask, axis=1, dtype=jnp.int32))
