@@ -631,3 +631,36 @@ def test_config_reads_transformers_4_spelling():
   hf4["rope_scaling"] = rope
   cfg5 = ModelConfig.from_hf(tf.LlamaConfig(**CASES["llama3-rope"][2]).to_dict())
   assert ModelConfig.from_hf(hf4) == cfg5
+
+
+@pytest.mark.parametrize("name", ["llama", "gpt2"])
+def test_unrolled_layers_match_scanned(name):
+  """scan_layers=False (one subtree per layer, used for decoding) computes the same function,
+  with and without a cache; stack_layers inverts unstack_layers; the partition rules cover both
+  layouts with the same per-layer specs."""
+  cfg = CACHE_CONFIGS[name]
+  params, tokens, full_pos, full_mask, full = _decode_setup(cfg)
+  unrolled_cfg = cfg.replace(scan_layers=False)
+  unrolled = T.unstack_layers(params)
+  assert "layers" not in unrolled["model"] and f"layers_{L - 1}" in unrolled["model"]
+  jax.tree.map(np.testing.assert_array_equal, T.stack_layers(unrolled), params)
+  np.testing.assert_allclose(_ours(unrolled_cfg, unrolled, tokens, full_pos, full_mask)[full_mask],
+                             full[full_mask], atol=1e-5)
+  model = T.CausalLM(unrolled_cfg)
+  apply = jax.jit(lambda p, tok, pos, m, c, i: model.apply({"params": p}, tok, pos, m, c, i))
+  decoded = _decode(unrolled_cfg, unrolled, tokens, full_pos, full_mask,
+                    lambda p, tok, pos, m, c: apply(p, tok, pos, m, c, jnp.int32(0)), apply)
+  np.testing.assert_allclose(decoded[full_mask], full[full_mask], atol=1e-5)
+  # the same state dict either way
+  for key, value in hf.params_to_hf(cfg, params).items():
+    np.testing.assert_array_equal(hf.params_to_hf(unrolled_cfg, unrolled)[key], value)
+
+  from ppojax import sharding  # pylint: disable=import-outside-toplevel
+  mesh = sharding.make_mesh((1, 1, 1), devices=jax.devices()[:1])
+  specs = lambda p: {jax.tree_util.keystr(k): s.spec for k, s in  # noqa: E731
+                     jax.tree_util.tree_leaves_with_path(
+                         sharding.param_shardings(p, mesh, T.partition_rules()))}
+  stacked, per_layer = specs(params), specs(unrolled)
+  q = "['model']['layers']['attn']['q']['kernel']"
+  assert tuple(stacked[q]) == (None, "fsdp", "tensor")
+  assert tuple(per_layer[q.replace("['layers']", "['layers_0']")]) == ("fsdp", "tensor")

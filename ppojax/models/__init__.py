@@ -20,12 +20,14 @@ import numpy as np
 from ppojax.models import hf
 from ppojax.models.config import ModelConfig
 from ppojax.models.transformer import (CausalLM, KVCache, ValueModel, init_cache,
-                                       partition_rules, positions_from_mask)
+                                       partition_rules, positions_from_mask, stack_layers,
+                                       unstack_layers)
 
 SMOLLM2_NAMES = ("smollm2", "smollm2-135m-instruct", "huggingfacetb/smollm2-135m-instruct")
 
 __all__ = ["CausalLM", "KVCache", "LoadedModel", "ModelConfig", "ValueModel", "init_cache",
-           "load_model", "partition_rules", "positions_from_mask", "save_model"]
+           "load_model", "partition_rules", "positions_from_mask", "save_model", "stack_layers",
+           "unstack_layers"]
 
 
 class LoadedModel(NamedTuple):
@@ -67,6 +69,8 @@ def load_model(name_or_path: str | os.PathLike, head: str = "lm", **config_overr
     params = hf.params_from_hf(cfg, sd, head=head)
   except hf.CheckpointError as e:
     raise hf.CheckpointError(f"{name}: {e}") from e
+  if not cfg.scan_layers:
+    params = unstack_layers(params)
   return LoadedModel(cfg, params, tokenizer, head)
 
 

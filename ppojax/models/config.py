@@ -45,6 +45,7 @@ class ModelConfig:
   dtype: str = "float32"  # compute dtype: "bfloat16" on accelerators
   param_dtype: str = "float32"
   remat: bool = False  # rematerialise each layer's activations in the backward pass
+  scan_layers: bool = True  # stacked layer params in one nn.scan; False: layers_0 … layers_{L−1}
 
   def __post_init__(self):
     if self.model_type not in SUPPORTED:

@@ -200,22 +200,53 @@ class Decoder(nn.Module):
     self.embed = embed(cfg.vocab_size, "embed")
     if cfg.is_gpt2:
       self.wpe = embed(cfg.max_position_embeddings, "wpe")
-    block = nn.remat(Block, prevent_cse=False) if cfg.remat else Block
-    self.layers = nn.scan(
-        block, variable_axes={"params": 0}, split_rngs={"params": True},
-        in_axes=(0, 0, nn.broadcast, nn.broadcast, nn.broadcast), length=cfg.num_layers,
-    )(cfg, name="layers")
+    block = nn.remat(Block, prevent_cse=not cfg.scan_layers) if cfg.remat else Block
+    if cfg.scan_layers:
+      self.layers = nn.scan(
+          block, variable_axes={"params": 0}, split_rngs={"params": True},
+          in_axes=(0, 0, nn.broadcast, nn.broadcast, nn.broadcast), length=cfg.num_layers,
+      )(cfg, name="layers")
+    else:
+      self.layers = [block(cfg, name=f"layers_{i}") for i in range(cfg.num_layers)]
     self.final_norm = _norm(cfg, "final_norm")
 
   def __call__(self, tokens, positions, kv_mask, cache=None, cache_index=0):
     x = self.embed(tokens)
     if self.cfg.is_gpt2:
       x = x + self.wpe(positions)
-    windows = jnp.asarray(self.cfg.layer_windows or (0,) * self.cfg.num_layers, jnp.int32)
-    layer_ids = jnp.arange(self.cfg.num_layers, dtype=jnp.int32)
-    (x, cache), _ = self.layers((x, cache), layer_ids, windows, positions, kv_mask,
-                                jnp.asarray(cache_index, jnp.int32))
+    windows = self.cfg.layer_windows or (0,) * self.cfg.num_layers
+    cache_index = jnp.asarray(cache_index, jnp.int32)
+    if self.cfg.scan_layers:
+      layer_ids = jnp.arange(self.cfg.num_layers, dtype=jnp.int32)
+      (x, cache), _ = self.layers((x, cache), layer_ids, jnp.asarray(windows, jnp.int32),
+                                  positions, kv_mask, cache_index)
+    else:
+      for i, layer in enumerate(self.layers):
+        (x, cache), _ = layer((x, cache), i, windows[i], positions, kv_mask, cache_index)
     return self.final_norm(x), cache
+
+
+def stack_layers(params: dict) -> dict:
+  """The inverse of ``unstack_layers``."""
+  model = dict(params["model"])
+  names = sorted((k for k in model if k.startswith("layers_")), key=lambda k: int(k[7:]))
+  model["layers"] = jax.tree.map(lambda *xs: jnp.stack(xs), *[model.pop(k) for k in names])
+  return {**params, "model": model}
+
+
+def unstack_layers(params: dict) -> dict:
+  """Stacked (``scan_layers=True``) params → one subtree per layer (``scan_layers=False``).
+
+  Unrolled layers read their weights in place; a scan slices each layer's weights out of the
+  stacked arrays, which XLA materialises as a copy of every weight on every call — the dominant
+  cost of a small-batch decode step on CPU.
+  """
+  model = dict(params["model"])
+  stacked = model.pop("layers")
+  n = jax.tree.leaves(stacked)[0].shape[0]
+  for i in range(n):
+    model[f"layers_{i}"] = jax.tree.map(lambda x, i=i: x[i], stacked)
+  return {**params, "model": model}
 
 
 class CausalLM(nn.Module):
@@ -263,19 +294,23 @@ def partition_rules() -> tuple[tuple[str, tuple], ...]:
 
   Megatron-style tensor parallelism: q/k/v, gate/up and fc split their output features over
   "tensor", o/down/proj their input features; the other matrix dimension is sharded over
-  "fsdp" (ZeRO-3 style). Layer parameters carry the scanned layer axis first (never sharded).
-  Vectors (norms, most biases) are replicated. ``ppojax.sharding`` applies these, replicating
-  any dimension that the mesh axis does not divide.
+  "fsdp" (ZeRO-3 style). Stacked layer parameters (``scan_layers``) carry the layer axis first,
+  never sharded. Vectors (norms, most biases) are replicated. ``ppojax.sharding`` applies
+  these, replicating any dimension that the mesh axis does not divide.
   """
+  per_layer = (
+      (r"attn/(q|k|v)/kernel$", ("fsdp", "tensor")),
+      (r"attn/(q|k|v)/bias$", ("tensor",)),
+      (r"attn/o/kernel$", ("tensor", "fsdp")),
+      (r"mlp/(gate|up|fc)/kernel$", ("fsdp", "tensor")),
+      (r"mlp/fc/bias$", ("tensor",)),
+      (r"mlp/(down|proj)/kernel$", ("tensor", "fsdp")),
+  )
   return (
       (r"embed/embedding$", ("tensor", "fsdp")),
       (r"wpe/embedding$", (None, "fsdp")),
-      (r"attn/(q|k|v)/kernel$", (None, "fsdp", "tensor")),
-      (r"attn/(q|k|v)/bias$", (None, "tensor")),
-      (r"attn/o/kernel$", (None, "tensor", "fsdp")),
-      (r"mlp/(gate|up|fc)/kernel$", (None, "fsdp", "tensor")),
-      (r"mlp/fc/bias$", (None, "tensor")),
-      (r"mlp/(down|proj)/kernel$", (None, "tensor", "fsdp")),
+      *((r"layers/" + pattern, (None,) + spec) for pattern, spec in per_layer),
+      *((r"layers_\d+/" + pattern, spec) for pattern, spec in per_layer),
       (r"lm_head/kernel$", ("fsdp", "tensor")),
       (r"score/kernel$", ("fsdp", None)),
       (r".*", ()),  # everything else (norms, remaining biases): replicated
