@@ -50,16 +50,20 @@ def _ours(model, tokens, mask):
 
 
 def test_logits_match_transformers(smollm2, batch):
+  """Against transformers in float64 (the exact function) our float32 logits are within 1e-4
+  (measured 8.1e-5; transformers' own float32 run: 9.3e-5). Against transformers in float32 the
+  two roundings add up (measured 1.1e-4 at logits up to 39, ~30 float32 ulps after 30 layers)."""
   tokens, mask = batch
+  model = _torch_model(smollm2.cfg, smollm2.params)
+  args = dict(input_ids=torch.from_numpy(tokens).long(),
+              attention_mask=torch.from_numpy(mask).long(),
+              position_ids=torch.from_numpy(np.array(positions_from_mask(jnp.asarray(mask)))))
   with torch.no_grad():
-    ref = _torch_model(smollm2.cfg, smollm2.params)(
-        input_ids=torch.from_numpy(tokens).long(), attention_mask=torch.from_numpy(mask).long(),
-        position_ids=torch.from_numpy(np.array(positions_from_mask(jnp.asarray(mask))))).logits
+    ref32 = model(**args).logits.numpy()
+    ref64 = model.double()(**args).logits.numpy()
   ours = _ours(smollm2, tokens, mask)
-  err = np.abs(ours - ref.numpy())[mask].max()
-  # Measured: 1.1e-4 (sdpa) / 1.0e-4 (eager attention) at logits up to 39, i.e. ~30 float32 ulps
-  # after 30 layers; transformers' own sdpa and eager paths differ by 5.7e-5 on this batch.
-  assert err <= 2e-4, err
+  assert np.abs(ours - ref64)[mask].max() <= 1e-4
+  assert np.abs(ours - ref32)[mask].max() <= 2e-4
 
 
 def test_cached_decoding_matches_full_forward(smollm2, batch):
