@@ -21,11 +21,15 @@ def test_ci_runs_the_readme_test_command():
   assert "ci:test-command" in (ROOT / ".ci" / "run").read_text()
 
 
-def test_models_example_runs(smollm2_path, tmp_path, monkeypatch):
+def test_models_and_sampling_examples_run(smollm2_path, tmp_path, monkeypatch):
+  """The Models example, then the Sampling example continuing from it."""
   del smollm2_path  # fetched (or skipped) by the fixture
-  code = re.search(r"## Models.*?```python\n(.*?)```", README, re.S).group(1)
   monkeypatch.chdir(tmp_path)
   namespace = {}
-  exec(compile(code, "README.md", "exec"), namespace)  # pylint: disable=exec-used
+  for section in ("Models", "Sampling"):
+    code = re.search(rf"## {section}.*?```python\n(.*?)```", README, re.S).group(1)
+    exec(compile(code, "README.md", "exec"), namespace)  # pylint: disable=exec-used
   assert namespace["logits"].shape[:2] == namespace["tokens"].shape
   assert (tmp_path / "exported" / "model.safetensors").exists()
+  out = namespace["out"]
+  assert out.tokens.shape == (1, 64) and 0 < int(out.lengths[0]) <= 64
