@@ -12,7 +12,7 @@ Calling convention (``CausalLM`` and ``ValueModel`` alike)::
 * ``tokens``/``positions``: [B, T] int32. Prompts are left-padded; ``positions`` count real tokens
   only (``positions_from_mask``), so a row's first real token has position 0.
 * without a cache: ``kv_mask`` [B, T] marks real tokens; attention is causal over the T tokens.
-* with a cache (``init_cache``, [L, B, S, H_kv, D] keys and values): the T new tokens are written
+* with a cache (``init_cache``, [L, B, H_kv, S, D] keys and values): the T new tokens are written
   at slots ``cache_index … cache_index + T − 1``; ``kv_mask`` [B, S] marks every slot holding a
   real token (prompt and generated so far, the new ones included); the returned cache is the
   updated one. Prefill is ``cache_index=0`` with the whole prompt, decode ``T=1``. The cache
@@ -36,13 +36,13 @@ Array = jax.Array
 
 
 class KVCache(NamedTuple):
-  k: Array  # [L, B, S, H_kv, D]
+  k: Array  # [L, B, H_kv, S, D]: head-major, so attention reads each layer without a transpose
   v: Array
 
 
 def init_cache(cfg: ModelConfig, batch: int, max_length: int, dtype=None) -> KVCache:
   """A zeroed cache for ``max_length`` slots (prompt + response) per row."""
-  shape = (cfg.num_layers, batch, max_length, cfg.num_kv_heads, cfg.head_dim)
+  shape = (cfg.num_layers, batch, cfg.num_kv_heads, max_length, cfg.head_dim)
   dtype = dtype or cfg.compute_dtype
   return KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
 
@@ -118,14 +118,14 @@ def _dense(cfg: ModelConfig, features: int, bias: bool, name: str) -> nn.Dense:
 
 def attend(q: Array, k: Array, v: Array, allowed: Array) -> Array:
   """softmax(q·kᵀ/√D masked by ``allowed`` [B, T, S])·v, grouped-query: q [B,T,H,D], k/v
-  [B,S,H_kv,D] with H a multiple of H_kv. Scores and softmax in float32."""
+  [B,H_kv,S,D] with H a multiple of H_kv. Scores and softmax in float32."""
   b, t, h, d = q.shape
-  g = h // k.shape[2]
-  q = q.reshape(b, t, k.shape[2], g, d)
-  scores = jnp.einsum("btkgd,bskd->bkgts", q, k, preferred_element_type=jnp.float32)
+  g = h // k.shape[1]
+  q = q.reshape(b, t, k.shape[1], g, d)
+  scores = jnp.einsum("btkgd,bksd->bkgts", q, k, preferred_element_type=jnp.float32)
   scores = jnp.where(allowed[:, None, None], scores / math.sqrt(d), jnp.finfo(jnp.float32).min)
   probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-  return jnp.einsum("bkgts,bskd->btkgd", probs, v).reshape(b, t, h, d)
+  return jnp.einsum("bkgts,bksd->btkgd", probs, v).reshape(b, t, h, d)
 
 
 class Attention(nn.Module):
@@ -143,14 +143,15 @@ class Attention(nn.Module):
       inv_freq = rope_inv_freq(cfg)
       q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
 
+    k, v = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)  # [B, H_kv, T, D]
     if cache is None:
       q_slots = kv_slots = jnp.arange(t)
     else:  # write the new keys/values of this layer in place, then attend over all its slots
-      start = (layer, 0, cache_index, 0, 0)
+      start = (layer, 0, 0, cache_index, 0)
       cache = KVCache(*(jax.lax.dynamic_update_slice(c, new[None].astype(c.dtype), start)
                         for c, new in zip(cache, (k, v))))
       k, v = (jax.lax.dynamic_index_in_dim(c, layer, 0, keepdims=False) for c in cache)
-      q_slots, kv_slots = cache_index + jnp.arange(t), jnp.arange(k.shape[1])
+      q_slots, kv_slots = cache_index + jnp.arange(t), jnp.arange(k.shape[2])
     allowed = kv_slots[None, :] <= q_slots[:, None]  # causal, over cache slots
     allowed &= (window == 0) | (kv_slots[None, :] > q_slots[:, None] - window)  # sliding window
     allowed = allowed[None] & kv_mask[:, None, :].astype(jnp.bool_)
