@@ -58,14 +58,9 @@ def bench_ppojax(model, tokens, mask, repeats):
 
 def bench_torch(model, tokens, mask, repeats, dtype):
   import torch  # pylint: disable=import-outside-toplevel
-  import transformers  # pylint: disable=import-outside-toplevel
 
   torch.set_num_threads(os.cpu_count())
-  config = transformers.AutoConfig.for_model(**model.cfg.to_hf())
-  net = transformers.AutoModelForCausalLM.from_config(config).to(getattr(torch, dtype))
-  state = {k: torch.from_numpy(v) for k, v in hf.params_to_hf(model.cfg, model.params).items()}
-  net.load_state_dict(state, strict=False)
-  net.eval()
+  net = hf.to_transformers(model.cfg, model.params).to(getattr(torch, dtype))
   ids = torch.from_numpy(np.array(tokens)).long()
   attn = torch.from_numpy(np.array(mask)).long()
 

@@ -68,13 +68,9 @@ def bench_ppojax(model, tokens, mask, new_tokens, repeats):
 
 def bench_transformers(model, tokens, mask, new_tokens, repeats, dtype):
   import torch  # pylint: disable=import-outside-toplevel
-  import transformers  # pylint: disable=import-outside-toplevel
 
   torch.set_num_threads(os.cpu_count())
-  config = transformers.AutoConfig.for_model(**model.cfg.to_hf())
-  net = transformers.AutoModelForCausalLM.from_config(config).to(getattr(torch, dtype)).eval()
-  net.load_state_dict(
-      {k: torch.from_numpy(v) for k, v in hf.params_to_hf(model.cfg, model.params).items()})
+  net = hf.to_transformers(model.cfg, model.params).to(getattr(torch, dtype))
   ids, attn = torch.from_numpy(tokens).long(), torch.from_numpy(mask).long()
 
   def run(seed):

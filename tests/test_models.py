@@ -664,3 +664,20 @@ def test_unrolled_layers_match_scanned(name):
   q = "['model']['layers']['attn']['q']['kernel']"
   assert tuple(stacked[q]) == (None, "fsdp", "tensor")
   assert tuple(per_layer[q.replace("['layers']", "['layers_0']")]) == ("fsdp", "tensor")
+
+
+@pytest.mark.parametrize("head", ["lm", "value"])
+def test_to_transformers_builds_the_same_model_in_memory(torch, head):
+  cfg = CACHE_CONFIGS["llama"]
+  tokens, positions, mask = _batch(left_pad=(0, 0, 0))
+  module = T.ValueModel(cfg) if head == "value" else T.CausalLM(cfg)
+  params = module.init(jax.random.PRNGKey(3), tokens, positions, mask)["params"]
+  net = hf.to_transformers(cfg, params, head=head)
+  with torch.no_grad():
+    if head == "value":  # per-position scores: the backbone, then the head
+      hidden = net.model(input_ids=torch.tensor(tokens, dtype=torch.long)).last_hidden_state
+      ref = net.score(hidden)[..., 0].numpy()
+    else:
+      ref = net(input_ids=torch.tensor(tokens, dtype=torch.long)).logits.numpy()
+  ours = np.asarray(module.apply({"params": params}, tokens, positions, mask)[0])
+  np.testing.assert_allclose(ours, ref, atol=1e-5)

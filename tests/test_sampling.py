@@ -282,10 +282,7 @@ def test_greedy_matches_transformers_generate_on_smollm2(smollm2_path):
   threads = torch.get_num_threads()
   torch.set_num_threads(1)
   try:
-    torch_model = transformers.AutoModelForCausalLM.from_config(
-        transformers.AutoConfig.for_model(**model.cfg.to_hf())).eval()
-    torch_model.load_state_dict(
-        {k: torch.from_numpy(v) for k, v in hf.params_to_hf(model.cfg, model.params).items()})
+    torch_model = hf.to_transformers(model.cfg, model.params)
     with torch.no_grad():
       ref = torch_model.generate(
           input_ids=torch.from_numpy(tokens).long(), attention_mask=torch.from_numpy(mask).long(),

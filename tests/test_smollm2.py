@@ -35,14 +35,6 @@ def batch(smollm2):
   return tokens, mask
 
 
-def _torch_model(cfg, params):
-  config = transformers.AutoConfig.for_model(**cfg.to_hf())
-  model = transformers.AutoModelForCausalLM.from_config(config).eval()
-  state = {k: torch.from_numpy(v) for k, v in hf.params_to_hf(cfg, params).items()}
-  model.load_state_dict(state)
-  return model
-
-
 def _ours(model, tokens, mask):
   logits, _ = model.module.apply({"params": model.params}, jnp.asarray(tokens),
                                  positions_from_mask(jnp.asarray(mask)), jnp.asarray(mask))
@@ -54,7 +46,7 @@ def test_logits_match_transformers(smollm2, batch):
   (measured 8.1e-5; transformers' own float32 run: 9.3e-5). Against transformers in float32 the
   two roundings add up (measured 1.1e-4 at logits up to 39, ~30 float32 ulps after 30 layers)."""
   tokens, mask = batch
-  model = _torch_model(smollm2.cfg, smollm2.params)
+  model = hf.to_transformers(smollm2.cfg, smollm2.params)
   args = dict(input_ids=torch.from_numpy(tokens).long(),
               attention_mask=torch.from_numpy(mask).long(),
               position_ids=torch.from_numpy(np.array(positions_from_mask(jnp.asarray(mask)))))

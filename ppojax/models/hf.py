@@ -177,6 +177,25 @@ def params_to_hf(cfg: ModelConfig, params: dict, head: str = "lm") -> StateDict:
   return {k: np.ascontiguousarray(v) for k, v in sd.items()}
 
 
+def to_transformers(cfg: ModelConfig, params: dict, head: str = "lm"):
+  """The same model as a transformers PyTorch module (eval mode, float32), built in memory.
+
+  For comparisons and hand-offs without a round trip through disk; needs torch.
+  """
+  import torch  # pylint: disable=import-outside-toplevel
+  import transformers  # pylint: disable=import-outside-toplevel
+
+  hf_config = cfg.to_hf()
+  auto = transformers.AutoModelForCausalLM
+  if head == "value":
+    hf_config["num_labels"] = 1
+    auto = transformers.AutoModelForSequenceClassification
+  model = auto.from_config(transformers.AutoConfig.for_model(**hf_config)).eval()
+  state = {k: torch.from_numpy(v) for k, v in params_to_hf(cfg, params, head).items()}
+  model.load_state_dict(state)
+  return model
+
+
 # ---------------------------------------------------------------------------------------------
 # Files
 # ---------------------------------------------------------------------------------------------
