@@ -111,7 +111,7 @@ def sample_token(logits: Array, key: Array, config: SamplingConfig, banned: Arra
 
 
 def _inverse_cdf_sample(key: Array, z: Array, fallback: Array) -> Array:
-  """Token i with probability softmax(z)_i: the first i with CDF_i ≥ u, u ~ U(0, 1].
+  """Token i with probability softmax(z)_i: the first i with CDF_i ≥ u·CDF_V, u ~ U(0, 1).
 
   One uniform per row instead of the Gumbel-max trick's one per vocabulary entry: on CPU, the
   random bits for [64, 49152] Gumbel noise cost 8x more than the whole cumulative sum. A token of
