@@ -36,15 +36,25 @@ Array = jax.Array
 
 
 class KVCache(NamedTuple):
-  k: Array  # [L, B, H_kv, S, D]: head-major, so attention reads each layer without a transpose
-  v: Array
+  """Keys and values, head-major so attention reads them without a transpose: one stacked
+  [L, B, H_kv, S, D] array each (scanned layers), or a tuple of L [B, H_kv, S, D] arrays
+  (unrolled layers, ``scan_layers=False``: each layer updates and reads its own buffer, with no
+  slice copied out of a stacked one)."""
+
+  k: Array | tuple[Array, ...]
+  v: Array | tuple[Array, ...]
 
 
 def init_cache(cfg: ModelConfig, batch: int, max_length: int, dtype=None) -> KVCache:
-  """A zeroed cache for ``max_length`` slots (prompt + response) per row."""
-  shape = (cfg.num_layers, batch, cfg.num_kv_heads, max_length, cfg.head_dim)
+  """A zeroed cache for ``max_length`` slots (prompt + response) per row, laid out for
+  ``cfg.scan_layers`` (see ``KVCache``)."""
+  shape = (batch, cfg.num_kv_heads, max_length, cfg.head_dim)
   dtype = dtype or cfg.compute_dtype
-  return KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
+  if cfg.scan_layers:
+    stacked = lambda: jnp.zeros((cfg.num_layers,) + shape, dtype)  # noqa: E731
+    return KVCache(stacked(), stacked())
+  per_layer = lambda: tuple(jnp.zeros(shape, dtype) for _ in range(cfg.num_layers))  # noqa: E731
+  return KVCache(per_layer(), per_layer())
 
 
 def positions_from_mask(mask: Array) -> Array:
@@ -128,6 +138,24 @@ def attend(q: Array, k: Array, v: Array, allowed: Array) -> Array:
   return jnp.einsum("bkgts,bksd->btkgd", probs, v).reshape(b, t, h, d)
 
 
+def _update_cache(cache: KVCache, layer, cache_index, k: Array, v: Array):
+  """Write this layer's new k, v [B, H_kv, T, D] at slot ``cache_index``; return the updated
+  cache and the layer's full keys and values."""
+  if isinstance(cache.k, tuple):  # per-layer buffers; ``layer`` is a Python int here
+    def write(buffers, new):
+      buffers = list(buffers)
+      buffers[layer] = jax.lax.dynamic_update_slice(
+          buffers[layer], new.astype(buffers[layer].dtype), (0, 0, cache_index, 0))
+      return tuple(buffers)
+    cache = KVCache(write(cache.k, k), write(cache.v, v))
+    return cache, cache.k[layer], cache.v[layer]
+  start = (layer, 0, 0, cache_index, 0)
+  cache = KVCache(*(jax.lax.dynamic_update_slice(c, new[None].astype(c.dtype), start)
+                    for c, new in zip(cache, (k, v))))
+  k, v = (jax.lax.dynamic_index_in_dim(c, layer, 0, keepdims=False) for c in cache)
+  return cache, k, v
+
+
 class Attention(nn.Module):
   cfg: ModelConfig
 
@@ -147,10 +175,7 @@ class Attention(nn.Module):
     if cache is None:
       q_slots = kv_slots = jnp.arange(t)
     else:  # write the new keys/values of this layer in place, then attend over all its slots
-      start = (layer, 0, 0, cache_index, 0)
-      cache = KVCache(*(jax.lax.dynamic_update_slice(c, new[None].astype(c.dtype), start)
-                        for c, new in zip(cache, (k, v))))
-      k, v = (jax.lax.dynamic_index_in_dim(c, layer, 0, keepdims=False) for c in cache)
+      cache, k, v = _update_cache(cache, layer, cache_index, k, v)
       q_slots, kv_slots = cache_index + jnp.arange(t), jnp.arange(k.shape[2])
     allowed = kv_slots[None, :] <= q_slots[:, None]  # causal, over cache slots
     allowed &= (window == 0) | (kv_slots[None, :] > q_slots[:, None] - window)  # sliding window
