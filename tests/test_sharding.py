@@ -1,9 +1,6 @@
 """Parameters placed by the models' partition rules on a simulated 8-device CPU mesh give the same
 outputs as on one device. Runs in a subprocess: the device count is fixed at JAX start-up."""
 
-import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
@@ -42,12 +39,8 @@ SCRIPT = textwrap.dedent("""
 """)
 
 
-def test_sharded_forward_matches_single_device():
-  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8",
-             JAX_PLATFORMS="cpu")
-  result = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True,
-                          text=True, timeout=600)
-  assert result.returncode == 0 and "OK" in result.stdout, result.stderr[-3000:]
+def test_sharded_forward_matches_single_device(run_on_8_cpu_devices):
+  run_on_8_cpu_devices(SCRIPT)
 
 
 def test_mesh_shape_errors():
