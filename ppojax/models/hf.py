@@ -127,7 +127,7 @@ def params_from_hf(cfg: ModelConfig, sd: StateDict, head: str = "lm", dtype=None
 def _cast(tree, dtype):
   if isinstance(tree, dict):
     return {k: _cast(v, dtype) for k, v in tree.items()}
-  return np.ascontiguousarray(np.asarray(tree, dtype=dtype))
+  return np.array(tree, dtype=dtype, order="C")  # a writable copy (torch.from_numpy needs one)
 
 
 def params_to_hf(cfg: ModelConfig, params: dict, head: str = "lm") -> StateDict:
