@@ -98,30 +98,28 @@ def sample_token(logits: Array, key: Array, config: SamplingConfig, banned: Arra
   """
   z = logits.astype(jnp.float32) / config.temperature
   logp_all = jax.nn.log_softmax(z, axis=-1)
+  modified = config.truncates or banned is not None
   zt = z if banned is None else jnp.where(banned, jnp.finfo(z.dtype).min, z)
   zt = truncate_logits(zt, config) if config.truncates else zt
+  logp_sampled = jax.nn.log_softmax(zt, axis=-1) if modified else logp_all  # one softmax each
   tokens = jnp.argmax(zt, axis=-1).astype(jnp.int32)
   if not config.greedy:
-    tokens = _inverse_cdf_sample(key, zt, fallback=tokens)
+    tokens = _inverse_cdf_sample(key, jnp.exp(logp_sampled), fallback=tokens)
   pick = lambda lp: jnp.take_along_axis(lp, tokens[:, None], axis=-1)[:, 0]  # noqa: E731
-  logp = pick(logp_all)
-  modified = config.truncates or banned is not None
-  sampling_logp = pick(jax.nn.log_softmax(zt, axis=-1)) if modified else logp
-  return tokens, logp, sampling_logp
+  return tokens, pick(logp_all), pick(logp_sampled)
 
 
-def _inverse_cdf_sample(key: Array, z: Array, fallback: Array) -> Array:
-  """Token i with probability softmax(z)_i: the first i with CDF_i ≥ u·CDF_V, u ~ U(0, 1).
+def _inverse_cdf_sample(key: Array, probs: Array, fallback: Array) -> Array:
+  """Token i with probability probs_i: the first i with CDF_i ≥ u·CDF_V, u ~ U(0, 1).
 
   One uniform per row instead of the Gumbel-max trick's one per vocabulary entry: on CPU, the
   random bits for [64, 49152] Gumbel noise cost 8x more than the whole cumulative sum. A token of
   probability 0 is never chosen (``fallback``, the argmax, covers float rounding at u = total).
   """
-  probs = jax.nn.softmax(z, axis=-1)
   cdf = jnp.cumsum(probs, axis=-1)
-  u = jax.random.uniform(key, z.shape[:-1] + (1,), minval=jnp.finfo(jnp.float32).tiny,
+  u = jax.random.uniform(key, probs.shape[:-1] + (1,), minval=jnp.finfo(jnp.float32).tiny,
                          maxval=1.0) * cdf[..., -1:]
-  tokens = jnp.minimum(jnp.sum(cdf < u, axis=-1), z.shape[-1] - 1).astype(jnp.int32)
+  tokens = jnp.minimum(jnp.sum(cdf < u, axis=-1), probs.shape[-1] - 1).astype(jnp.int32)
   chosen = jnp.take_along_axis(probs, tokens[..., None], axis=-1)[..., 0]
   return jnp.where(chosen > 0, tokens, fallback)
 
@@ -164,10 +162,12 @@ def generate(module: nn.Module, params, prompts: Array, prompt_mask: Array, key:
   first_position = jnp.sum(prompt_mask, axis=1, dtype=jnp.int32)  # of the first new token
   stop_ids = jnp.asarray(config.stop_ids, jnp.int32)
 
+  is_stop_id = jnp.isin(jnp.arange(logits.shape[-1]), stop_ids)  # [V]
+
   def body(s: _LoopState) -> _LoopState:
     banned = None
     if config.min_new_tokens:  # as Hugging Face's MinNewTokensLengthLogitsProcessor
-      banned = (s.t < config.min_new_tokens) & jnp.isin(jnp.arange(s.logits.shape[-1]), stop_ids)
+      banned = (s.t < config.min_new_tokens) & is_stop_id
     tok, logp, slogp = sample_token(s.logits, jax.random.fold_in(key, s.t), config, banned)
     tok = jnp.where(s.done, config.pad_id, tok)
     logp, slogp = jnp.where(s.done, 0.0, logp), jnp.where(s.done, 0.0, slogp)
