@@ -1,41 +1,38 @@
-"""The PPO iteration as one compiled function: rollout → experience → E×M clipped updates.
+"""The PPO iteration over a ``TrainState``, composed from pure functions and compiled.
 
-The step is generic in the models: it sees them only through ``Models``, four pure functions of
-parameter pytrees and arrays. Top to bottom:
+    key → k_sample, k_update
+    rollout    = sample responses, old / ref log-probs, values        (experience.rollout)
+    scores     = reward model, JAX reward function, or Python reward function
+    experience = −β·KL_t shaping (+ score on the last token), GAE     (experience.make_experience)
+    update     = E epochs × M shuffled minibatches (lax.scan), each the sum of K micro-batch
+                 gradients (lax.scan), clipped by global norm, Adam with warmup + decay
+    β          = KL controller update
 
-    tokens        = sample(actor, key)                       [B, R]
-    mask          = response mask from the first stop token  (pad == eos safe)
-    old/ref logp  = selective_log_softmax(logits(actor|ref, tokens) / T)
-    values        = value(critic, tokens);  scores = score(tokens, mask)
-    rewards       = −β·KL_t (+ score on the last response token)
-    A, R          = GAE (reverse lax.scan), A whitened
-    for E epochs, M shuffled minibatches (lax.scan):  Adam on L_clip + c_v·L_V − c_H·H
+With a JAX reward (a reward model or a jnp rule) all of it is one jit-compiled function
+(``PPOStep.fused``). A Python reward (e.g. one that parses decoded text) splits it into two
+compiled halves with one host round trip: ``rollout`` → host scores → ``learn``. Both paths
+derive the same PRNG keys from ``state.key`` and give the same result.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Callable, NamedTuple
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
-import ml_collections
+import numpy as np
 import optax
 
-from ppojax import advantages as adv_lib
 from ppojax import kl as kl_lib
-from ppojax import losses, ops, rewards
+from ppojax import losses, ops
+from ppojax.experience import (Experience, Prompts, RewardFn, Rollout, make_experience,
+                               model_scores, response_logits, response_values, rollout)
+from ppojax.sampling import SamplingConfig
 
 Array = jax.Array
 Params = Any
-
-
-class Models(NamedTuple):
-  """The model functions the step composes (all pure, all jit-able)."""
-
-  sample: Callable[[Params, Array, int, float], Array]  # (actor, key, batch, temperature) → [B, R]
-  logits: Callable[[Params, Array], Array]  # (actor, tokens [B, R]) → logits of tokens [B, R, V]
-  value: Callable[[Params, Array], Array]  # (critic, tokens) → V(s_t) before token t [B, R]
-  score: Callable[[Array, Array], Array]  # (tokens, mask) → sequence scores [B]
 
 
 class TrainState(NamedTuple):
@@ -44,104 +41,239 @@ class TrainState(NamedTuple):
   actor_opt: optax.OptState
   critic_opt: optax.OptState
   kl: kl_lib.KLControllerState
-  step: Array
-  key: Array
+  step: Array  # completed PPO iterations, int32
+  key: Array  # typed PRNG key
 
 
-class Experience(NamedTuple):
-  """One rollout's arrays, all [B, R]."""
+class Frozen(NamedTuple):
+  """Parameters that never train: the reference policy and the reward model (or None)."""
 
-  tokens: Array
-  mask: Array
-  old_logp: Array
-  ref_logp: Array
-  old_values: Array
-  advantages: Array
-  returns: Array
+  ref_actor: Params
+  reward: Params | None
 
 
-def kl_controller(cfg: ml_collections.ConfigDict) -> kl_lib.KLController:
+@dataclasses.dataclass(frozen=True)
+class Models:
+  """The modules (hashable, static) and how a sequence is scored."""
+
+  policy: nn.Module  # a CausalLM
+  critic: nn.Module  # a ValueModel
+  reward: nn.Module | None = None  # a ValueModel used as reward model, or
+  reward_fn: RewardFn | None = None  # a JAX rule (prompts, prompt_mask, responses, mask) → [B]
+
+  def __post_init__(self):
+    if self.reward is not None and self.reward_fn is not None:
+      raise ValueError("give one of reward (a reward model) and reward_fn, not both")
+
+
+# ---------------------------------------------------------------------------------------------
+# Optimizers
+# ---------------------------------------------------------------------------------------------
+
+
+def lr_schedule(lr: float, total_steps: int, warmup_steps: int = 0, decay: str = "constant",
+                end_factor: float = 0.0) -> optax.Schedule:
+  """Linear warmup 0 → lr over ``warmup_steps``, then ``decay`` ("constant", "linear" or
+  "cosine") from lr to end_factor·lr at ``total_steps`` (optimizer steps)."""
+  decay_steps = max(total_steps - warmup_steps, 1)
+  if decay == "constant":
+    after = optax.constant_schedule(lr)
+  elif decay == "linear":
+    after = optax.linear_schedule(lr, lr * end_factor, decay_steps)
+  elif decay == "cosine":
+    after = optax.cosine_decay_schedule(lr, decay_steps, alpha=end_factor)
+  else:
+    raise ValueError(f"unknown lr decay {decay!r}: choose constant, linear or cosine")
+  if not warmup_steps:
+    return after
+  warmup = optax.linear_schedule(0.0, lr, warmup_steps)
+  return optax.join_schedules([warmup, after], [warmup_steps])
+
+
+def make_optimizer(schedule: optax.Schedule, max_grad_norm: float, weight_decay: float = 0.0,
+                   b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8
+                   ) -> optax.GradientTransformation:
+  """Global-norm clipping, then AdamW on ``schedule`` (counts optimizer steps)."""
+  return optax.chain(optax.clip_by_global_norm(max_grad_norm),
+                     optax.adamw(schedule, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay))
+
+
+def kl_controller(cfg) -> kl_lib.KLController:
   if cfg.adaptive_kl:
     return kl_lib.adaptive_kl_controller(cfg.kl_coef, cfg.target_kl, cfg.kl_horizon)
   return kl_lib.fixed_kl_controller(cfg.kl_coef)
 
 
-def init_state(key, actor, critic, actor_tx, critic_tx, cfg) -> TrainState:
+def init_state(key: Array, actor: Params, critic: Params, actor_tx, critic_tx, cfg
+               ) -> TrainState:
   return TrainState(
       actor=actor, critic=critic, actor_opt=actor_tx.init(actor), critic_opt=critic_tx.init(critic),
       kl=kl_controller(cfg).init(), step=jnp.zeros((), jnp.int32), key=key)
 
 
-def make_experience(models: Models, ref_actor: Params, state: TrainState, key: Array, cfg):
-  """Rollout and everything computed from it once per iteration (no gradients)."""
-  tokens = models.sample(state.actor, key, cfg.batch_size, cfg.temperature)
-  mask = ops.response_mask(tokens, cfg.stop_ids)
-  has_stop = ops.has_stop_token(tokens, cfg.stop_ids)
-  tokens = ops.truncate_after_stop(tokens, cfg.stop_ids, cfg.pad_id)
-  old_logp = ops.selective_log_softmax(models.logits(state.actor, tokens), tokens, cfg.temperature)
-  ref_logp = ops.selective_log_softmax(models.logits(ref_actor, tokens), tokens, cfg.temperature)
-  old_values = models.value(state.critic, tokens)
-  scores = models.score(tokens, mask)
-  token_rewards, reward_metrics = rewards.shape_rewards(
-      scores, old_logp, ref_logp, mask, state.kl.beta, has_stop=has_stop,
-      kl_estimator=cfg.kl_estimator, missing_stop_penalty=cfg.missing_stop_penalty)
-  advantages, returns = adv_lib.gae(
-      token_rewards, old_values, mask, cfg.gamma, cfg.lam, whiten=cfg.whiten_advantages)
-  exp = Experience(tokens, mask, old_logp, ref_logp, old_values, advantages, returns)
-  metrics = {f"objective/{k}": v for k, v in reward_metrics.items()}
-  metrics["val/num_eos_tokens"] = jnp.sum(has_stop)
-  metrics["objective/response_length"] = jnp.mean(jnp.sum(mask, axis=1))
-  return exp, metrics
+# ---------------------------------------------------------------------------------------------
+# The update: E epochs × M minibatches × K micro-batches
+# ---------------------------------------------------------------------------------------------
 
 
-def ppo_minibatch_loss(params, models: Models, mb: Experience, cfg):
+def _micro_weight(micro_mask: Array, minibatch_mask: Array, aggregation: str) -> Array:
+  """The share of a micro-batch in its minibatch's loss, so that Σ_k w_k·L_k is exactly the
+  minibatch loss: its token count over the minibatch's (token_mean), or its non-empty rows over
+  the minibatch's (seq_mean)."""
+  if aggregation == "seq_mean":
+    micro_mask, minibatch_mask = (jnp.any(m, axis=-1) for m in (micro_mask, minibatch_mask))
+  return ops.masked_count(micro_mask) / jnp.maximum(ops.masked_count(minibatch_mask), 1)
+
+
+def ppo_loss_on(params, models: Models, exp: Experience, cfg, temperature: float
+                ) -> tuple[Array, dict]:
+  """The clipped PPO loss of actor and critic on (a slice of) the experience; log-probs and
+  entropy at the sampling ``temperature``."""
   actor, critic = params
-  logits = models.logits(actor, mb.tokens)
-  logp = ops.selective_log_softmax(logits, mb.tokens, cfg.temperature)
-  entropy = ops.entropy_from_logits(logits, cfg.temperature)
-  values = models.value(critic, mb.tokens)
+  r = exp.rollout
+  logits = response_logits(models.policy, actor, r.prompts, r.prompt_mask, r.responses, r.mask)
+  logp = ops.selective_log_softmax(logits, r.responses, temperature)
+  entropy = ops.entropy_from_logits(logits, temperature)
+  if not cfg.ent_coef:  # a metric only: no gradient through it
+    entropy = jax.lax.stop_gradient(entropy)
+  values = response_values(models.critic, critic, r.prompts, r.prompt_mask, r.responses, r.mask)
   return losses.ppo_loss(
-      logp, mb.old_logp, mb.advantages, values, mb.old_values, mb.returns, mb.mask, entropy,
+      logp, r.old_logp, exp.advantages, values, r.old_values, exp.returns, r.mask, entropy,
       vf_coef=cfg.vf_coef, ent_coef=cfg.ent_coef, clip_eps=cfg.clip_eps,
-      value_clip=cfg.value_clip, aggregation=cfg.aggregation)
+      dual_clip=cfg.dual_clip, value_clip=cfg.value_clip, aggregation=cfg.aggregation)
 
 
-def update(models: Models, actor_tx, critic_tx, state: TrainState, exp: Experience, key, cfg):
-  """E epochs × M shuffled minibatches of Adam steps, as one ``lax.scan``."""
-  batch = cfg.batch_size
-  mb_size = batch // cfg.num_minibatches
-  perms = jax.vmap(lambda k: jax.random.permutation(k, batch))(
-      jax.random.split(key, cfg.num_epochs))
-  indices = perms.reshape(cfg.num_epochs * cfg.num_minibatches, mb_size)
+def _minibatch_grads(params, models: Models, exp: Experience, idx: Array, cfg, temperature):
+  """Gradient and metrics of the minibatch ``idx`` [K, n], summed over its K micro-batches."""
+  mb_mask = exp.rollout.mask[idx.reshape(-1)]
+  grad_fn = jax.grad(ppo_loss_on, has_aux=True)
 
-  def mb_step(carry, idx):
+  def micro(grads, micro_idx):
+    part = jax.tree.map(lambda x: x[micro_idx], exp)
+    w = _micro_weight(part.rollout.mask, mb_mask, cfg.aggregation)
+    g, metrics = grad_fn(params, models, part, cfg, temperature)
+    scale = lambda t: jax.tree.map(lambda x: w * x, t)  # noqa: E731
+    return jax.tree.map(jnp.add, grads, scale(g)), scale(metrics)
+
+  if idx.shape[0] == 1:  # no accumulation buffer
+    grads, metrics = grad_fn(params, models, jax.tree.map(lambda x: x[idx[0]], exp), cfg,
+                             temperature)
+    return grads, metrics
+  zeros = jax.tree.map(jnp.zeros_like, params)
+  grads, metrics = jax.lax.scan(micro, zeros, idx)
+  return grads, jax.tree.map(lambda m: jnp.sum(m, axis=0), metrics)
+
+
+def update(models: Models, actor_tx, critic_tx, state: TrainState, exp: Experience, key: Array,
+           cfg, temperature: float) -> tuple[TrainState, dict]:
+  """E epochs of M shuffled minibatches, each one optimizer step on the sum of K micro-batch
+  gradients; metrics are averaged over the E·M steps."""
+  batch = exp.advantages.shape[0]
+  e, m, k = cfg.num_epochs, cfg.num_minibatches, cfg.grad_accum
+  perms = jax.vmap(lambda kk: jax.random.permutation(kk, batch))(jax.random.split(key, e))
+  indices = perms.reshape(e * m, k, batch // (m * k))
+
+  def step(carry, idx):
     actor, critic, actor_opt, critic_opt = carry
-    mb = jax.tree.map(lambda x: x[idx], exp)
-    grads, metrics = jax.grad(ppo_minibatch_loss, has_aux=True)((actor, critic), models, mb, cfg)
-    a_upd, actor_opt = actor_tx.update(grads[0], actor_opt, actor)
-    c_upd, critic_opt = critic_tx.update(grads[1], critic_opt, critic)
-    carry = (optax.apply_updates(actor, a_upd), optax.apply_updates(critic, c_upd),
-             actor_opt, critic_opt)
-    return carry, metrics
+    (g_actor, g_critic), metrics = _minibatch_grads(
+        (actor, critic), models, exp, idx, cfg, temperature)
+    a_upd, actor_opt = actor_tx.update(g_actor, actor_opt, actor)
+    c_upd, critic_opt = critic_tx.update(g_critic, critic_opt, critic)
+    metrics["policy/grad_norm"] = optax.tree.norm(g_actor)
+    metrics["val/grad_norm"] = optax.tree.norm(g_critic)
+    return (optax.apply_updates(actor, a_upd), optax.apply_updates(critic, c_upd),
+            actor_opt, critic_opt), metrics
 
-  init = (state.actor, state.critic, state.actor_opt, state.critic_opt)
-  (actor, critic, actor_opt, critic_opt), metrics = jax.lax.scan(mb_step, init, indices)
+  carry = (state.actor, state.critic, state.actor_opt, state.critic_opt)
+  (actor, critic, actor_opt, critic_opt), metrics = jax.lax.scan(step, carry, indices)
   state = state._replace(actor=actor, critic=critic, actor_opt=actor_opt, critic_opt=critic_opt)
   return state, jax.tree.map(jnp.mean, metrics)
 
 
-def make_train_step(models: Models, ref_actor: Params, actor_tx, critic_tx, cfg):
-  """Returns ``train_step(state) -> (state, metrics)``: one whole PPO iteration, jit-compiled."""
+# ---------------------------------------------------------------------------------------------
+# The step
+# ---------------------------------------------------------------------------------------------
+
+
+class PPOStep(NamedTuple):
+  """The compiled pieces of one PPO iteration.
+
+  * ``fused(state, frozen, prompts) → (state, metrics, rollout, scores)``: the whole
+    iteration, one compiled function (JAX rewards only; None with a Python reward).
+  * ``rollout(state, frozen, prompts) → Rollout``, ``score(frozen, rollout) → scores [B]``
+    (compiled, or the Python reward on host arrays), ``learn(state, rollout, scores) →
+    (state, metrics)``: the same iteration in three parts, for a Python reward or for timing
+    the phases.
+  """
+
+  fused: Callable | None
+  rollout: Callable
+  score: Callable
+  learn: Callable
+
+
+def _keys(state: TrainState):
+  """(next state key, sampling key, update key): the same split in every path."""
+  return tuple(jax.random.split(state.key, 3))
+
+
+def make_ppo_step(models: Models, actor_tx, critic_tx, actor_schedule: optax.Schedule,
+                  sampling: SamplingConfig, cfg, *, python_reward: Callable | None = None,
+                  state_shardings=None) -> PPOStep:
+  """Builds the compiled step. ``cfg`` is the ``ppo`` config section.
+
+  ``python_reward(rollout_on_host) → scores [B]`` receives the rollout as NumPy arrays;
+  ``state_shardings`` (a TrainState of shardings) pins the state's layout across steps.
+  """
   controller = kl_controller(cfg)
+  sources = [models.reward, models.reward_fn, python_reward]
+  if sum(x is not None for x in sources) != 1:
+    raise ValueError("give exactly one reward: Models.reward (a reward model), Models.reward_fn "
+                     "(a JAX rule) or python_reward (a host function)")
 
-  def train_step(state: TrainState):
-    key, k_sample, k_update = jax.random.split(state.key, 3)
-    exp, exp_metrics = make_experience(models, ref_actor, state, k_sample, cfg)
-    state, upd_metrics = update(models, actor_tx, critic_tx, state, exp, k_update, cfg)
-    kl_state = controller.update(state.kl, exp_metrics["objective/kl"], cfg.batch_size)
-    metrics = {**exp_metrics, **{f"{k}_avg": v for k, v in upd_metrics.items()},
-               "objective/kl_coef": state.kl.beta}
-    state = state._replace(kl=kl_state, step=state.step + 1, key=key)
-    return state, metrics
+  def do_rollout(state: TrainState, frozen: Frozen, prompts: Prompts) -> Rollout:
+    _, k_sample, _ = _keys(state)
+    return rollout(models.policy, models.critic, state.actor, frozen.ref_actor, state.critic,
+                   prompts, k_sample, sampling)
 
-  return jax.jit(train_step, donate_argnums=0)
+  def do_score(frozen: Frozen, r: Rollout) -> Array:
+    args = (r.prompts, r.prompt_mask, r.responses, r.mask)
+    if models.reward is not None:
+      return model_scores(models.reward, frozen.reward, *args)
+    return models.reward_fn(*args).astype(jnp.float32)
+
+  def do_learn(state: TrainState, r: Rollout, scores: Array) -> tuple[TrainState, dict]:
+    next_key, _, k_update = _keys(state)
+    exp, exp_metrics = make_experience(r, scores, state.kl.beta, cfg)
+    lr = actor_schedule(_opt_count(state.actor_opt))
+    state, upd = update(models, actor_tx, critic_tx, state, exp, k_update, cfg,
+                        sampling.temperature)
+    metrics = {**exp_metrics, **{f"{k}_avg": v for k, v in upd.items()},
+               "objective/kl_coef": state.kl.beta, "lr": lr}
+    kl_state = controller.update(state.kl, exp_metrics["objective/kl"], scores.shape[0])
+    return state._replace(kl=kl_state, step=state.step + 1, key=next_key), metrics
+
+  def fused(state, frozen, prompts):
+    r = do_rollout(state, frozen, prompts)
+    scores = do_score(frozen, r)
+    state, metrics = do_learn(state, r, scores)
+    return state, metrics, r, scores
+
+  out = None if state_shardings is None else (state_shardings, None)
+  learn = jax.jit(do_learn, donate_argnums=0, out_shardings=out)
+  rollout_fn = jax.jit(do_rollout)
+  if python_reward is not None:
+    def score(frozen, r):
+      del frozen
+      return jnp.asarray(np.asarray(python_reward(jax.device_get(r)), np.float32))
+    return PPOStep(fused=None, rollout=rollout_fn, score=score, learn=learn)
+  fused_out = None if out is None else (state_shardings, None, None, None)
+  return PPOStep(fused=jax.jit(fused, donate_argnums=0, out_shardings=fused_out),
+                 rollout=rollout_fn,
+                 score=jax.jit(do_score), learn=learn)
+
+
+def _opt_count(opt_state) -> Array:
+  """The optimizer step count inside an optax state (the schedule's argument)."""
+  counts = optax.tree_utils.tree_get_all_with_path(opt_state, "count")
+  return counts[0][1] if counts else jnp.zeros((), jnp.int32)

@@ -128,14 +128,22 @@ def _dense(cfg: ModelConfig, features: int, bias: bool, name: str) -> nn.Dense:
 
 def attend(q: Array, k: Array, v: Array, allowed: Array) -> Array:
   """softmax(q·kᵀ/√D masked by ``allowed`` [B, T, S])·v, grouped-query: q [B,T,H,D], k/v
-  [B,H_kv,S,D] with H a multiple of H_kv. Scores and softmax in float32."""
+  [B,H_kv,S,D] with H a multiple of H_kv. Scores and softmax in float32.
+
+  The G = H/H_kv query heads of a group and the T positions are folded into one axis, so both
+  products are plain batched matmuls over (B, H_kv) with no transposed operand; at T = 1 (decode)
+  every transpose here is a free reshape.
+  """
   b, t, h, d = q.shape
-  g = h // k.shape[1]
-  q = q.reshape(b, t, k.shape[1], g, d)
-  scores = jnp.einsum("btkgd,bksd->bkgts", q, k, preferred_element_type=jnp.float32)
+  hk = k.shape[1]
+  g = h // hk
+  q = q.reshape(b, t, hk, g, d).transpose(0, 2, 3, 1, 4).reshape(b, hk, g * t, d)
+  scores = jnp.einsum("bkqd,bksd->bkqs", q, k, preferred_element_type=jnp.float32)
+  scores = scores.reshape(b, hk, g, t, -1)
   scores = jnp.where(allowed[:, None, None], scores / math.sqrt(d), jnp.finfo(jnp.float32).min)
-  probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-  return jnp.einsum("bkgts,bksd->btkgd", probs, v).reshape(b, t, h, d)
+  probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype).reshape(b, hk, g * t, -1)
+  out = jnp.einsum("bkqs,bksd->bkqd", probs, v).reshape(b, hk, g, t, d)
+  return out.transpose(0, 3, 1, 2, 4).reshape(b, t, h, d)
 
 
 def _update_cache(cache: KVCache, layer, cache_index, k: Array, v: Array):
@@ -285,10 +293,19 @@ class CausalLM(nn.Module):
     if not self.cfg.tie_word_embeddings:
       self.lm_head = _dense(self.cfg, self.cfg.vocab_size, False, "lm_head")
 
-  def __call__(self, tokens, positions, kv_mask, cache=None, cache_index=0):
-    x, cache = self.model(tokens, positions, kv_mask, cache, cache_index)
-    logits = self.model.embed.attend(x) if self.cfg.tie_word_embeddings else self.lm_head(x)
-    return logits, cache
+  def __call__(self, tokens, positions, kv_mask, cache=None, cache_index=0, last_only=False):
+    """``last_only``: logits of the last position only, [B, 1, V] (a generation prefill needs
+    no others, and the LM head over a whole prompt costs as much as several layers)."""
+    x, cache = self.hidden(tokens, positions, kv_mask, cache, cache_index)
+    return self.logits(x[:, -1:] if last_only else x), cache
+
+  def hidden(self, tokens, positions, kv_mask, cache=None, cache_index=0):
+    """Final hidden states [B, T, D] and the cache (``apply(..., method="hidden")``)."""
+    return self.model(tokens, positions, kv_mask, cache, cache_index)
+
+  def logits(self, x):
+    """The LM head on hidden states [..., D] → [..., V] (``apply(..., method="logits")``)."""
+    return self.model.embed.attend(x) if self.cfg.tie_word_embeddings else self.lm_head(x)
 
 
 class ValueModel(nn.Module):

@@ -1,0 +1,141 @@
+"""Rollout → experience: everything PPO computes once per iteration, without gradients.
+
+    responses           = generate(policy, prompts)                    [B, R]
+    old_logp, ref_logp  = log π_T(response | prefix) under actor / reference
+    old_values          = V(s_t), the critic at the position before each response token
+    scores              = reward model at the last response token, or a reward function
+    rewards             = −β·KL_t (+ score on the last response token)
+    advantages, returns = GAE over the response mask (whitened advantages)
+
+A prompt + response sequence is scored in one forward pass over [B, P + R] tokens: the logits at
+position P − 1 + t predict response token t, and the critic's output there is V(s_t) (the
+state holding the prompt and t response tokens). Tokens after a response's stop token are
+masked out of attention and out of every statistic.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, NamedTuple
+
+import chex
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from ppojax import advantages as adv_lib
+from ppojax import ops, rewards
+from ppojax.models.transformer import positions_from_mask
+from ppojax.sampling import SamplingConfig, generate
+
+Array = jax.Array
+# (prompts [B, P], prompt_mask [B, P], responses [B, R], response_mask [B, R]) → scores [B]
+RewardFn = Callable[[Array, Array, Array, Array], Array]
+
+
+class Prompts(NamedTuple):
+  """A batch of left-padded prompts: tokens and mask [B, P]."""
+
+  tokens: Array
+  mask: Array
+
+
+class Rollout(NamedTuple):
+  """Sampled responses and the model outputs on them, all [B, R] unless noted."""
+
+  prompts: Array  # [B, P]
+  prompt_mask: Array  # [B, P]
+  responses: Array  # int32, pad_id after the first stop token
+  mask: Array  # bool response mask (the stop token included)
+  has_stop: Array  # [B] bool: ended by a stop token, not by the length limit
+  old_logp: Array  # log π_old(token), temperature-scaled
+  ref_logp: Array  # log π_ref(token), same temperature
+  old_values: Array  # V_old(s_t)
+
+
+class Experience(NamedTuple):
+  """What the update consumes: the rollout plus advantages and returns [B, R]."""
+
+  rollout: Rollout
+  advantages: Array
+  returns: Array
+
+
+def sequence(prompts: Array, prompt_mask: Array, responses: Array, response_mask: Array
+             ) -> tuple[Array, Array, Array]:
+  """Prompt + response as one left-padded sequence: (tokens, mask, positions), [B, P + R]."""
+  chex.assert_equal_shape_prefix([prompts, prompt_mask, responses, response_mask], 1)
+  tokens = jnp.concatenate([prompts, responses], axis=1)
+  mask = jnp.concatenate([prompt_mask.astype(jnp.bool_), response_mask.astype(jnp.bool_)], 1)
+  return tokens, mask, positions_from_mask(mask)
+
+
+def response_logits(module: nn.Module, params, prompts, prompt_mask, responses, response_mask
+                    ) -> Array:
+  """Logits [B, R, V] that predict each response token: the LM head at positions P−1 … P+R−2
+  (the head runs on those R positions only)."""
+  tokens, mask, positions = sequence(prompts, prompt_mask, responses, response_mask)
+  hidden, _ = module.apply({"params": params}, tokens, positions, mask, method="hidden")
+  p = prompts.shape[1]
+  return module.apply({"params": params}, hidden[:, p - 1:-1], method="logits")
+
+
+def response_logprobs(module, params, prompts, prompt_mask, responses, response_mask,
+                      temperature: float) -> Array:
+  """log π_T(response_t | prefix) [B, R], float32, 0 off the mask."""
+  logits = response_logits(module, params, prompts, prompt_mask, responses, response_mask)
+  logp = ops.selective_log_softmax(logits, responses, temperature)
+  return jnp.where(response_mask, logp, 0.0)
+
+
+def response_values(module: nn.Module, params, prompts, prompt_mask, responses, response_mask
+                    ) -> Array:
+  """V(s_t) [B, R] from a ``ValueModel``: its output at the position before response token t."""
+  tokens, mask, positions = sequence(prompts, prompt_mask, responses, response_mask)
+  out, _ = module.apply({"params": params}, tokens, positions, mask)
+  return jnp.where(response_mask, out[:, prompts.shape[1] - 1:-1], 0.0)
+
+
+def model_scores(module: nn.Module, params, prompts, prompt_mask, responses, response_mask
+                 ) -> Array:
+  """A reward model's score [B]: its output at the last response token."""
+  tokens, mask, positions = sequence(prompts, prompt_mask, responses, response_mask)
+  out, _ = module.apply({"params": params}, tokens, positions, mask)
+  return ops.gather_last(out[:, prompts.shape[1]:], response_mask)
+
+
+def rollout(policy: nn.Module, critic: nn.Module, actor, ref_actor, critic_params,
+            prompts: Prompts, key: Array, sampling: SamplingConfig) -> Rollout:
+  """Sample responses from the actor, then score them with actor, reference and critic."""
+  gen = generate(policy, actor, prompts.tokens, prompts.mask, key, sampling)
+  args = (prompts.tokens, prompts.mask, gen.tokens, gen.mask)
+  logp = lambda params: response_logprobs(policy, params, *args, sampling.temperature)  # noqa
+  return Rollout(
+      prompts=prompts.tokens, prompt_mask=prompts.mask, responses=gen.tokens, mask=gen.mask,
+      has_stop=ops.has_stop_token(gen.tokens, sampling.stop_ids),
+      old_logp=jax.lax.stop_gradient(logp(actor)), ref_logp=jax.lax.stop_gradient(logp(ref_actor)),
+      old_values=jax.lax.stop_gradient(response_values(critic, critic_params, *args)))
+
+
+def make_experience(r: Rollout, scores: Array, beta: Array, cfg) -> tuple[Experience, dict]:
+  """Shaped rewards and GAE from a rollout and its sequence scores [B].
+
+  ``cfg`` (the ``ppo`` config section) supplies kl_estimator, missing_stop_penalty, score_clip,
+  whiten_rewards, gamma, lam and whiten_advantages.
+  """
+  token_rewards, metrics = rewards.shape_rewards(
+      scores, r.old_logp, r.ref_logp, r.mask, beta, has_stop=r.has_stop,
+      kl_estimator=cfg.kl_estimator, score_clip=cfg.score_clip,
+      missing_stop_penalty=cfg.missing_stop_penalty, whiten=cfg.whiten_rewards)
+  adv, ret = adv_lib.gae(token_rewards, r.old_values, r.mask, cfg.gamma, cfg.lam,
+                         whiten=cfg.whiten_advantages)
+  metrics = {f"objective/{k}": v for k, v in metrics.items()}
+  lengths = jnp.sum(r.mask, axis=1)
+  metrics.update({
+      # trl's objective/entropy: the sampled responses' mean Σ_t −log π(token)
+      "objective/entropy": jnp.mean(jnp.sum(-r.old_logp, axis=1)),
+      "objective/scores_raw": jnp.mean(scores.astype(jnp.float32)),
+      "val/num_eos_tokens": jnp.sum(r.has_stop),
+      "val/response_length": jnp.mean(lengths),
+      "val/values_rollout": ops.masked_mean(r.old_values, r.mask),
+  })
+  return Experience(r, adv, ret), metrics

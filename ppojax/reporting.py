@@ -1,0 +1,455 @@
+"""What the training CLI reports: a progress bar, metric logs, sample tables and curve plots.
+
+Plain Python and NumPy; the optional back ends (``tensorboardX``, ``wandb``, ``matplotlib``) are
+imported only when used.
+
+Files written under a run's ``workdir``:
+
+  metrics.jsonl   one JSON object per logged step: ``{"step": 12, "objective/kl": 0.013, ...}``
+  samples.jsonl   one JSON object per sample: ``{"step": 12, "prompt": ..., "response": ...}``
+  tensorboard/    TensorBoard event files (scalars, and the samples table as text)
+
+Non-finite floats are written as the JSON *strings* ``"nan"``, ``"inf"`` and ``"-inf"``, so every
+line is standard JSON (no bare ``NaN`` tokens) and nothing is lost: :func:`read_metrics` turns
+them back into floats.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import time
+import uuid
+from typing import Any, Callable, Iterable, TextIO
+
+import numpy as np
+
+METRICS_FILE = "metrics.jsonl"
+SAMPLES_FILE = "samples.jsonl"
+TENSORBOARD_DIR = "tensorboard"
+
+_NONFINITE = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}
+
+
+# ---------------------------------------------------------------------------------------------
+# Progress bar.
+
+
+def _format_duration(seconds: float) -> str:
+  """``32s``, ``4m32s``, ``1h02m03s``."""
+  s = int(round(seconds))
+  h, rest = divmod(s, 3600)
+  m, s = divmod(rest, 60)
+  if h:
+    return f"{h}h{m:02d}m{s:02d}s"
+  if m:
+    return f"{m}m{s:02d}s"
+  return f"{s}s"
+
+
+def _format_rate(seconds_per_it: float) -> str:
+  """Seconds per iteration to 3 significant digits, trailing zeros kept: 3.10, 0.0123, 123."""
+  if seconds_per_it >= 100:
+    return f"{seconds_per_it:.0f}"
+  return f"{seconds_per_it:#.3g}"
+
+
+def _short_name(key: str) -> str:
+  """The last path component of a metric name: ``objective/kl`` -> ``kl``."""
+  return key.rsplit("/", 1)[-1]
+
+
+def _is_tty(stream: Any) -> bool:
+  try:
+    return bool(stream.isatty())
+  except (AttributeError, ValueError, OSError):
+    return False
+
+
+class ProgressBar:
+  """A one-line progress bar with time per iteration, ETA and a few metrics.
+
+  ``[#########.....]  12/100  12%  3.10 s/it  ETA 4m32s  scores=0.512 kl=0.013``
+
+  Time per iteration is wall time since construction over the steps done since ``start``, so a
+  run resumed at step ``start`` gets a sane ETA. On a TTY the line is redrawn in place with
+  ``"\\r"``; on any other stream (a log file, a CI console) each :meth:`update` writes one line.
+  """
+
+  def __init__(self, total: int, start: int = 0, stream: TextIO | None = None, width: int = 30,
+               *, clock: Callable[[], float] = time.monotonic):
+    if total <= 0:
+      raise ValueError(f"ProgressBar total must be positive, got total={total}")
+    if width < 1:
+      raise ValueError(f"ProgressBar width must be positive, got width={width}")
+    self.total = int(total)
+    self.start = int(start)
+    self.width = int(width)
+    self.stream = sys.stderr if stream is None else stream
+    self._clock = clock
+    self._t0 = clock()
+    self._tty = _is_tty(self.stream)
+    self._metrics: dict[str, float] = {}
+    self._last_len = 0
+    self._drawn = False
+    self._closed = False
+
+  def render(self, step: int, metrics: dict[str, float] | None = None) -> str:
+    """The bar's text for ``step`` (no ``"\\r"`` or newline); ``update`` writes it."""
+    frac = min(max(step / self.total, 0.0), 1.0)
+    filled = int(self.width * frac)
+    bar = "#" * filled + "." * (self.width - filled)
+    counter = f"{step:>{len(str(self.total))}}/{self.total}"
+    pct = f"{int(100 * step / self.total):3d}%"
+    done = step - self.start
+    if done > 0:
+      per_it = (self._clock() - self._t0) / done
+      eta = _format_duration(per_it * max(self.total - step, 0))
+      timing = f"{_format_rate(per_it)} s/it  ETA {eta}"
+    else:
+      timing = "? s/it  ETA ?"
+    parts = [f"[{bar}]", counter, pct, timing]
+    shown = self._metrics if metrics is None else metrics
+    if shown:
+      parts.append(" ".join(f"{_short_name(k)}={float(v):.4g}" for k, v in shown.items()))
+    return "  ".join(parts)
+
+  def update(self, step: int, metrics: dict[str, float] | None = None) -> None:
+    """Draws the bar at ``step``. Without ``metrics`` the last metrics given are shown again."""
+    if metrics is not None:
+      self._metrics = dict(metrics)
+    line = self.render(step)
+    if self._tty:
+      pad = " " * max(self._last_len - len(line), 0)  # Clears the rest of a longer old line.
+      self.stream.write("\r" + line + pad)
+      self._last_len = len(line)
+    else:
+      self.stream.write(line + "\n")
+    self.stream.flush()
+    self._drawn = True
+    self._closed = False
+
+  def close(self) -> None:
+    """Ends the bar's line (a newline on a TTY; nothing is needed otherwise). Idempotent."""
+    if self._tty and self._drawn and not self._closed:
+      self.stream.write("\n")
+      self.stream.flush()
+    self._closed = True
+
+  def __enter__(self) -> ProgressBar:
+    return self
+
+  def __exit__(self, *exc) -> None:
+    self.close()
+
+
+# ---------------------------------------------------------------------------------------------
+# JSON lines.
+
+
+def _number(key: str, value: Any) -> int | float:
+  """A metric value (Python, NumPy or JAX scalar) as a Python int or float."""
+  a = np.asarray(value)
+  if a.shape != ():
+    raise ValueError(f"metric {key!r} must be a scalar, got an array of shape {a.shape}")
+  if a.dtype.kind in "iub":
+    return int(a)
+  return float(a)
+
+
+def _jsonable(value: Any) -> Any:
+  """Non-finite floats as the strings "nan"/"inf"/"-inf"; other values unchanged."""
+  if isinstance(value, float) and not math.isfinite(value):
+    return "nan" if math.isnan(value) else ("inf" if value > 0 else "-inf")
+  return value
+
+
+def _dumps(row: dict[str, Any]) -> str:
+  return json.dumps({k: _jsonable(v) for k, v in row.items()}, ensure_ascii=False,
+                    allow_nan=False)
+
+
+def _temp_file_next_to(path: str, suffix: str) -> tuple[int, str]:
+  """Creates a new hidden file in ``path``'s directory (so ``os.replace`` onto ``path`` is
+  atomic), with the usual 0o666 & ~umask permissions; returns its fd and path."""
+  directory = os.path.dirname(os.path.abspath(path))
+  while True:
+    tmp = os.path.join(directory, f".{os.path.basename(path)}.{uuid.uuid4().hex[:12]}{suffix}")
+    try:
+      return os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666), tmp
+    except FileExistsError:
+      continue
+
+
+def _replace_atomically(path: str, data: bytes) -> None:
+  """Writes ``data`` to a temp file next to ``path``, then ``os.replace``s it over ``path``."""
+  fd, tmp = _temp_file_next_to(path, ".tmp")
+  try:
+    with os.fdopen(fd, "wb") as f:
+      f.write(data)
+      f.flush()
+      os.fsync(f.fileno())
+    if os.path.exists(path):
+      os.chmod(tmp, os.stat(path).st_mode & 0o7777)
+    os.replace(tmp, path)
+  except BaseException:
+    if os.path.exists(tmp):
+      os.unlink(tmp)
+    raise
+
+
+def _ends_with_newline(path: str) -> bool:
+  with open(path, "rb") as f:
+    f.seek(0, os.SEEK_END)
+    if f.tell() == 0:
+      return True
+    f.seek(-1, os.SEEK_END)
+    return f.read(1) == b"\n"
+
+
+def _truncate_jsonl(path: str, max_step: int | None) -> None:
+  """Drops the rows of a JSONL file with ``step > max_step`` and an unterminated last line (a
+  write cut off by a crash); the kept lines stay byte-identical. Rewrites only if needed."""
+  if not os.path.exists(path):
+    return
+  if max_step is None and _ends_with_newline(path):
+    return
+  with open(path, "rb") as f:
+    lines = f.read().splitlines(keepends=True)
+  kept = []
+  for i, line in enumerate(lines, 1):
+    if not line.endswith(b"\n"):
+      continue  # Only the last line can lack its newline: a partial write.
+    if max_step is None or not line.strip():
+      kept.append(line)
+      continue
+    try:
+      row = json.loads(line)
+    except ValueError as e:
+      raise ValueError(f"{path}:{i} is not a JSON line ({e}); fix or remove it to resume") from e
+    if not (isinstance(row, dict) and isinstance(row.get("step"), int) and row["step"] > max_step):
+      kept.append(line)
+  if len(kept) != len(lines):
+    _replace_atomically(path, b"".join(kept))
+
+
+def read_metrics(path: str) -> list[dict]:
+  """Reads a ``metrics.jsonl`` back: one dict per line, ``"nan"``/``"inf"``/``"-inf"`` strings
+  turned back into floats. An unterminated, unparsable last line (a write in progress) is
+  skipped; any other bad line raises ``ValueError``."""
+  with open(path, encoding="utf-8") as f:
+    text = f.read()
+  lines = text.split("\n")
+  rows = []
+  for i, line in enumerate(lines, 1):
+    if not line.strip():
+      continue
+    try:
+      row = json.loads(line)
+    except ValueError as e:
+      if i == len(lines):  # Last piece, no newline after it: a row still being written.
+        continue
+      raise ValueError(f"{path}:{i} is not a JSON line: {e}") from e
+    rows.append({k: _NONFINITE.get(v, v) if isinstance(v, str) else v for k, v in row.items()})
+  return rows
+
+
+# ---------------------------------------------------------------------------------------------
+# Metric writer.
+
+
+def _import_wandb(project: str):
+  try:
+    import wandb  # pylint: disable=import-outside-toplevel
+  except ImportError as e:
+    raise ImportError(f"wandb_project={project!r} was set but wandb is not installed: "
+                      "pip install wandb, or unset it") from e
+  return wandb
+
+
+class MetricWriter:
+  """Writes metrics to ``workdir/metrics.jsonl``, TensorBoard and (optionally) Weights & Biases.
+
+  Args:
+    workdir: the run's directory; created if missing.
+    tensorboard: also write TensorBoard event files under ``workdir/tensorboard``.
+    wandb_project: log to this W&B project too (needs ``pip install wandb``). ``wandb`` is
+      imported only when this is set; ``wandb_config`` is ignored otherwise.
+    wandb_config: the run config shown in W&B.
+    resume_step: the step of the checkpoint a run resumes from. Rows with a larger step, written
+      by the interrupted run after that checkpoint, are dropped from ``metrics.jsonl`` and
+      ``samples.jsonl`` (atomic rewrite; earlier rows stay byte-identical) and hidden in
+      TensorBoard (``purge_step``), so the files match those of an uninterrupted run.
+  """
+
+  def __init__(self, workdir: str, *, tensorboard: bool = True, wandb_project: str | None = None,
+               wandb_config: dict | None = None, resume_step: int | None = None):
+    wandb = _import_wandb(wandb_project) if wandb_project is not None else None
+    if tensorboard:
+      from tensorboardX import SummaryWriter  # pylint: disable=import-outside-toplevel
+    self.workdir = os.fspath(workdir)
+    os.makedirs(self.workdir, exist_ok=True)
+    self.metrics_path = os.path.join(self.workdir, METRICS_FILE)
+    self.samples_path = os.path.join(self.workdir, SAMPLES_FILE)
+    _truncate_jsonl(self.metrics_path, resume_step)
+    _truncate_jsonl(self.samples_path, resume_step)
+    self._metrics_file = open(self.metrics_path, "a", encoding="utf-8")
+    self._samples_file = None  # Opened on the first write_samples.
+    self._tb = None
+    if tensorboard:
+      self._tb = SummaryWriter(
+          os.path.join(self.workdir, TENSORBOARD_DIR),
+          purge_step=None if resume_step is None else resume_step + 1,
+          # Event file names carry only whole seconds: a unique suffix stops two writers opened
+          # in the same second from overwriting each other's file.
+          filename_suffix=f".{uuid.uuid4().hex[:8]}",
+          # tensorboardX writes events from a background thread, flushing every flush_secs.
+          flush_secs=2)
+    self._wandb_run = None
+    if wandb is not None:
+      self._wandb_run = wandb.init(project=wandb_project, config=wandb_config, dir=self.workdir)
+
+  def write(self, step: int, metrics: dict[str, float]) -> None:
+    """Logs ``metrics`` at ``step`` to every sink. The JSONL line is flushed at once; TensorBoard
+    events reach the disk within about 2 s (tensorboardX's writer thread), or at ``close``."""
+    if "step" in metrics:
+      raise ValueError("metrics must not contain a 'step' key: it is the row's step column")
+    step = int(step)
+    values = {k: _number(k, v) for k, v in metrics.items()}
+    self._metrics_file.write(_dumps({"step": step, **values}) + "\n")
+    self._metrics_file.flush()
+    if self._tb is not None:
+      for k, v in values.items():
+        self._tb.add_scalar(k, v, step)
+    if self._wandb_run is not None:
+      self._wandb_run.log(values, step=step)
+
+  def write_samples(self, step: int, rows: list[dict]) -> None:
+    """Appends ``{"step": step, **row}`` lines to ``samples.jsonl`` and the rows' table to
+    TensorBoard text (tag ``samples``)."""
+    step = int(step)
+    if self._samples_file is None:
+      self._samples_file = open(self.samples_path, "a", encoding="utf-8")
+    for row in rows:
+      clean = {k: (_number(k, v) if _is_numeric(v) else v) for k, v in row.items()}
+      self._samples_file.write(_dumps({"step": step, **clean}) + "\n")
+    self._samples_file.flush()
+    if self._tb is not None:
+      # Indented 4 spaces: a Markdown code block, so TensorBoard keeps the columns aligned.
+      table = format_samples_table(rows)
+      self._tb.add_text("samples", "\n".join("    " + ln for ln in table.split("\n")), step)
+
+  def close(self) -> None:
+    """Flushes and closes every sink. Idempotent."""
+    for f in (self._metrics_file, self._samples_file):
+      if f is not None and not f.closed:
+        f.close()
+    if self._tb is not None:
+      self._tb.close()
+      self._tb = None
+    if self._wandb_run is not None:
+      self._wandb_run.finish()
+      self._wandb_run = None
+
+  def __enter__(self) -> MetricWriter:
+    return self
+
+  def __exit__(self, *exc) -> None:
+    self.close()
+
+
+def _is_numeric(value: Any) -> bool:
+  """Python/NumPy/JAX numbers, bools excluded."""
+  if isinstance(value, (bool, np.bool_, str)):
+    return False
+  return isinstance(value, (int, float, np.number)) or hasattr(value, "__array__")
+
+
+# ---------------------------------------------------------------------------------------------
+# Samples table.
+
+
+def _cell(text: Any, max_chars: int) -> str:
+  """One line of at most ``max_chars``: newlines shown as ⏎, tabs as ⇥, a cut marked by …."""
+  s = str(text).replace("\r\n", "⏎").replace("\n", "⏎").replace("\r", "⏎").replace("\t", "⇥")
+  if len(s) > max_chars:
+    s = s[:max_chars - 1] + "…"
+  return s
+
+
+def _score_cell(score: Any) -> str:
+  if score is None:
+    return ""
+  if _is_numeric(score):
+    return f"{float(np.asarray(score)):.4g}"
+  return str(score)
+
+
+def format_samples_table(rows: list[dict], max_chars: int = 80) -> str:
+  """A plain-text table of samples with columns ``score | prompt | response``.
+
+  Newlines show as ``⏎`` (tabs as ``⇥``), so each sample takes one line; texts longer than
+  ``max_chars`` are cut to ``max_chars`` characters, the last being ``…``.
+  """
+  if max_chars < 1:
+    raise ValueError(f"max_chars must be at least 1, got {max_chars}")
+  cells = [(_score_cell(r.get("score")), _cell(r.get("prompt", ""), max_chars),
+            _cell(r.get("response", ""), max_chars)) for r in rows]
+  header = ("score", "prompt", "response")
+  w_score = max([len(header[0])] + [len(c[0]) for c in cells])
+  w_prompt = max([len(header[1])] + [len(c[1]) for c in cells])
+  w_resp = max([len(header[2])] + [len(c[2]) for c in cells])
+
+  def line(score: str, prompt: str, response: str) -> str:
+    return f"{score:>{w_score}} | {prompt:<{w_prompt}} | {response}".rstrip()
+
+  out = [line(*header), "-" * w_score + "-+-" + "-" * w_prompt + "-+-" + "-" * w_resp]
+  out += [line(*c) for c in cells]
+  return "\n".join(out)
+
+
+# ---------------------------------------------------------------------------------------------
+# Curves.
+
+
+def plot_curves(metrics_path: str, out_path: str,
+                keys: Iterable[str] = ("objective/scores", "objective/kl", "objective/entropy"),
+                ) -> list[str]:
+  """Plots each of ``keys`` found in a ``metrics.jsonl`` against step, one subplot per key, to
+  a PNG at ``out_path`` (written atomically). Returns the keys plotted."""
+  # pylint: disable=import-outside-toplevel
+  from matplotlib.backends.backend_agg import FigureCanvasAgg
+  from matplotlib.figure import Figure
+
+  rows = read_metrics(metrics_path)
+  keys = list(keys)
+  present = [k for k in keys if any(r.get(k) is not None and "step" in r for r in rows)]
+  if not present:
+    available = sorted({k for r in rows for k in r} - {"step"})
+    raise ValueError(f"none of the keys {keys} is in {metrics_path} ({len(rows)} rows); "
+                     f"keys there: {available}")
+
+  # An explicit Agg canvas: renders without a display and leaves pyplot's backend alone.
+  fig = Figure(figsize=(7, 2.4 * len(present)), layout="constrained")
+  FigureCanvasAgg(fig)
+  axes = fig.subplots(len(present), 1, sharex=True, squeeze=False)[:, 0]
+  for ax, key in zip(axes, present):
+    points = sorted((r["step"], float(r[key])) for r in rows
+                    if r.get(key) is not None and "step" in r)
+    ax.plot([p[0] for p in points], [p[1] for p in points], marker="." if len(points) < 50 else "")
+    ax.set_title(key)
+    ax.grid(alpha=0.3)
+  axes[-1].set_xlabel("step")
+
+  fd, tmp = _temp_file_next_to(out_path, ".png")
+  os.close(fd)
+  try:
+    fig.savefig(tmp, format="png", dpi=100)
+    os.replace(tmp, out_path)
+  except BaseException:
+    if os.path.exists(tmp):
+      os.unlink(tmp)
+    raise
+  return present

@@ -1,0 +1,295 @@
+"""A training run from a config: build the models, state, mesh and compiled step, then loop
+(with checkpoints, metrics, sample tables, plots and the final export). ``ppojax.train`` is the
+command line around ``run``.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import pathlib
+import time
+from typing import Any, Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+
+from ppojax import sharding as sharding_lib
+from ppojax import step as step_lib
+from ppojax import tasks
+from ppojax.experience import Prompts
+from ppojax.models import (CausalLM, LoadedModel, ModelConfig, ValueModel, load_model,
+                           partition_rules, positions_from_mask, save_model)
+from ppojax.sampling import SamplingConfig
+
+SHOWN = ("objective/scores", "objective/kl", "objective/entropy", "policy/clipfrac_avg",
+         "val/response_length")
+
+
+class Run(NamedTuple):
+  """Everything a training loop needs, built from a config by ``build``."""
+
+  config: ml_collections.ConfigDict
+  models: step_lib.Models
+  frozen: step_lib.Frozen
+  state: step_lib.TrainState
+  step: step_lib.PPOStep
+  mesh: jax.sharding.Mesh
+  state_shardings: Any
+  prompts: Callable[[int], Prompts]  # data position → a batch of prompts (host arrays)
+  decode: Callable[[np.ndarray, np.ndarray], str]  # (tokens, mask) → text, for sample tables
+  policy: LoadedModel  # the initial policy (config and tokenizer, for export)
+
+
+# ---------------------------------------------------------------------------------------------
+# Models
+# ---------------------------------------------------------------------------------------------
+
+
+def tiny_model_config(c: ml_collections.ConfigDict) -> ModelConfig:
+  """A small random-init Llama-style model (``model.policy = "tiny"``)."""
+  return ModelConfig(
+      model_type="llama", vocab_size=c.vocab_size, hidden_size=c.hidden_size,
+      intermediate_size=c.intermediate_size, num_layers=c.num_layers, num_heads=c.num_heads,
+      num_kv_heads=c.num_kv_heads, head_dim=c.hidden_size // c.num_heads,
+      max_position_embeddings=c.max_position_embeddings, norm_eps=1e-5, tie_word_embeddings=True,
+      bos_token_id=tasks.BOS, eos_token_id=tasks.STOP, pad_token_id=tasks.STOP)
+
+
+def _init_params(module, key):
+  tokens = jnp.zeros((1, 2), jnp.int32)
+  mask = jnp.ones((1, 2), bool)
+  return module.init(key, tokens, positions_from_mask(mask), mask)["params"]
+
+
+def _numerics(config) -> dict:
+  return dict(dtype=config.model.dtype, remat=config.model.remat)
+
+
+def load_policy(config, key) -> LoadedModel:
+  name = config.model.policy
+  if name == "tiny":
+    cfg = tiny_model_config(config.model.tiny).replace(**_numerics(config))
+    return LoadedModel(cfg, _init_params(CausalLM(cfg), key), None, "lm")
+  return load_model(name, **_numerics(config))
+
+
+def critic_from_policy(policy: LoadedModel) -> LoadedModel:
+  """A ValueModel with the policy's backbone and a zero head (V = 0 at the start)."""
+  head = {"kernel": jnp.zeros((policy.cfg.hidden_size, 1), jnp.float32)}
+  backbone = jax.tree.map(jnp.copy, policy.params["model"])  # own buffers: the state is donated
+  return LoadedModel(policy.cfg, {"model": backbone, "score": head},
+                     policy.tokenizer, "value")
+
+
+def _import(path: str):
+  module, _, name = path.partition(":")
+  if not name:
+    raise ValueError(f"reward.fn={path!r}: expected 'package.module:function'")
+  return getattr(importlib.import_module(module), name)
+
+
+# ---------------------------------------------------------------------------------------------
+# Build
+# ---------------------------------------------------------------------------------------------
+
+
+def sampling_config(config, policy: LoadedModel) -> SamplingConfig:
+  s = config.sampling
+  stop_ids = tuple(s.stop_ids) if s.stop_ids else _eos_ids(policy)
+  pad_id = s.pad_id if s.pad_id is not None else (policy.cfg.pad_token_id or stop_ids[0])
+  return SamplingConfig(max_new_tokens=s.max_new_tokens, stop_ids=stop_ids, pad_id=pad_id,
+                        temperature=s.temperature, top_k=s.top_k, top_p=s.top_p)
+
+
+def _eos_ids(policy: LoadedModel) -> tuple[int, ...]:
+  eos = policy.cfg.eos_token_id
+  if eos is None:
+    raise ValueError("the policy's config has no eos_token_id: set sampling.stop_ids")
+  return tuple(eos) if isinstance(eos, (tuple, list)) else (eos,)
+
+
+def validate(config) -> None:
+  """Checks that need no model: sizes that must divide, and known choices."""
+  ppo = config.ppo
+  per_step = ppo.num_minibatches * ppo.grad_accum
+  if ppo.batch_size % per_step:
+    raise ValueError(
+        f"ppo.batch_size={ppo.batch_size} is not divisible by ppo.num_minibatches × "
+        f"ppo.grad_accum = {ppo.num_minibatches} × {ppo.grad_accum}; change one of them")
+  if config.reward.kind not in ("jax", "python", "model"):
+    raise ValueError(f"reward.kind={config.reward.kind!r}: choose jax, python or model")
+  if config.model.critic_init not in ("auto", "reward", "policy"):
+    raise ValueError(f"model.critic_init={config.model.critic_init!r}: choose auto, reward or "
+                     "policy")
+
+
+def build(config) -> Run:
+  validate(config)
+  key = jax.random.key(config.seed)
+  key, k_policy = jax.random.split(key)
+  policy = load_policy(config, k_policy)
+  reward_model = None
+  if config.reward.kind == "model":
+    reward_model = load_model(config.model.reward, head="value", **_numerics(config))
+  init = config.model.critic_init
+  if init == "reward" and reward_model is None:
+    raise ValueError("model.critic_init='reward' needs reward.kind='model' and model.reward")
+  critic = reward_model if init in ("reward", "auto") and reward_model else (
+      critic_from_policy(policy))
+
+  models = step_lib.Models(
+      policy=CausalLM(policy.cfg), critic=ValueModel(critic.cfg),
+      reward=ValueModel(reward_model.cfg) if reward_model else None,
+      reward_fn=_import(config.reward.fn) if config.reward.kind == "jax" else None)
+  python_reward = _import(config.reward.fn) if config.reward.kind == "python" else None
+
+  ppo, optim = config.ppo, config.optim
+  updates = config.num_iterations * ppo.num_epochs * ppo.num_minibatches
+  schedules = {name: step_lib.lr_schedule(o.lr, updates, o.warmup_steps, o.decay, o.end_factor)
+               for name, o in (("actor", optim.actor), ("critic", optim.critic))}
+  txs = {name: step_lib.make_optimizer(schedules[name], optim.max_grad_norm,
+                                       optim[name].weight_decay) for name in schedules}
+
+  mesh = sharding_lib.make_mesh(tuple(config.mesh.shape))
+  rules = partition_rules()
+  state = step_lib.init_state(key, policy.params, critic.params, txs["actor"], txs["critic"], ppo)
+  state_shardings = sharding_lib.param_shardings(jax.eval_shape(lambda: state), mesh, rules)
+  state = jax.device_put(state, state_shardings)
+  ref = jax.tree.map(jnp.copy, state.actor)  # frozen copy of the initial policy
+  reward_params = None
+  if reward_model is not None:
+    reward_params = jax.device_put(
+        reward_model.params, sharding_lib.param_shardings(reward_model.params, mesh, rules))
+  frozen = step_lib.Frozen(ref, reward_params)
+
+  sampling = sampling_config(config, policy)
+  step = step_lib.make_ppo_step(models, txs["actor"], txs["critic"], schedules["actor"], sampling,
+                                ppo,
+                                python_reward=python_reward, state_shardings=state_shardings)
+  prompts, decode = _data(config, policy)
+  return Run(config, models, frozen, state, step, mesh, state_shardings, prompts, decode, policy)
+
+
+def _data(config, policy: LoadedModel):
+  d = config.data
+  if d.task == "count":
+    return (lambda pos: tasks.count_prompts(config.seed, pos, config.ppo.batch_size,
+                                            d.prompt_len), tasks.decode_count)
+  raise ValueError(f"data.task={d.task!r} is not known; available: count")
+
+
+# ---------------------------------------------------------------------------------------------
+# The loop
+# ---------------------------------------------------------------------------------------------
+
+
+def _sample_rows(run: Run, r, scores, n: int) -> list[dict]:
+  r, scores = jax.device_get((r, scores))
+  return [{"prompt": run.decode(r.prompts[i], r.prompt_mask[i]),
+           "response": run.decode(r.responses[i], r.mask[i]), "score": float(scores[i])}
+          for i in range(min(n, len(scores)))]
+
+
+def iteration(run: Run, state, prompts: Prompts, phase_timing: bool = False):
+  """One PPO iteration: (state, metrics as floats, rollout, scores). The fused step unless the
+  reward is a Python function or ``phase_timing`` asks for the three phases timed apart."""
+  step, frozen = run.step, run.frozen
+  timings = {}
+  t0 = time.perf_counter()
+  if step.fused is not None and not phase_timing:
+    state, metrics, r, scores = step.fused(state, frozen, prompts)
+    jax.block_until_ready(metrics)
+  else:
+    r = jax.block_until_ready(step.rollout(state, frozen, prompts))
+    t1 = time.perf_counter()
+    scores = jax.block_until_ready(step.score(frozen, r))
+    t2 = time.perf_counter()
+    state, metrics = step.learn(state, r, scores)
+    jax.block_until_ready(metrics)
+    timings = {"time/sampling": t1 - t0, "time/scoring": t2 - t1,
+               "time/update": time.perf_counter() - t2}
+  metrics = {k: float(v) for k, v in jax.device_get(metrics).items()}
+  metrics["time/iteration"] = time.perf_counter() - t0
+  return state, {**metrics, **timings}, r, scores
+
+
+def run(config, workdir: str | None = None, stop_after: int | None = None) -> list[dict]:
+  """Trains for ``config.num_iterations`` PPO iterations; returns the logged metric rows.
+
+  With a ``workdir``: resumes from its latest complete checkpoint, writes metrics.jsonl,
+  TensorBoard events, samples.jsonl, curves.png, checkpoints/ and, at the end, policy/ (the
+  trained policy in Hugging Face format). ``stop_after``: stop (with a checkpoint) after that
+  iteration, as an interrupted run would; running again resumes.
+  """
+  from ppojax import checkpoint, reporting  # pylint: disable=import-outside-toplevel
+
+  if config.get("distributed", False):
+    jax.distributed.initialize()
+  r = build(config)
+  state, start = r.state, 0
+  ckpt = writer = None
+  if workdir:
+    workdir = pathlib.Path(workdir)
+    workdir.mkdir(parents=True, exist_ok=True)
+    ckpt = checkpoint.Checkpointer(workdir / "checkpoints", config.save_every, config.keep)
+    if ckpt.latest_step() is not None:
+      state, meta = ckpt.restore(_abstract(state, r.state_shardings))
+      start = int(meta["iteration"])
+      print(f"resumed from {workdir / 'checkpoints'} at iteration {start}", flush=True)
+    wandb = config.get("wandb_project") or None
+    writer = reporting.MetricWriter(str(workdir), wandb_project=wandb,
+                                    wandb_config=config.to_dict() if wandb else None,
+                                    resume_step=start)
+  batch = config.ppo.batch_size
+  batch_sharding = sharding_lib.batch_sharding(r.mesh)
+  progress = reporting.ProgressBar(config.num_iterations, start=start)
+  history = []
+  try:
+    for it in range(start + 1, config.num_iterations + 1):
+      prompts = jax.device_put(r.prompts(it - 1), batch_sharding)
+      state, metrics, rollout, scores = iteration(r, state, prompts, config.phase_timing)
+      metrics.update(episode=it * batch, eps=batch / metrics["time/iteration"])
+      if it % config.log_every == 0 or it in (start + 1, config.num_iterations):
+        history.append({"iteration": it, **metrics})
+        progress.update(it, {k: metrics[k] for k in SHOWN if k in metrics})
+        if writer:
+          writer.write(it, metrics)
+      if config.sample_every and (it % config.sample_every == 0 or it == config.num_iterations):
+        rows = _sample_rows(r, rollout, scores, config.num_samples)
+        print(f"\nsamples at iteration {it}:\n{reporting.format_samples_table(rows)}", flush=True)
+        if writer:
+          writer.write_samples(it, rows)
+      stop = it == config.num_iterations or it == stop_after
+      if ckpt:
+        ckpt.save(it, state, {"iteration": it, "data_position": it}, force=stop)
+      if stop:
+        break
+  finally:
+    progress.close()
+    if ckpt:
+      ckpt.wait()
+      ckpt.close()
+    if writer:
+      writer.close()
+  done = history and history[-1]["iteration"] == config.num_iterations
+  if workdir and done:
+    _finish(r, state, workdir, reporting)
+  return history
+
+
+def _abstract(state, shardings):
+  return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                      state, shardings)
+
+
+def _finish(r: Run, state, workdir: pathlib.Path, reporting) -> None:
+  """The curves picture and the trained policy in Hugging Face format."""
+  plotted = reporting.plot_curves(str(workdir / "metrics.jsonl"), str(workdir / "curves.png"))
+  policy = r.policy._replace(params=jax.device_get(state.actor))
+  out = save_model(workdir / "policy", policy)
+  print(f"wrote {workdir / 'curves.png'} ({', '.join(plotted)}) and the policy to {out}",
+        flush=True)
