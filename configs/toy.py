@@ -43,6 +43,7 @@ def get_config() -> ml_collections.ConfigDict:
   c.sampling.temperature = 1.0
   c.sampling.top_k = 0
   c.sampling.top_p = 1.0
+  c.sampling.min_new_tokens = 0  # stop tokens are banned before this many tokens
   c.sampling.stop_ids = [0]  # empty: the model's eos_token_id
   c.sampling.pad_id = 0  # == the stop id, as in many real tokenizers
 

@@ -102,7 +102,8 @@ def sampling_config(config, policy: LoadedModel) -> SamplingConfig:
   stop_ids = tuple(s.stop_ids) if s.stop_ids else _eos_ids(policy)
   pad_id = s.pad_id if s.pad_id is not None else (policy.cfg.pad_token_id or stop_ids[0])
   return SamplingConfig(max_new_tokens=s.max_new_tokens, stop_ids=stop_ids, pad_id=pad_id,
-                        temperature=s.temperature, top_k=s.top_k, top_p=s.top_p)
+                        temperature=s.temperature, top_k=s.top_k, top_p=s.top_p,
+                        min_new_tokens=s.min_new_tokens)
 
 
 def _eos_ids(policy: LoadedModel) -> tuple[int, ...]:
