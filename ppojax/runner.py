@@ -6,6 +6,7 @@ command line around ``run``.
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import json
 import os
 import pathlib
@@ -42,6 +43,26 @@ class Run(NamedTuple):
   prompts: Callable[[int], Prompts]  # data position → a batch of prompts (host arrays)
   decode: Callable[[np.ndarray, np.ndarray], str]  # (tokens, mask) → text, for sample tables
   policy: LoadedModel  # the initial policy (config and tokenizer, for export)
+
+
+def load_config(path: str | os.PathLike, **overrides) -> ml_collections.ConfigDict:
+  """``get_config()`` of a config file, with overrides as keyword arguments whose names use
+  "__" for nesting (``ppo__kl_coef=0.1``) — the Python twin of ``--config.ppo.kl_coef=0.1``."""
+  spec = importlib.util.spec_from_file_location(pathlib.Path(path).stem, str(path))
+  if spec is None or not pathlib.Path(path).is_file():
+    raise FileNotFoundError(f"config file {path} not found")
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  config = module.get_config()
+  for name, value in overrides.items():
+    *sections, field = name.split("__")
+    node = config
+    for section in sections:
+      node = node[section]
+    if field not in node:
+      raise KeyError(f"{path} has no field {'.'.join(sections + [field])}")
+    node[field] = value
+  return config
 
 
 # ---------------------------------------------------------------------------------------------

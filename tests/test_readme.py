@@ -33,3 +33,11 @@ def test_models_and_sampling_examples_run(smollm2_path, tmp_path, monkeypatch):
   assert (tmp_path / "exported" / "model.safetensors").exists()
   out = namespace["out"]
   assert out.tokens.shape == (1, 64) and 0 < int(out.lengths[0]) <= 64
+
+
+def test_ppo_step_example_runs(monkeypatch):
+  monkeypatch.chdir(ROOT)
+  code = re.search(r"## The PPO step.*?```python\n(.*?)```", README, re.S).group(1)
+  namespace = {}
+  exec(compile(code, "README.md", "exec"), namespace)  # pylint: disable=exec-used
+  assert int(namespace["state"].step) == 3 and "objective/kl" in namespace["metrics"]

@@ -2,7 +2,6 @@
 reward equals the same rule in jnp, gradient accumulation is exact, padding is inert, the critic
 can come from a reward model, and one step on an 8-device mesh equals the single-device step."""
 
-import importlib.util
 import pathlib
 import textwrap
 
@@ -18,11 +17,8 @@ _CONFIGS = pathlib.Path(__file__).parents[1] / "configs"
 
 
 def toy_config(**changes):
-  spec = importlib.util.spec_from_file_location("toy_config", _CONFIGS / "toy.py")
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  config = module.get_config()
-  config.ppo.batch_size = 16
+  """configs/toy.py at batch 16, with "section.field" overrides."""
+  config = runner.load_config(_CONFIGS / "toy.py", ppo__batch_size=16)
   for key, value in changes.items():
     *path, last = key.split(".")
     section = config
