@@ -24,6 +24,7 @@ import pytest
 
 from ppojax import ops
 from ppojax.models import CausalLM, ModelConfig, positions_from_mask
+from ppojax import sampling
 from ppojax.sampling import SamplingConfig, generate
 
 # ---------------------------------------------------------------------------------------------
@@ -593,3 +594,34 @@ def test_config_is_a_hashable_static():
   a = SamplingConfig(4, stop_ids=(1, 2), pad_id=2, top_k=3)
   assert hash(a) == hash(SamplingConfig(4, stop_ids=(1, 2), pad_id=2, top_k=3))
   assert a.truncates and not SamplingConfig(4, stop_ids=(1,), pad_id=0, greedy=True).truncates
+
+
+# ---------------------------------------------------------------------------------------------
+# The draw itself: first_argmax and the two-level inverse CDF over a multi-block vocabulary
+# ---------------------------------------------------------------------------------------------
+
+
+def test_first_argmax_takes_the_first_of_tied_maxima():
+  rng = np.random.default_rng(0)
+  z = rng.integers(0, 4, (64, 300)).astype(np.float32)  # many ties
+  z[5] = -np.inf
+  z[6, 7] = np.inf
+  got = sampling.first_argmax(jnp.asarray(z), jnp.max(jnp.asarray(z), -1, keepdims=True))
+  np.testing.assert_array_equal(np.asarray(got), np.argmax(z, axis=-1))
+
+
+def test_inverse_cdf_over_several_blocks_matches_the_probabilities():
+  """V = 1000: four 256-token blocks (the last one padded); frequencies of 40 000 draws from a
+  peaked distribution with zero-probability tokens pass a chi-square test, and no zero-weight
+  token is ever drawn."""
+  rng = np.random.default_rng(1)
+  weights = rng.gamma(0.3, size=1000).astype(np.float32)
+  weights[rng.random(1000) < 0.3] = 0.0
+  rows = 40_000
+  draw = jax.jit(lambda k: sampling._inverse_cdf_sample(  # pylint: disable=protected-access
+      k, jnp.broadcast_to(jnp.asarray(weights), (rows, 1000)), jnp.zeros(rows, jnp.int32)))
+  tokens = np.asarray(draw(jax.random.key(2)))
+  assert np.all(weights[tokens] > 0)
+  counts = np.bincount(tokens, minlength=1000)
+  p_value, _, _ = chi_square_pvalue(counts[weights > 0], weights[weights > 0])
+  assert p_value > 1e-3, p_value

@@ -1,0 +1,323 @@
+"""Seconds per PPO iteration of ppojax's compiled step, where the time goes, and the FLOP rate.
+
+SmolLM2-135M-Instruct is policy, reference, reward model and critic (the reward model is the
+policy's backbone with a zero score head, saved to a temporary Hugging Face directory; the critic
+starts from it). One epoch, one minibatch; 44-token chat prompts (left-padded); every response is
+forced to exactly ``--response-length`` tokens (min_new_tokens = max_new_tokens), so the FLOP
+count below is exact:
+
+    python benchmarks/ppo_step.py --batch 16 --response-length 32 [--iterations 3]
+        [--dtype float32|bfloat16] [--remat]
+
+Prints the compile time (first iteration), the median seconds per iteration of the fused step
+(one compiled function), a median over the phase-timed path (sampling / scoring / update, three
+compiled functions, warmed up first), peak host memory (ru_maxrss), the model FLOPs of one
+iteration, the achieved GFLOP/s against a large ``jnp.dot`` measured in the same run, and trl's
+figure for comparison. The last line is a JSON object.
+
+Model FLOPs (multiply-add = 2 FLOPs), from the model config: d = hidden_size, f =
+intermediate_size, L = num_layers, H / H_kv = num_heads / num_kv_heads, D = head_dim, V =
+vocab_size; B rows, P prompt slots (padding included: it is computed), R response tokens,
+T = P + R.
+
+    N_body   = L·(d·H·D + 2·d·H_kv·D + H·D·d + 3·d·f)   matmul parameters per token (q, k, v, o,
+                                                          gate, up, down; the embedding lookup
+                                                          is not a matmul)
+    N_lm     = d·V (tied embeddings: the LM head),  N_score = d (the 1-wide value/score head)
+    attn(c)  = 4·L·H·D·c  per token that attends to c positions (q·kᵀ and probs·v); a token at
+               0-based position i of a causal sequence attends to c = i + 1 positions
+
+    full(head, n_head) = B·[2·N_body·T + 2·head·n_head + Σ_{i<T} attn(i + 1)]
+
+    generation = B·[2·N_body·P + 2·N_lm·1 + Σ_{i<P} attn(i + 1)]         prefill (ppojax runs
+                                                                          the LM head on the
+                                                                          last prompt slot only)
+               + Σ_{t<R} B·[2·(N_body + N_lm) + attn(P + t + 1)]           R decode steps
+    policy     = full(N_lm, R)      old log-probs, reference log-probs, and the update's forward
+                                    (ppojax's scoring passes run the LM head on the R response
+                                    positions only)
+    value      = full(N_score, T)   critic in the rollout, reward model, the update's forward
+    iteration  = generation + 2·policy + 2·value                        (rollout + scoring)
+               + 3·policy + 3·value                                     (update: backward = 2×
+                                                                         forward)
+
+With --remat the backward recomputes each layer's forward: more work for the hardware, the same
+model FLOPs. Decode attention in ppojax reads all P + R cache slots (masked), and elementwise work
+(norms, softmax, RoPE, sampling, losses, Adam) is not counted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import pathlib
+import resource
+import statistics
+import tempfile
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ppojax import runner
+from ppojax.experience import Prompts
+from ppojax.models import load_model, save_model
+
+CONFIGS = pathlib.Path(__file__).resolve().parents[1] / "configs"
+# Chat prompts whose templated length is exactly 44 SmolLM2 tokens (default system prompt
+# included); shorter ones would be left-padded.
+QUESTIONS = [
+    "What is 17 + 25? Explain your steps.",
+    "Why is the sky blue? Keep the answer short and very precise.",
+    "Write a haiku about autumn leaves falling on a very quiet lake.",
+    "How do bees make honey? Answer in two or three short sentences.",
+]
+TRL_SECONDS = 27.8
+TRL_PROVENANCE = ("trl 0.17 PPOTrainer, same models and settings, measured on the reference "
+                  "2-core machine: 27.8 s/iteration")
+REFERENCE_TFLOP = 2.9  # the issue's figure for 16 × (44 + 32) tokens
+
+
+# ---------------------------------------------------------------------------------------------
+# Setup
+# ---------------------------------------------------------------------------------------------
+
+
+def make_config(args, reward_dir: str):
+  spec = importlib.util.spec_from_file_location("toy_config", CONFIGS / "toy.py")
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  c = module.get_config()
+  c.num_iterations = 1000  # only sizes the lr schedules
+  c.phase_timing = False
+  c.model.policy = "smollm2"
+  c.model.reward = reward_dir
+  c.model.critic_init = "reward"
+  c.model.dtype = args.dtype
+  c.model.remat = args.remat
+  c.reward.kind = "model"
+  c.sampling.max_new_tokens = args.response_length
+  c.sampling.min_new_tokens = args.response_length  # exactly R tokens: stop ids banned before
+  c.sampling.stop_ids = []  # the model's eos
+  c.sampling.pad_id = None
+  c.ppo.batch_size = args.batch
+  c.ppo.num_epochs = 1
+  c.ppo.num_minibatches = 1
+  c.ppo.grad_accum = 1
+  for name in ("actor", "critic"):  # a realistic fine-tuning lr: the weights stay finite
+    c.optim[name].lr = 3e-6
+    c.optim[name].warmup_steps = 0
+    c.optim[name].decay = "constant"
+  return c
+
+
+def make_prompts(tokenizer, batch: int, length: int) -> Prompts:
+  texts = [tokenizer.apply_chat_template(
+      [{"role": "user", "content": QUESTIONS[i % len(QUESTIONS)]}], tokenize=False,
+      add_generation_prompt=True) for i in range(batch)]
+  rows = [tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
+  if max(map(len, rows)) > length:
+    raise ValueError(f"a templated prompt is longer than {length} tokens")
+  tokens = np.full((batch, length), tokenizer.pad_token_id, np.int32)
+  mask = np.zeros((batch, length), bool)
+  for i, row in enumerate(rows):
+    tokens[i, length - len(row):], mask[i, length - len(row):] = row, True
+  return Prompts(jnp.asarray(tokens), jnp.asarray(mask))
+
+
+# ---------------------------------------------------------------------------------------------
+# FLOPs
+# ---------------------------------------------------------------------------------------------
+
+
+def model_flops(cfg, batch: int, prompt_len: int, response_len: int) -> dict[str, float]:
+  """Model FLOPs of one iteration by part (see the module docstring)."""
+  d, f, n_layers = cfg.hidden_size, cfg.intermediate_size, cfg.num_layers
+  h, hk, hd, vocab = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.vocab_size
+  n_body = n_layers * (d * h * hd + 2 * d * hk * hd + h * hd * d + 3 * d * f)
+  n_lm, n_score = d * vocab, d
+  attn = lambda c: 4 * n_layers * h * hd * c  # noqa: E731
+  p, r = prompt_len, response_len
+  t = p + r
+
+  def full(head, n_head):
+    return batch * (2 * n_body * t + 2 * head * n_head + sum(attn(i + 1) for i in range(t)))
+
+  prefill = batch * (2 * n_body * p + 2 * n_lm + sum(attn(i + 1) for i in range(p)))
+  decode = sum(batch * (2 * (n_body + n_lm) + attn(p + k + 1)) for k in range(r))
+  policy, value = full(n_lm, r), full(n_score, t)
+  parts = {
+      "generation (prefill)": prefill, "generation (decode)": decode,
+      "old log-probs (policy fwd)": policy, "reference log-probs (fwd)": policy,
+      "critic values (fwd)": value, "reward model (fwd)": value,
+      "policy fwd+bwd": 3 * policy, "critic fwd+bwd": 3 * value,
+  }
+  return {k: float(v) for k, v in parts.items()}
+
+
+PHASE_PARTS = {
+    "sampling": ("generation (prefill)", "generation (decode)", "old log-probs (policy fwd)",
+                 "reference log-probs (fwd)", "critic values (fwd)"),
+    "scoring": ("reward model (fwd)",),
+    "update": ("policy fwd+bwd", "critic fwd+bwd"),
+}
+
+
+def trl_style_flops(cfg, batch: int, prompt_len: int, response_len: int) -> float:
+  """The same iteration if every pass ran the LM head on every position (as a plain Hugging Face
+  forward does), for the comparison with the issue's figure."""
+  lm_per_position = 2 * cfg.hidden_size * cfg.vocab_size * batch
+  base = sum(model_flops(cfg, batch, prompt_len, response_len).values())
+  prefill_extra = lm_per_position * (prompt_len - 1)  # generate's prefill: all P positions
+  per_pass = lm_per_position * prompt_len  # the P positions before the responses
+  return base + prefill_extra + 5 * per_pass  # old and ref log-probs, the update (fwd + bwd)
+
+
+# ---------------------------------------------------------------------------------------------
+# Timing
+# ---------------------------------------------------------------------------------------------
+
+
+def matmul_peak(dtype, n: int, repeats: int = 5, budget_s: float = 20.0) -> float:
+  """GFLOP/s of a jit-compiled n×n·n×n ``jnp.dot`` in ``dtype``: the median of up to
+  ``repeats`` calls after a warm-up (fewer, but at least 2, if they exceed ``budget_s``)."""
+  ka, kb = jax.random.split(jax.random.key(0))
+  a = jax.random.normal(ka, (n, n), jnp.float32).astype(dtype)
+  b = jax.random.normal(kb, (n, n), jnp.float32).astype(dtype)
+  dot = jax.jit(jnp.dot)
+  dot(a, b).block_until_ready()
+  times, start = [], time.perf_counter()
+  while len(times) < repeats and (len(times) < 2 or time.perf_counter() - start < budget_s):
+    t0 = time.perf_counter()
+    dot(a, b).block_until_ready()
+    times.append(time.perf_counter() - t0)
+  return 2 * n**3 / statistics.median(times) / 1e9
+
+
+def peak_rss_mb() -> float:
+  return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+
+
+def main():
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--batch", type=int, default=16)
+  parser.add_argument("--response-length", type=int, default=32)
+  parser.add_argument("--prompt-length", type=int, default=44)
+  parser.add_argument("--iterations", type=int, default=3, help="timed iterations per path")
+  parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+  parser.add_argument("--remat", action="store_true")
+  parser.add_argument("--matmul-size", type=int, default=4096)
+  args = parser.parse_args()
+  b, r_len = args.batch, args.response_length
+
+  with tempfile.TemporaryDirectory() as reward_dir:
+    save_model(reward_dir, load_model("smollm2", head="value"))  # zero score head
+    config = make_config(args, reward_dir)
+    t0 = time.perf_counter()
+    run = runner.build(config)
+    build_s = time.perf_counter() - t0
+  cfg = run.policy.cfg
+  prompts = make_prompts(run.policy.tokenizer, b, args.prompt_length)
+  real = int(np.sum(np.asarray(prompts.mask)))
+  print(f"device: {jax.devices()[0].device_kind} ({jax.default_backend()}), {os.cpu_count()} "
+        f"CPUs, jax {jax.__version__}; SmolLM2-135M-Instruct as policy, reference, reward and "
+        f"critic; {args.dtype}{', remat' if args.remat else ''}")
+  print(f"batch {b}, prompts {args.prompt_length} slots ({real / b:.1f} real tokens per row), "
+        f"responses exactly {r_len} tokens; 1 epoch × 1 minibatch; build {build_s:.1f} s",
+        flush=True)
+
+  # The fused step: one compiled function. The first call compiles.
+  state = run.state
+  t0 = time.perf_counter()
+  state, _, rollout, _ = runner.iteration(run, state, prompts)
+  first_s = time.perf_counter() - t0
+  n_tokens = int(np.sum(np.asarray(rollout.mask)))
+  if n_tokens != b * r_len:
+    raise RuntimeError(f"responses are not all {r_len} tokens long: {n_tokens} in all")
+  fused = []
+  for _ in range(args.iterations):
+    state, metrics, _, _ = runner.iteration(run, state, prompts)
+    fused.append(metrics["time/iteration"])
+  seconds = statistics.median(fused)
+  compile_s = first_s - seconds
+  print(f"fused step: first iteration {first_s:.1f} s (compile ≈ {compile_s:.1f} s), then "
+        f"{seconds:.2f} s/iteration (median of {args.iterations}: "
+        f"{', '.join(f'{x:.2f}' for x in fused)})", flush=True)
+
+  # The phase-timed path compiles its own three functions: warm up first.
+  t0 = time.perf_counter()
+  state, _, _, _ = runner.iteration(run, state, prompts, phase_timing=True)
+  phase_first_s = time.perf_counter() - t0
+  rows = []
+  for _ in range(args.iterations):
+    state, metrics, _, _ = runner.iteration(run, state, prompts, phase_timing=True)
+    rows.append(metrics)
+  jax.block_until_ready(state)
+  rss = peak_rss_mb()
+
+  flops = model_flops(cfg, b, args.prompt_length, r_len)
+  total = sum(flops.values())
+  phase_s = {k: statistics.median(m[f"time/{k}"] for m in rows) for k in PHASE_PARTS}
+  phased_total = statistics.median(m["time/iteration"] for m in rows)
+
+  peaks = {"float32": matmul_peak(jnp.float32, args.matmul_size)}
+  if args.dtype == "bfloat16":
+    peaks["bfloat16"] = matmul_peak(jnp.bfloat16, args.matmul_size)
+  peak = peaks[args.dtype]
+  achieved = total / seconds / 1e9
+
+  print(f"phase-timed path (three compiled functions): warm-up {phase_first_s:.1f} s, then "
+        f"{phased_total:.2f} s/iteration (median of {args.iterations})")
+  print(f"\n{'phase':<10}{'seconds':>9}{'share':>8}{'TFLOP':>8}{'GFLOP/s':>9}{'of peak':>9}")
+  phases = {}
+  for name, parts in PHASE_PARTS.items():
+    fl, s = sum(flops[p] for p in parts), phase_s[name]
+    phases[name] = {"seconds": s, "tflop": fl / 1e12, "gflops": fl / s / 1e9}
+    print(f"{name:<10}{s:>9.2f}{s / phased_total:>8.1%}{fl / 1e12:>8.3f}{fl / s / 1e9:>9.1f}"
+          f"{fl / s / 1e9 / peak:>9.1%}")
+  rest = phased_total - sum(phase_s.values())
+  print(f"{'(other)':<10}{rest:>9.2f}{rest / phased_total:>8.1%}")
+  print(f"{'total':<10}{phased_total:>9.2f}{1:>8.1%}{total / 1e12:>8.3f}"
+        f"{total / phased_total / 1e9:>9.1f}{total / phased_total / 1e9 / peak:>9.1%}")
+
+  print(f"\nmodel FLOPs of one iteration ({b} × ({args.prompt_length} + {r_len}) tokens):")
+  for name, fl in flops.items():
+    print(f"  {name:<30}{fl / 1e12:>8.3f} TFLOP")
+  trl_style = trl_style_flops(cfg, b, args.prompt_length, r_len)
+  print(f"  {'total':<30}{total / 1e12:>8.3f} TFLOP  (issue's reference figure ≈ "
+        f"{REFERENCE_TFLOP} TFLOP for 16 × (44 + 32); with the LM head on every position, as "
+        f"a plain HF forward: {trl_style / 1e12:.3f} TFLOP)")
+  if b == 16 and args.prompt_length == 44 and r_len == 32 and not (
+      0.8 < total / 1e12 / REFERENCE_TFLOP < 1.25):
+    print(f"  WARNING: {total / 1e12:.2f} TFLOP is not in the ballpark of {REFERENCE_TFLOP}")
+
+  print(f"\nmatmul peak ({args.matmul_size}² jnp.dot, median): "
+        + ", ".join(f"{k} {v:.1f} GFLOP/s" for k, v in peaks.items()))
+  print(f"achieved (fused step): {achieved:.1f} GFLOP/s = {achieved / peak:.1%} of the "
+        f"{args.dtype} matmul peak"
+        + (f" ({achieved / peaks['float32']:.1%} of the float32 peak)"
+           if args.dtype != "float32" else ""))
+  print(f"peak host memory (ru_maxrss): {rss:.0f} MB")
+  print(f"\ntrl reference (cross-run constant, not measured side by side): {TRL_PROVENANCE}")
+  print(f"  ratio trl / ppojax fused = {TRL_SECONDS:.1f} / {seconds:.2f} = "
+        f"{TRL_SECONDS / seconds:.2f}x (cross-run: different runs, same machine class)")
+
+  print(json.dumps({
+      "seconds_per_iteration": seconds, "iterations": fused, "compile_seconds": compile_s,
+      "first_iteration_seconds": first_s, "phase_timed_warmup_seconds": phase_first_s,
+      "phase_timed_seconds_per_iteration": phased_total,
+      "model_tflop_per_iteration": total / 1e12, "achieved_gflops": achieved,
+      "matmul_peak_gflops": peaks["float32"],
+      **({"matmul_peak_bf16_gflops": peaks["bfloat16"]} if "bfloat16" in peaks else {}),
+      "fraction_of_peak": achieved / peak, "peak_rss_mb": rss, "phases": phases,
+      "dtype": args.dtype, "remat": args.remat, "batch": b, "prompt_length": args.prompt_length,
+      "response_length": r_len, "trl_seconds_per_iteration": TRL_SECONDS,
+      "trl_ratio_cross_run": TRL_SECONDS / seconds,
+      "device": jax.devices()[0].device_kind, "cpus": os.cpu_count()}))
+
+
+if __name__ == "__main__":
+  main()
