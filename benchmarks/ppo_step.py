@@ -2,18 +2,18 @@
 
 SmolLM2-135M-Instruct is policy, reference, reward model and critic (the reward model is the
 policy's backbone with a zero score head, saved to a temporary Hugging Face directory; the critic
-starts from it). One epoch, one minibatch; 44-token chat prompts (left-padded); every response is
-forced to exactly ``--response-length`` tokens (min_new_tokens = max_new_tokens), so the FLOP
-count below is exact:
+starts from it). One epoch, one minibatch; chat prompts of exactly 44 tokens (the questions
+below template to 44; shorter ones would be left-padded); every response is forced to exactly
+``--response-length`` tokens (min_new_tokens = max_new_tokens), so the FLOP count below is exact:
 
     python benchmarks/ppo_step.py --batch 16 --response-length 32 [--iterations 3]
         [--dtype float32|bfloat16] [--remat]
 
-Prints the compile time (first iteration), the median seconds per iteration of the fused step
-(one compiled function), a median over the phase-timed path (sampling / scoring / update, three
-compiled functions, warmed up first), peak host memory (ru_maxrss), the model FLOPs of one
-iteration, the achieved GFLOP/s against a large ``jnp.dot`` measured in the same run, and trl's
-figure for comparison. The last line is a JSON object.
+Prints the compile time (first iteration minus the steady median), the median seconds per
+iteration of the fused step (one compiled function), a median over the phase-timed path
+(sampling / scoring / update, three compiled functions, warmed up first), peak host memory
+(ru_maxrss), the model FLOPs of one iteration, the achieved GFLOP/s against a large ``jnp.dot``
+measured in the same run, and trl's figure for comparison. The last line is a JSON object.
 
 Model FLOPs (multiply-add = 2 FLOPs), from the model config: d = hidden_size, f =
 intermediate_size, L = num_layers, H / H_kv = num_heads / num_kv_heads, D = head_dim, V =
@@ -40,6 +40,12 @@ T = P + R.
     iteration  = generation + 2·policy + 2·value                        (rollout + scoring)
                + 3·policy + 3·value                                     (update: backward = 2×
                                                                          forward)
+
+The issue's reference figure, about 2.9 TFLOP for 16 × (44 + 32) tokens, is this count without
+the LM head (2 × non-embedding parameters per token, the Kaplan convention): 2.88 TFLOP. The LM
+head (d·V = 28 M of SmolLM2's 135 M matmul parameters) adds 0.17 TFLOP where ppojax runs it (the
+prefill's last slot, the decode steps, the R response positions of five policy passes): 3.05
+TFLOP; on every position, as a plain Hugging Face forward, it would be 3.29 TFLOP.
 
 With --remat the backward recomputes each layer's forward: more work for the hardware, the same
 model FLOPs. Decode attention in ppojax reads all P + R cache slots (masked), and elementwise work
@@ -133,22 +139,28 @@ def make_prompts(tokenizer, batch: int, length: int) -> Prompts:
 # ---------------------------------------------------------------------------------------------
 
 
-def model_flops(cfg, batch: int, prompt_len: int, response_len: int) -> dict[str, float]:
-  """Model FLOPs of one iteration by part (see the module docstring)."""
+def model_flops(cfg, batch: int, prompt_len: int, response_len: int, lm_head: str = "ppojax"
+                ) -> dict[str, float]:
+  """Model FLOPs of one iteration by part (see the module docstring). ``lm_head``: where the
+  policy's LM head runs — "ppojax" (the last prompt slot in the prefill, the R response
+  positions in scoring passes), "all" (every position, as a plain Hugging Face forward) or
+  "none" (2 × non-embedding parameters per token)."""
   d, f, n_layers = cfg.hidden_size, cfg.intermediate_size, cfg.num_layers
   h, hk, hd, vocab = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.vocab_size
   n_body = n_layers * (d * h * hd + 2 * d * hk * hd + h * hd * d + 3 * d * f)
-  n_lm, n_score = d * vocab, d
+  n_lm, n_score = (0 if lm_head == "none" else d * vocab), d
   attn = lambda c: 4 * n_layers * h * hd * c  # noqa: E731
   p, r = prompt_len, response_len
   t = p + r
+  everywhere = lm_head == "all"
 
   def full(head, n_head):
     return batch * (2 * n_body * t + 2 * head * n_head + sum(attn(i + 1) for i in range(t)))
 
-  prefill = batch * (2 * n_body * p + 2 * n_lm + sum(attn(i + 1) for i in range(p)))
+  prefill = batch * (2 * n_body * p + 2 * n_lm * (p if everywhere else 1)
+                     + sum(attn(i + 1) for i in range(p)))
   decode = sum(batch * (2 * (n_body + n_lm) + attn(p + k + 1)) for k in range(r))
-  policy, value = full(n_lm, r), full(n_score, t)
+  policy, value = full(n_lm, t if everywhere else r), full(n_score, t)
   parts = {
       "generation (prefill)": prefill, "generation (decode)": decode,
       "old log-probs (policy fwd)": policy, "reference log-probs (fwd)": policy,
@@ -164,16 +176,6 @@ PHASE_PARTS = {
     "scoring": ("reward model (fwd)",),
     "update": ("policy fwd+bwd", "critic fwd+bwd"),
 }
-
-
-def trl_style_flops(cfg, batch: int, prompt_len: int, response_len: int) -> float:
-  """The same iteration if every pass ran the LM head on every position (as a plain Hugging Face
-  forward does), for the comparison with the issue's figure."""
-  lm_per_position = 2 * cfg.hidden_size * cfg.vocab_size * batch
-  base = sum(model_flops(cfg, batch, prompt_len, response_len).values())
-  prefill_extra = lm_per_position * (prompt_len - 1)  # generate's prefill: all P positions
-  per_pass = lm_per_position * prompt_len  # the P positions before the responses
-  return base + prefill_extra + 5 * per_pass  # old and ref log-probs, the update (fwd + bwd)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -219,6 +221,7 @@ def main():
     t0 = time.perf_counter()
     run = runner.build(config)
     build_s = time.perf_counter() - t0
+  build_rss = peak_rss_mb()
   cfg = run.policy.cfg
   prompts = make_prompts(run.policy.tokenizer, b, args.prompt_length)
   real = int(np.sum(np.asarray(prompts.mask)))
@@ -270,26 +273,32 @@ def main():
   achieved = total / seconds / 1e9
 
   print(f"phase-timed path (three compiled functions): warm-up {phase_first_s:.1f} s, then "
-        f"{phased_total:.2f} s/iteration (median of {args.iterations})")
-  print(f"\n{'phase':<10}{'seconds':>9}{'share':>8}{'TFLOP':>8}{'GFLOP/s':>9}{'of peak':>9}")
+        f"{phased_total:.2f} s/iteration (median of {args.iterations}; "
+        f"{phased_total - seconds:+.2f} s vs the fused step)")
+  print("\nmedians per column (they need not add up exactly):")
+  print(f"{'phase':<10}{'seconds':>9}{'share':>8}{'TFLOP':>8}{'GFLOP/s':>9}{'of peak':>9}")
   phases = {}
   for name, parts in PHASE_PARTS.items():
     fl, s = sum(flops[p] for p in parts), phase_s[name]
     phases[name] = {"seconds": s, "tflop": fl / 1e12, "gflops": fl / s / 1e9}
     print(f"{name:<10}{s:>9.2f}{s / phased_total:>8.1%}{fl / 1e12:>8.3f}{fl / s / 1e9:>9.1f}"
           f"{fl / s / 1e9 / peak:>9.1%}")
-  rest = phased_total - sum(phase_s.values())
+  rest = statistics.median(m["time/iteration"] - sum(m[f"time/{k}"] for k in PHASE_PARTS)
+                           for m in rows)  # host work between the calls
   print(f"{'(other)':<10}{rest:>9.2f}{rest / phased_total:>8.1%}")
-  print(f"{'total':<10}{phased_total:>9.2f}{1:>8.1%}{total / 1e12:>8.3f}"
+  print(f"{'iteration':<10}{phased_total:>9.2f}{1:>8.1%}{total / 1e12:>8.3f}"
         f"{total / phased_total / 1e9:>9.1f}{total / phased_total / 1e9 / peak:>9.1%}")
 
   print(f"\nmodel FLOPs of one iteration ({b} × ({args.prompt_length} + {r_len}) tokens):")
   for name, fl in flops.items():
     print(f"  {name:<30}{fl / 1e12:>8.3f} TFLOP")
-  trl_style = trl_style_flops(cfg, b, args.prompt_length, r_len)
-  print(f"  {'total':<30}{total / 1e12:>8.3f} TFLOP  (issue's reference figure ≈ "
-        f"{REFERENCE_TFLOP} TFLOP for 16 × (44 + 32); with the LM head on every position, as "
-        f"a plain HF forward: {trl_style / 1e12:.3f} TFLOP)")
+  other = {k: sum(model_flops(cfg, b, args.prompt_length, r_len, k).values()) / 1e12
+           for k in ("all", "none")}
+  print(f"  {'total':<30}{total / 1e12:>8.3f} TFLOP  (the issue's reference: about "
+        f"{REFERENCE_TFLOP} TFLOP for 16 × (44 + 32))")
+  print(f"  the same count with the LM head on every position (a plain HF forward): "
+        f"{other['all']:.3f} TFLOP; without any LM head (2 × non-embedding parameters per "
+        f"token + attention): {other['none']:.3f} TFLOP")
   if b == 16 and args.prompt_length == 44 and r_len == 32 and not (
       0.8 < total / 1e12 / REFERENCE_TFLOP < 1.25):
     print(f"  WARNING: {total / 1e12:.2f} TFLOP is not in the ballpark of {REFERENCE_TFLOP}")
@@ -300,7 +309,8 @@ def main():
         f"{args.dtype} matmul peak"
         + (f" ({achieved / peaks['float32']:.1%} of the float32 peak)"
            if args.dtype != "float32" else ""))
-  print(f"peak host memory (ru_maxrss): {rss:.0f} MB")
+  print(f"peak host memory (ru_maxrss): {rss:.0f} MB ({build_rss:.0f} MB already after loading "
+        f"the models and building the state)")
   print(f"\ntrl reference (cross-run constant, not measured side by side): {TRL_PROVENANCE}")
   print(f"  ratio trl / ppojax fused = {TRL_SECONDS:.1f} / {seconds:.2f} = "
         f"{TRL_SECONDS / seconds:.2f}x (cross-run: different runs, same machine class)")
@@ -312,7 +322,8 @@ def main():
       "model_tflop_per_iteration": total / 1e12, "achieved_gflops": achieved,
       "matmul_peak_gflops": peaks["float32"],
       **({"matmul_peak_bf16_gflops": peaks["bfloat16"]} if "bfloat16" in peaks else {}),
-      "fraction_of_peak": achieved / peak, "peak_rss_mb": rss, "phases": phases,
+      "fraction_of_peak": achieved / peak, "peak_rss_mb": rss,
+      "peak_rss_after_build_mb": build_rss, "phases": phases,
       "dtype": args.dtype, "remat": args.remat, "batch": b, "prompt_length": args.prompt_length,
       "response_length": r_len, "trl_seconds_per_iteration": TRL_SECONDS,
       "trl_ratio_cross_run": TRL_SECONDS / seconds,

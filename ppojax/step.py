@@ -212,6 +212,9 @@ class PPOStep(NamedTuple):
   learn: Callable
 
 
+_TRL_NAMES = {"val/ratio": "val/ratio", "val/ratio_var": "val/ratio_var"}  # trl: no "_avg"
+
+
 def _keys(state: TrainState):
   """(next state key, sampling key, update key): the same split in every path."""
   return tuple(jax.random.split(state.key, 3))
@@ -248,7 +251,7 @@ def make_ppo_step(models: Models, actor_tx, critic_tx, actor_schedule: optax.Sch
     lr = actor_schedule(_opt_count(state.actor_opt))
     state, upd = update(models, actor_tx, critic_tx, state, exp, k_update, cfg,
                         sampling.temperature)
-    metrics = {**exp_metrics, **{f"{k}_avg": v for k, v in upd.items()},
+    metrics = {**exp_metrics, **{_TRL_NAMES.get(k, f"{k}_avg"): v for k, v in upd.items()},
                "objective/kl_coef": state.kl.beta, "lr": lr}
     kl_state = controller.update(state.kl, exp_metrics["objective/kl"], scores.shape[0])
     return state._replace(kl=kl_state, step=state.step + 1, key=next_key), metrics

@@ -75,11 +75,11 @@ def test_metrics_have_trl_names_and_sane_values(fused_run):
   for name in ("objective/kl", "objective/entropy", "objective/non_score_reward",
                "objective/rlhf_reward", "objective/scores", "policy/approxkl_avg",
                "policy/clipfrac_avg", "loss/policy_avg", "loss/value_avg", "val/clipfrac_avg",
-               "val/ratio_avg", "val/num_eos_tokens", "lr"):
+               "val/ratio", "val/num_eos_tokens", "lr"):
     assert name in rows[0], name
   first = rows[0]
   assert first["objective/kl"] == pytest.approx(0.0, abs=1e-5)  # policy == reference at first
-  assert first["val/ratio_avg"] == pytest.approx(1.0, abs=0.05)
+  assert first["val/ratio"] == pytest.approx(1.0, abs=0.05)
   assert 0 < first["objective/entropy"]
   assert 0 <= first["val/num_eos_tokens"] <= 16
 
