@@ -121,7 +121,8 @@ def _import(path: str):
 def sampling_config(config, policy: LoadedModel) -> SamplingConfig:
   s = config.sampling
   stop_ids = tuple(s.stop_ids) if s.stop_ids else _eos_ids(policy)
-  pad_id = s.pad_id if s.pad_id is not None else (policy.cfg.pad_token_id or stop_ids[0])
+  pad_id = s.pad_id if s.pad_id is not None else policy.cfg.pad_token_id
+  pad_id = stop_ids[0] if pad_id is None else pad_id  # pad id 0 is a valid id
   return SamplingConfig(max_new_tokens=s.max_new_tokens, stop_ids=stop_ids, pad_id=pad_id,
                         temperature=s.temperature, top_k=s.top_k, top_p=s.top_p,
                         min_new_tokens=s.min_new_tokens)

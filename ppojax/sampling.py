@@ -100,14 +100,12 @@ def sample_token(logits: Array, key: Array, config: SamplingConfig, banned: Arra
   only: one exp pass per distribution over [B, V], its weights reused for the draw.
   """
   z = logits.astype(jnp.float32) / config.temperature
-  z_max, weights = _max_and_weights(z)
-  lse = z_max + jnp.log(jnp.sum(weights, axis=-1, keepdims=True))
+  z_max, weights, lse = _normaliser(z)
   zt, zt_max, weights_t, lse_t = z, z_max, weights, lse
   if config.truncates or banned is not None:
     zt = z if banned is None else jnp.where(banned, jnp.finfo(z.dtype).min, z)
     zt = truncate_logits(zt, config) if config.truncates else zt
-    zt_max, weights_t = _max_and_weights(zt)
-    lse_t = zt_max + jnp.log(jnp.sum(weights_t, axis=-1, keepdims=True))
+    zt_max, weights_t, lse_t = _normaliser(zt)
   tokens = first_argmax(zt, zt_max)
   if not config.greedy:
     tokens = _inverse_cdf_sample(key, weights_t, fallback=tokens)
@@ -115,10 +113,12 @@ def sample_token(logits: Array, key: Array, config: SamplingConfig, banned: Arra
   return tokens, pick(z - lse), pick(zt - lse_t)
 
 
-def _max_and_weights(z: Array) -> tuple[Array, Array]:
-  """m = max_i z_i [B, 1] and the unnormalised probabilities exp(z − m) [B, V]."""
+def _normaliser(z: Array) -> tuple[Array, Array, Array]:
+  """m = max_i z_i [B, 1], the unnormalised probabilities w = exp(z − m) [B, V] and
+  logsumexp(z) = m + log Σ w [B, 1]."""
   z_max = jnp.max(z, axis=-1, keepdims=True)
-  return z_max, jnp.exp(z - z_max)
+  weights = jnp.exp(z - z_max)
+  return z_max, weights, z_max + jnp.log(jnp.sum(weights, axis=-1, keepdims=True))
 
 
 def first_argmax(z: Array, z_max: Array) -> Array:
