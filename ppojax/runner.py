@@ -211,10 +211,10 @@ def _data(config, policy: LoadedModel):
 
 
 def _sample_rows(run: Run, r, scores, n: int) -> list[dict]:
-  r, scores = jax.device_get((r, scores))
+  r, scores = jax.device_get(jax.tree.map(lambda x: x[:n], (r, scores)))  # only the rows shown
   return [{"prompt": run.decode(r.prompts[i], r.prompt_mask[i]),
            "response": run.decode(r.responses[i], r.mask[i]), "score": float(scores[i])}
-          for i in range(min(n, len(scores)))]
+          for i in range(len(scores))]
 
 
 def iteration(run: Run, state, prompts: Prompts, phase_timing: bool = False):

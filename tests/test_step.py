@@ -18,14 +18,8 @@ _CONFIGS = pathlib.Path(__file__).parents[1] / "configs"
 
 def toy_config(**changes):
   """configs/toy.py at batch 16, with "section.field" overrides."""
-  config = runner.load_config(_CONFIGS / "toy.py", ppo__batch_size=16)
-  for key, value in changes.items():
-    *path, last = key.split(".")
-    section = config
-    for p in path:
-      section = section[p]
-    section[last] = value
-  return config
+  overrides = {"ppo__batch_size": 16, **{k.replace(".", "__"): v for k, v in changes.items()}}
+  return runner.load_config(_CONFIGS / "toy.py", **overrides)
 
 
 def _run_steps(config, n=2, phases=False):
