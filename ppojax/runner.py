@@ -18,9 +18,9 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
+from ppojax import evaluation, sources, tasks
 from ppojax import sharding as sharding_lib
 from ppojax import step as step_lib
-from ppojax import tasks
 from ppojax.experience import Prompts
 from ppojax.models import (CausalLM, LoadedModel, ModelConfig, ValueModel, load_model,
                            partition_rules, positions_from_mask, save_model)
@@ -40,9 +40,12 @@ class Run(NamedTuple):
   step: step_lib.PPOStep
   mesh: jax.sharding.Mesh
   state_shardings: Any
-  prompts: Callable[[int], Prompts]  # data position → a batch of prompts (host arrays)
-  decode: Callable[[np.ndarray, np.ndarray], str]  # (tokens, mask) → text, for sample tables
+  source: sources.Source  # data position → a batch of prompts (host arrays) and records
   policy: LoadedModel  # the initial policy (config and tokenizer, for export)
+  # a host reward: (rollout as NumPy arrays, the batch's records) → scores [B]; None when the
+  # reward is traced into the compiled step
+  host_reward: Callable[[Any, list[dict] | None], np.ndarray] | None
+  sampling: SamplingConfig
 
 
 def load_config(path: str | os.PathLike, **overrides) -> ml_collections.ConfigDict:
@@ -143,8 +146,8 @@ def validate(config) -> None:
     raise ValueError(
         f"ppo.batch_size={ppo.batch_size} is not divisible by ppo.num_minibatches × "
         f"ppo.grad_accum = {ppo.num_minibatches} × {ppo.grad_accum}; change one of them")
-  if config.reward.kind not in ("jax", "python", "model"):
-    raise ValueError(f"reward.kind={config.reward.kind!r}: choose jax, python or model")
+  if config.reward.kind not in ("jax", "python", "text", "model"):
+    raise ValueError(f"reward.kind={config.reward.kind!r}: choose jax, python, text or model")
   if config.model.critic_init not in ("auto", "reward", "policy"):
     raise ValueError(f"model.critic_init={config.model.critic_init!r}: choose auto, reward or "
                      "policy")
@@ -168,7 +171,13 @@ def build(config) -> Run:
       policy=CausalLM(policy.cfg), critic=ValueModel(critic.cfg),
       reward=ValueModel(reward_model.cfg) if reward_model else None,
       reward_fn=_import(config.reward.fn) if config.reward.kind == "jax" else None)
-  python_reward = _import(config.reward.fn) if config.reward.kind == "python" else None
+  host_reward = python_reward = None
+  if config.reward.kind == "python":
+    python_reward = _import(config.reward.fn)
+    host_reward = lambda rollout, records: python_reward(rollout)  # noqa: E731
+  elif config.reward.kind == "text":
+    host_reward = _text_reward(config, policy)
+    python_reward = _records_required
 
   ppo, optim = config.ppo, config.optim
   updates = config.num_iterations * ppo.num_epochs * ppo.num_minibatches
@@ -193,16 +202,21 @@ def build(config) -> Run:
   step = step_lib.make_ppo_step(models, txs["actor"], txs["critic"], schedules["actor"], sampling,
                                 ppo,
                                 python_reward=python_reward, state_shardings=state_shardings)
-  prompts, decode = _data(config, policy)
-  return Run(config, models, frozen, state, step, mesh, state_shardings, prompts, decode, policy)
+  source = sources.make_source(config, policy.tokenizer)
+  return Run(config, models, frozen, state, step, mesh, state_shardings, source, policy,
+             host_reward, sampling)
 
 
-def _data(config, policy: LoadedModel):
-  d = config.data
-  if d.task == "count":
-    return (lambda pos: tasks.count_prompts(config.seed, pos, config.ppo.batch_size,
-                                            d.prompt_len), tasks.decode_count)
-  raise ValueError(f"data.task={d.task!r} is not known; available: count")
+def _text_reward(config, policy: LoadedModel):
+  if policy.tokenizer is None:
+    raise ValueError("reward.kind='text' decodes completions, but the policy has no tokenizer")
+  score = sources.text_reward(_import(config.reward.fn), policy.tokenizer, config.data.field)
+  return lambda rollout, records: score(rollout.responses, rollout.mask, records)
+
+
+def _records_required(rollout):
+  raise RuntimeError("a text reward needs the batch's records: score it through "
+                     "runner.iteration(run, state, prompts, records)")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -212,14 +226,17 @@ def _data(config, policy: LoadedModel):
 
 def _sample_rows(run: Run, r, scores, n: int) -> list[dict]:
   r, scores = jax.device_get(jax.tree.map(lambda x: x[:n], (r, scores)))  # only the rows shown
-  return [{"prompt": run.decode(r.prompts[i], r.prompt_mask[i]),
-           "response": run.decode(r.responses[i], r.mask[i]), "score": float(scores[i])}
+  decode = run.source.decode
+  return [{"prompt": decode(r.prompts[i], r.prompt_mask[i]),
+           "response": decode(r.responses[i], r.mask[i]), "score": float(scores[i])}
           for i in range(len(scores))]
 
 
-def iteration(run: Run, state, prompts: Prompts, phase_timing: bool = False):
+def iteration(run: Run, state, prompts: Prompts, records: list[dict] | None = None,
+              phase_timing: bool = False):
   """One PPO iteration: (state, metrics as floats, rollout, scores). The fused step unless the
-  reward is a Python function or ``phase_timing`` asks for the three phases timed apart."""
+  reward runs on the host or ``phase_timing`` asks for the three phases timed apart;
+  ``records`` (the batch's rows) are what a text reward reads its columns from."""
   step, frozen = run.step, run.frozen
   timings = {}
   t0 = time.perf_counter()
@@ -229,7 +246,10 @@ def iteration(run: Run, state, prompts: Prompts, phase_timing: bool = False):
   else:
     r = jax.block_until_ready(step.rollout(state, frozen, prompts))
     t1 = time.perf_counter()
-    scores = jax.block_until_ready(step.score(frozen, r))
+    if run.host_reward is not None:
+      scores = jnp.asarray(run.host_reward(jax.device_get(r), records), jnp.float32)
+    else:
+      scores = jax.block_until_ready(step.score(frozen, r))
     t2 = time.perf_counter()
     state, metrics = step.learn(state, r, scores)
     jax.block_until_ready(metrics)
@@ -240,13 +260,19 @@ def iteration(run: Run, state, prompts: Prompts, phase_timing: bool = False):
   return state, {**metrics, **timings}, r, scores
 
 
-def run(config, workdir: str | None = None, stop_after: int | None = None) -> list[dict]:
-  """Trains for ``config.num_iterations`` PPO iterations; returns the logged metric rows.
+class Result(NamedTuple):
+  history: list[dict]  # the logged metric rows
+  evals: dict[str, dict]  # "before" / "after": held-out evaluation summaries (if the task has any)
+
+
+def run(config, workdir: str | None = None, stop_after: int | None = None) -> Result:
+  """Trains for ``config.num_iterations`` PPO iterations.
 
   With a ``workdir``: resumes from its latest complete checkpoint, writes metrics.jsonl,
   TensorBoard events, samples.jsonl, curves.png, checkpoints/ and, at the end, policy/ (the
   trained policy in Hugging Face format). ``stop_after``: stop (with a checkpoint) after that
-  iteration, as an interrupted run would; running again resumes.
+  iteration, as an interrupted run would; running again resumes. A task with held-out prompts
+  is evaluated greedily before the first and after the last iteration (eval.json).
   """
   from ppojax import checkpoint, reporting  # pylint: disable=import-outside-toplevel
 
@@ -269,13 +295,19 @@ def run(config, workdir: str | None = None, stop_after: int | None = None) -> li
                                     resume_step=start)
   batch = config.ppo.batch_size
   batch_sharding = sharding_lib.batch_sharding(r.mesh)
+  evals = _read_evals(workdir)
+  if "before" not in evals and start == 0 and r.source.eval_records:
+    evals["before"] = _held_out(r, state.actor, "before", workdir, writer, 0)
   progress = reporting.ProgressBar(config.num_iterations, start=start)
   history = []
   try:
     for it in range(start + 1, config.num_iterations + 1):
-      prompts = jax.device_put(r.prompts(it - 1), batch_sharding)
-      state, metrics, rollout, scores = iteration(r, state, prompts, config.phase_timing)
-      metrics.update(episode=it * batch, eps=batch / metrics["time/iteration"])
+      data = r.source.batch(it - 1)
+      prompts = jax.device_put(data.prompts, batch_sharding)
+      state, metrics, rollout, scores = iteration(r, state, prompts, data.records,
+                                                  config.phase_timing)
+      metrics.update(episode=it * batch, eps=batch / metrics["time/iteration"],
+                     **{"data/truncated_prompts": data.truncated})
       if it % config.log_every == 0 or it in (start + 1, config.num_iterations):
         history.append({"iteration": it, **metrics})
         progress.update(it, {k: metrics[k] for k in SHOWN if k in metrics})
@@ -291,6 +323,10 @@ def run(config, workdir: str | None = None, stop_after: int | None = None) -> li
         ckpt.save(it, state, {"iteration": it, "data_position": it}, force=stop)
       if stop:
         break
+    if history and history[-1]["iteration"] == config.num_iterations and r.source.eval_records:
+      progress.close()
+      evals["after"] = _held_out(r, state.actor, "after", workdir, writer,
+                                 config.num_iterations)
   finally:
     progress.close()
     if ckpt:
@@ -301,7 +337,47 @@ def run(config, workdir: str | None = None, stop_after: int | None = None) -> li
   done = history and history[-1]["iteration"] == config.num_iterations
   if workdir and done:
     _finish(r, state, workdir, reporting)
-  return history
+  return Result(history, evals)
+
+
+# ---------------------------------------------------------------------------------------------
+# Held-out evaluation
+# ---------------------------------------------------------------------------------------------
+
+
+def _held_out(r: Run, actor, phase: str, workdir, writer, it: int) -> dict:
+  """Greedy completions of the held-out prompts, scored by ``config.eval.metrics``; written to
+  eval.json, eval_samples_{phase}.jsonl and the metrics (at iteration ``it``), and printed."""
+  e = r.config.eval
+  metrics = {name: _import(path) for name, path in e.metrics.items()}
+  t0 = time.perf_counter()
+  summary, rows = evaluation.evaluate(
+      r.models.policy, actor, r.source.eval_records, r.source.encode,
+      evaluation.greedy(r.sampling, e.max_new_tokens or None), r.policy.tokenizer, metrics,
+      e.batch_size, e.group_by or None, r.config.data.field)
+  shown = ", ".join(f"{k.removeprefix('eval/')} {v:.3f}" for k, v in summary.items())
+  print(f"held-out eval {phase} ({len(rows)} prompts, {time.perf_counter() - t0:.0f} s): "
+        f"{shown}", flush=True)
+  if workdir:
+    evals = _read_evals(workdir)
+    evals[phase] = summary
+    _write_json(workdir / "eval.json", evals)
+    with open(workdir / f"eval_samples_{phase}.jsonl", "w", encoding="utf-8") as f:
+      f.writelines(json.dumps(row) + "\n" for row in rows)
+  if writer:
+    writer.write(it, summary)
+  return summary
+
+
+def _read_evals(workdir) -> dict:
+  path = pathlib.Path(workdir) / "eval.json" if workdir else None
+  return json.loads(path.read_text()) if path and path.exists() else {}
+
+
+def _write_json(path: pathlib.Path, obj) -> None:
+  tmp = path.with_suffix(".tmp")
+  tmp.write_text(json.dumps(obj, indent=1))
+  os.replace(tmp, path)
 
 
 def _abstract(state, shardings):

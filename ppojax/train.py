@@ -23,11 +23,15 @@ def main(argv):
   logging.set_verbosity(logging.WARNING)
   config = _CONFIG.value
   print(config, flush=True)
-  history = runner.run(config, _WORKDIR.value)
+  history, evals = runner.run(config, _WORKDIR.value)
   if history:
     first, last = history[0]["objective/scores"], history[-1]["objective/scores"]
     print(f"score: {first:.3f} -> {last:.3f} (iterations {history[0]['iteration']}-"
           f"{history[-1]['iteration']})", flush=True)
+  if "before" in evals and "after" in evals:
+    for name in evals["after"]:
+      print(f"held-out {name.removeprefix('eval/')}: {evals['before'].get(name, float('nan')):.3f}"
+            f" -> {evals['after'][name]:.3f}", flush=True)
 
 
 if __name__ == "__main__":

@@ -26,7 +26,7 @@ def _run_steps(config, n=2, phases=False):
   r = runner.build(config)
   state, rows = r.state, []
   for it in range(n):
-    state, metrics, _, _ = runner.iteration(r, state, r.prompts(it), phase_timing=phases)
+    state, metrics, _, _ = runner.iteration(r, state, r.source.batch(it).prompts, phase_timing=phases)
     rows.append({k: v for k, v in metrics.items() if not k.startswith("time/")})
   return jax.device_get(state), rows
 
@@ -85,7 +85,7 @@ def test_gradient_accumulation_is_exact(aggregation):
 
   config = toy_config(**{"ppo.aggregation": aggregation})
   r = runner.build(config)
-  rollout = r.step.rollout(r.state, r.frozen, r.prompts(0))
+  rollout = r.step.rollout(r.state, r.frozen, r.source.batch(0).prompts)
   assert len(set(np.asarray(rollout.mask).sum(1).tolist())) > 1  # ragged lengths
   exp, _ = experience.make_experience(rollout, r.step.score(r.frozen, rollout), 0.05, config.ppo)
   params = (r.state.actor, r.state.critic)
@@ -106,7 +106,7 @@ def test_bad_batch_split_is_refused():
 def test_padding_after_the_stop_token_is_inert():
   """Tokens after a response's stop token change no log-prob, value or score on the mask."""
   r = runner.build(toy_config())
-  prompts = r.prompts(0)
+  prompts = r.source.batch(0).prompts
   responses = np.array([[5, 6, 0, 0, 0, 0], [7, 8, 9, 10, 0, 0]], np.int32)
   mask = np.array([[1, 1, 1, 0, 0, 0], [1, 1, 1, 1, 1, 0]], bool)
   garbage = np.where(mask, responses, 13)
@@ -125,7 +125,7 @@ def test_values_and_scores_read_the_right_positions():
   """V(s_t) is the critic's output before response token t; the score is read at the last
   response token — checked against a forward pass over the concatenated sequence."""
   r = runner.build(toy_config())
-  prompts = r.prompts(0)
+  prompts = r.source.batch(0).prompts
   p, rows = prompts.tokens[:3], slice(0, 3)
   responses = np.array([[5, 6, 0, 0], [7, 8, 9, 0], [4, 4, 4, 4]], np.int32)
   mask = np.array([[1, 1, 1, 0], [1, 1, 1, 1], [1, 1, 1, 1]], bool)
@@ -159,7 +159,7 @@ def test_reward_model_and_critic_initialised_from_it(tmp_path):
   config = toy_config(**{"reward.kind": "model", "model.reward": str(tmp_path / "rm")})
   r = runner.build(config)
   _assert_close(r.state.critic, r.frozen.reward)
-  state, metrics, rollout, scores = runner.iteration(r, r.state, r.prompts(0))
+  state, metrics, rollout, scores = runner.iteration(r, r.state, r.source.batch(0).prompts)
   want = experience.model_scores(r.models.reward, r.frozen.reward, rollout.prompts,
                                  rollout.prompt_mask, rollout.responses, rollout.mask)
   np.testing.assert_allclose(np.asarray(scores), np.asarray(want), rtol=1e-6)

@@ -45,10 +45,10 @@ def test_cli_learns_the_count_task_and_writes_its_outputs(tmp_path):
 
 def test_stopped_and_resumed_run_equals_an_uninterrupted_run(tmp_path):
   config = toy_config(num_iterations=6, save_every=2, log_every=1, sample_every=0)
-  whole = runner.run(config, str(tmp_path / "whole"))
-  assert runner.run(config, str(tmp_path / "parts"), stop_after=3)[-1]["iteration"] == 3
+  whole = runner.run(config, str(tmp_path / "whole")).history
+  assert runner.run(config, str(tmp_path / "parts"), stop_after=3).history[-1]["iteration"] == 3
   assert not (tmp_path / "parts" / "policy").exists()  # not finished: no export yet
-  resumed = runner.run(config, str(tmp_path / "parts"))
+  resumed = runner.run(config, str(tmp_path / "parts")).history
   assert resumed[0]["iteration"] == 4
   read = lambda d: reporting.read_metrics(str(tmp_path / d / "metrics.jsonl"))  # noqa: E731
   assert _stable(read("whole")) == _stable(read("parts"))
@@ -60,7 +60,7 @@ def test_resume_from_an_earlier_checkpoint_drops_the_lost_rows(tmp_path):
   """A run that died after iteration 3 with its last checkpoint at 2: the rerun restarts at 3
   and metrics.jsonl holds each iteration once, as in an uninterrupted run."""
   config = toy_config(num_iterations=4, save_every=2, log_every=1, sample_every=0)
-  whole = runner.run(config, str(tmp_path / "whole"))
+  whole = runner.run(config, str(tmp_path / "whole")).history
   runner.run(config, str(tmp_path / "parts"), stop_after=2)
   with open(tmp_path / "parts" / "metrics.jsonl", "a") as f:  # iteration 3, never saved
     f.write(json.dumps({"step": 3, "objective/scores": -1.0}) + "\n")

@@ -1,0 +1,482 @@
+"""Prompt, preference and SFT data: reading records, chat templates, padding and batching.
+
+    records  = read_records("prefs.jsonl", required=("prompt", "chosen", "rejected"))
+    pairs    = encode_pairs(tokenizer, records, max_prompt_len=256, max_response_len=256)
+    rows     = batch_indices(len(records), batch_size=32, seed=0, position=step)
+
+Records come from JSONL, a JSON list, a ``datasets`` ``save_to_disk`` directory or a
+parquet/csv/arrow file. A prompt is a string or a list of chat messages; with a chat template it
+is rendered with the generation prompt appended. Prompts are left-padded (right-aligned, so
+generation continues from the last column); responses are right-padded and end with the stop
+token (DESIGN: a response is the tokens up to and including the first stop token). Masks, never
+pad ids, say which tokens count. Bad input raises ``DataError`` naming the file, line and field;
+nothing is dropped silently.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import tempfile
+import warnings
+import weakref
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any, NamedTuple
+
+import numpy as np
+
+_DATASET_SUFFIXES = (".parquet", ".csv", ".arrow")
+_PROMPT_TRUNCATE = ("left", "error")
+_RESPONSE_TRUNCATE = ("right", "error")
+_warned_no_pad: weakref.WeakSet = weakref.WeakSet()
+
+
+class DataError(ValueError):
+  """Bad or missing training data; the message says what was wrong, where, and what to do."""
+
+
+class Encoded(NamedTuple):
+  tokens: np.ndarray  # int32 [N, L]
+  mask: np.ndarray  # bool [N, L]: real tokens (not padding)
+  truncated: np.ndarray  # bool [N]: the sequence was longer than L and was cut
+
+
+class Pairs(NamedTuple):
+  prompt: Encoded
+  chosen: Encoded
+  rejected: Encoded
+
+
+class SFTData(NamedTuple):
+  prompt: Encoded
+  response: Encoded
+
+
+# ---------------------------------------------------------------------------------------------
+# Reading records
+
+
+def read_records(source: str | os.PathLike, required: Sequence[str] = (),
+                 split: str = "train") -> list[dict]:
+  """Records (dicts) from a .jsonl/.json file, a ``save_to_disk`` directory (``split`` picks one
+  of a DatasetDict's splits; a plain Dataset has none and ignores it) or a .parquet/.csv/.arrow
+  file (these three and directories need the ``datasets`` package).
+
+  Every ``required`` field must be present in every record and be a string or a list of chat
+  messages ({"role", "content"} dicts).
+  """
+  path = pathlib.Path(source)
+  if isinstance(required, str):
+    required = (required,)
+  if not path.exists():
+    raise DataError(f"data file not found: {path} (no such file or directory)")
+  suffix = path.suffix.lower()
+  if path.is_dir():
+    located = _read_saved_dataset(path, split)
+  elif suffix == ".jsonl":
+    located = _read_jsonl(path)
+  elif suffix == ".json":
+    located = _read_json(path)
+  elif suffix in _DATASET_SUFFIXES:
+    located = _read_dataset_file(path)
+  else:
+    raise DataError(f"{path}: unsupported data file type {path.suffix!r}; use .jsonl, .json, "
+                    f"{', '.join(_DATASET_SUFFIXES)} or a datasets save_to_disk directory")
+  if not located:
+    where = f"{path} (split {split!r})" if path.is_dir() else str(path)
+    raise DataError(f"{where} contains no records")
+  for where, record in located:
+    for name in required:
+      _check_field(record, name, where)
+  return [record for _, record in located]
+
+
+def _read_jsonl(path: pathlib.Path) -> list[tuple[str, dict]]:
+  """(location, record) per non-blank line of a JSONL file."""
+  out = []
+  with open(path, "rb") as f:
+    for lineno, raw in enumerate(f, start=1):
+      where = f"{path}:{lineno}"
+      try:
+        line = raw.decode("utf-8-sig" if lineno == 1 else "utf-8")
+      except UnicodeDecodeError as e:
+        raise DataError(f"{where}: not valid UTF-8 text: {e}") from e
+      if not line.strip():
+        continue
+      try:
+        record = json.loads(line)
+      except json.JSONDecodeError as e:
+        raise DataError(f"{where}: not a JSON object: {e}") from e
+      if not isinstance(record, dict):
+        raise DataError(f"{where}: not a JSON object: got a JSON {_json_type(record)}; "
+                        "each line must hold one object like {\"prompt\": ...}")
+      out.append((where, record))
+  return out
+
+
+def _read_json(path: pathlib.Path) -> list[tuple[str, dict]]:
+  """(location, record) per element of a .json file holding a list of objects."""
+  try:
+    data = json.loads(path.read_text(encoding="utf-8-sig"))
+  except UnicodeDecodeError as e:
+    raise DataError(f"{path}: not valid UTF-8 text: {e}") from e
+  except json.JSONDecodeError as e:
+    raise DataError(f"{path}:{e.lineno}: not valid JSON: {e}") from e
+  if not isinstance(data, list):
+    raise DataError(f"{path}: a .json data file must hold a list of objects, got a JSON "
+                    f"{_json_type(data)}; use a list, or JSONL with one object per line")
+  out = []
+  for i, record in enumerate(data):
+    where = f"{path}: record {i}"
+    if not isinstance(record, dict):
+      raise DataError(f"{where}: not a JSON object: got a JSON {_json_type(record)}")
+    out.append((where, record))
+  return out
+
+
+def _json_type(value: Any) -> str:
+  """JSON's name for the type of a decoded value."""
+  names = {list: "array", str: "string", bool: "boolean", int: "number", float: "number",
+           type(None): "null", dict: "object"}
+  return names.get(type(value), type(value).__name__)
+
+
+def _import_datasets(path: pathlib.Path):
+  """The ``datasets`` module, or a DataError saying how to install it."""
+  try:
+    import datasets  # pylint: disable=import-outside-toplevel
+  except ImportError as e:
+    raise DataError(f"reading {path} needs the Hugging Face `datasets` package: "
+                    "pip install datasets (or pip install 'ppojax[datasets]')") from e
+  return datasets
+
+
+def _read_saved_dataset(path: pathlib.Path, split: str) -> list[tuple[str, dict]]:
+  """(location, record) per row of a Dataset / DatasetDict written by ``save_to_disk``.
+
+  Only the chosen split is loaded. A split saved with zero rows has no arrow files, which
+  ``datasets`` itself cannot load; it reads here as no records.
+  """
+  where = str(path)
+  if (path / "dataset_dict.json").is_file():
+    try:
+      splits = json.loads((path / "dataset_dict.json").read_text())["splits"]
+    except (ValueError, KeyError, TypeError) as e:
+      raise DataError(f"{path}/dataset_dict.json is corrupt: {e}") from e
+    if split not in splits:
+      raise DataError(f"{path}: no split {split!r}; the splits are {sorted(splits)} "
+                      "(set the data split to one of them)")
+    path, where = path / split, f"{path} (split {split!r})"
+  if not (path / "state.json").is_file():
+    raise DataError(f"{where} is a directory but not one written by datasets' save_to_disk "
+                    "(Dataset or DatasetDict: no state.json or dataset_dict.json)")
+  try:
+    if not json.loads((path / "state.json").read_text()).get("_data_files"):
+      return []
+  except (ValueError, AttributeError) as e:
+    raise DataError(f"{path}/state.json is corrupt: {e}") from e
+  datasets = _import_datasets(path)
+  try:
+    ds = datasets.Dataset.load_from_disk(str(path))
+  except Exception as e:  # arrow errors on corrupt shards
+    raise DataError(f"{where}: could not load the saved dataset: {e}") from e
+  return _dataset_rows(ds, where)
+
+
+def _read_dataset_file(path: pathlib.Path) -> list[tuple[str, dict]]:
+  """(location, record) per row of a .parquet, .csv or .arrow file, read with ``datasets``."""
+  datasets, suffix = _import_datasets(path), path.suffix.lower()
+  try:
+    if suffix == ".arrow":
+      return _dataset_rows(datasets.Dataset.from_file(str(path), in_memory=True), str(path))
+    load = datasets.Dataset.from_parquet if suffix == ".parquet" else datasets.Dataset.from_csv
+    with tempfile.TemporaryDirectory() as cache:  # keep datasets' cache out of ~/.cache
+      return _dataset_rows(load(str(path), cache_dir=cache, keep_in_memory=True), str(path))
+  except DataError:
+    raise
+  except Exception as e:  # pyarrow / pandas errors on corrupt or foreign files
+    raise DataError(f"{path}: could not read it as a {suffix[1:]} file: {e}") from e
+
+
+def _dataset_rows(ds, where: str) -> list[tuple[str, dict]]:
+  """(location, record) per row of a ``datasets.Dataset``."""
+  return [(f"{where}: record {i}", record) for i, record in enumerate(ds.to_list())]
+
+
+def _check_field(record: Mapping, name: str, where: str) -> None:
+  """Raises unless ``record[name]`` is a string or a list of chat messages."""
+  if name not in record:
+    raise DataError(f"{where}: record has no field {name!r} (fields: "
+                    f"{', '.join(map(repr, record)) or 'none'})")
+  value = record[name]
+  if isinstance(value, str):
+    return
+  if isinstance(value, list) and value:
+    for j, message in enumerate(value):
+      if not (isinstance(message, Mapping) and {"role", "content"} <= set(message)
+              and isinstance(message["role"], str) and isinstance(message["content"], str)):
+        raise DataError(f"{where}: field {name!r} is a list but message {j} is not a "
+                        f"{{'role': str, 'content': str}} dict (got {message!r:.80})")
+    return
+  kind = "an empty list" if isinstance(value, list) else f"type {type(value).__name__}"
+  raise DataError(f"{where}: field {name!r} must be a string or a list of chat messages "
+                  f"({{'role', 'content'}} dicts), got {kind}")
+
+
+def write_jsonl(records: Iterable[dict], path: str | os.PathLike) -> None:
+  """Writes one JSON object per line, atomically: a temp file in the same directory is renamed
+  into place, so readers never see a half-written file. Creates parent directories."""
+  path = pathlib.Path(path)
+  path.parent.mkdir(parents=True, exist_ok=True)
+  fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+  try:
+    with os.fdopen(fd, "w", encoding="utf-8") as f:
+      for i, record in enumerate(records):
+        if not isinstance(record, Mapping):
+          raise DataError(f"writing {path}: record {i} is a {type(record).__name__}, "
+                          "not a dict")
+        try:
+          f.write(json.dumps(dict(record), ensure_ascii=False) + "\n")
+        except (TypeError, ValueError) as e:
+          raise DataError(f"writing {path}: record {i} is not JSON-serialisable: {e}") from e
+      f.flush()
+      os.fsync(f.fileno())
+    os.replace(tmp, path)
+  except BaseException:
+    pathlib.Path(tmp).unlink(missing_ok=True)
+    raise
+
+
+# ---------------------------------------------------------------------------------------------
+# Tokenizing
+
+
+def pad_token_id(tokenizer) -> int:
+  """The tokenizer's pad id; the eos id (with a one-time warning) when it has no pad token."""
+  if getattr(tokenizer, "pad_token_id", None) is not None:
+    return int(tokenizer.pad_token_id)
+  eos = getattr(tokenizer, "eos_token_id", None)
+  if eos is None:
+    raise DataError("the tokenizer has neither a pad token nor an eos token; set "
+                    "tokenizer.pad_token (any id works: masks decide which tokens count)")
+  try:
+    first = tokenizer not in _warned_no_pad
+    _warned_no_pad.add(tokenizer)
+  except TypeError:  # not weak-referenceable / hashable: warn every time
+    first = True
+  if first:
+    warnings.warn(f"the tokenizer has no pad token; padding with the eos token (id {eos}). "
+                  "This is safe: masks, not pad ids, decide which tokens count.", stacklevel=2)
+  return int(eos)
+
+
+def _messages(prompt: str | list[dict], system: str | None) -> list[dict]:
+  """Chat messages for a prompt: a string becomes one user message; ``system`` is prepended
+  when given and the prompt has no system message of its own."""
+  if isinstance(prompt, str):
+    messages = [{"role": "user", "content": prompt}]
+  elif isinstance(prompt, list):
+    messages = [dict(m) for m in prompt]
+  else:
+    raise DataError(f"a prompt must be a string or a list of chat messages, got "
+                    f"{type(prompt).__name__}")
+  if system is not None and not any(m.get("role") == "system" for m in messages):
+    messages.insert(0, {"role": "system", "content": system})
+  return messages
+
+
+def _plain_ids(ids: Any) -> list[int]:
+  """A flat list of ints from whatever ``apply_chat_template`` returned (list, array, dict /
+  BatchEncoding with "input_ids", or a batch of one)."""
+  if isinstance(ids, Mapping) or hasattr(ids, "input_ids"):
+    ids = ids["input_ids"]
+  if hasattr(ids, "tolist"):
+    ids = ids.tolist()
+  ids = list(ids)
+  if len(ids) == 1 and isinstance(ids[0], (list, tuple)):
+    ids = list(ids[0])
+  return [int(t) for t in ids]
+
+
+def prompt_ids(tokenizer, prompt: str | list[dict], *, system: str | None = None,
+               chat_template: bool = True) -> list[int]:
+  """Token ids of a prompt: through the chat template with the generation prompt appended, or
+  (``chat_template=False``) the raw text with the tokenizer's special tokens."""
+  if chat_template:
+    if not getattr(tokenizer, "chat_template", None):
+      raise DataError("the tokenizer has no chat template; set data.chat_template=False to feed "
+                      "prompts as raw text")
+    messages = _messages(prompt, system)
+    try:
+      ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    except Exception as e:  # jinja errors, e.g. a template that rejects system messages
+      raise DataError(f"the tokenizer's chat template failed on the messages "
+                      f"{[m.get('role') for m in messages]}: {type(e).__name__}: {e}") from e
+    return _plain_ids(ids)
+  if not isinstance(prompt, str):
+    raise DataError(f"the prompt is a {type(prompt).__name__} (chat messages?) but "
+                    "data.chat_template=False feeds prompts as raw text; set "
+                    "data.chat_template=True or give string prompts")
+  if system is not None:
+    raise DataError("a system prompt needs the chat template; set data.chat_template=True or "
+                    "drop data.system")
+  return _plain_ids(tokenizer(prompt)["input_ids"])
+
+
+def response_ids(tokenizer, text: str, stop_id: int) -> list[int]:
+  """Token ids of a response: the text without special tokens, then the stop token."""
+  if not isinstance(text, str):
+    raise DataError(f"a response must be a string, got {type(text).__name__}")
+  return _plain_ids(tokenizer.encode(text, add_special_tokens=False)) + [int(stop_id)]
+
+
+# ---------------------------------------------------------------------------------------------
+# Padding
+
+
+def _check_pad_args(length: int, truncate: str, allowed: tuple[str, ...], fn: str) -> None:
+  """Raises on a non-positive length or an unknown truncation mode."""
+  if length < 1:
+    raise DataError(f"{fn}: length must be >= 1, got {length}")
+  if truncate not in allowed:
+    raise DataError(f"{fn}: truncate must be one of {allowed}, got {truncate!r}")
+
+
+def _pad(seqs: Sequence[Sequence[int]], length: int, pad_id: int, truncate: str,
+         left: bool) -> Encoded:
+  """Shared body of left_pad / right_pad."""
+  n = len(seqs)
+  tokens = np.full((n, length), pad_id, np.int32)
+  mask = np.zeros((n, length), bool)
+  truncated = np.zeros((n,), bool)
+  for i, seq in enumerate(seqs):
+    seq = list(seq)
+    if not seq:
+      raise DataError(f"row {i} is empty (zero tokens); every sequence needs at least one token")
+    if len(seq) > length:
+      if truncate == "error":
+        raise DataError(f"row {i} has {len(seq)} tokens, more than the limit of {length}; raise "
+                        f"the limit or allow truncation (truncate={'left' if left else 'right'!r})")
+      seq, truncated[i] = (seq[-length:] if left else seq[:length]), True
+    cols = slice(length - len(seq), length) if left else slice(0, len(seq))
+    tokens[i, cols], mask[i, cols] = seq, True
+  return Encoded(tokens, mask, truncated)
+
+
+def left_pad(seqs: Sequence[Sequence[int]], length: int, pad_id: int,
+             truncate: str = "left") -> Encoded:
+  """Right-aligned rows padded on the left (prompts). Too-long rows keep their last ``length``
+  tokens (``truncate="left"``) or raise (``"error"``)."""
+  _check_pad_args(length, truncate, _PROMPT_TRUNCATE, "left_pad")
+  return _pad(seqs, length, pad_id, truncate, left=True)
+
+
+def right_pad(seqs: Sequence[Sequence[int]], length: int, pad_id: int,
+              truncate: str = "right") -> Encoded:
+  """Left-aligned rows padded on the right (responses). Too-long rows keep their first
+  ``length`` tokens (``truncate="right"``) or raise (``"error"``)."""
+  _check_pad_args(length, truncate, _RESPONSE_TRUNCATE, "right_pad")
+  return _pad(seqs, length, pad_id, truncate, left=False)
+
+
+# ---------------------------------------------------------------------------------------------
+# Encoding datasets
+
+
+def _field(record: Mapping, name: str, i: int) -> Any:
+  """``record[name]``, or a DataError naming the record index and its fields."""
+  if not isinstance(record, Mapping):
+    raise DataError(f"record {i} is a {type(record).__name__}, not a dict")
+  if name not in record:
+    raise DataError(f"record {i} has no field {name!r} (fields: "
+                    f"{', '.join(map(repr, record)) or 'none'})")
+  return record[name]
+
+
+def encode_prompts(tokenizer, records: Sequence[dict], max_len: int, *, field: str = "prompt",
+                   system: str | None = None, chat_template: bool = True,
+                   truncate: str = "left") -> Encoded:
+  """Left-padded prompt tokens [N, max_len] of ``record[field]`` for every record."""
+  _check_pad_args(max_len, truncate, _PROMPT_TRUNCATE, "encode_prompts")
+  pad = pad_token_id(tokenizer)
+  seqs = []
+  for i, record in enumerate(records):
+    prompt = _field(record, field, i)
+    try:
+      seqs.append(prompt_ids(tokenizer, prompt, system=system, chat_template=chat_template))
+    except DataError as e:
+      raise DataError(f"record {i}, field {field!r}: {e}") from e
+  try:
+    return left_pad(seqs, max_len, pad, truncate)
+  except DataError as e:
+    raise DataError(f"prompts (field {field!r}): {e}") from e
+
+
+def _encode_responses(tokenizer, records: Sequence[dict], field: str, max_len: int,
+                      stop_id: int, pad: int) -> Encoded:
+  """Right-padded response tokens [N, max_len] (cut on the right, flagged in ``truncated``)."""
+  seqs = []
+  for i, record in enumerate(records):
+    text = _field(record, field, i)
+    if not isinstance(text, str):
+      raise DataError(f"record {i}, field {field!r}: a response must be a string (the "
+                      f"assistant's text), got {type(text).__name__}")
+    seqs.append(response_ids(tokenizer, text, stop_id))
+  return right_pad(seqs, max_len, pad, "right")
+
+
+def _stop_id(tokenizer, stop_id: int | None) -> int:
+  """``stop_id``, defaulting to the tokenizer's eos id."""
+  if stop_id is not None:
+    return int(stop_id)
+  if getattr(tokenizer, "eos_token_id", None) is None:
+    raise DataError("the tokenizer has no eos token to end responses with; pass stop_id")
+  return int(tokenizer.eos_token_id)
+
+
+def encode_pairs(tokenizer, records: Sequence[dict], max_prompt_len: int,
+                 max_response_len: int, *, stop_id: int | None = None,
+                 system: str | None = None, chat_template: bool = True,
+                 truncate: str = "left") -> Pairs:
+  """Preference pairs from records with "prompt", "chosen" and "rejected" fields."""
+  stop, pad = _stop_id(tokenizer, stop_id), pad_token_id(tokenizer)
+  prompt = encode_prompts(tokenizer, records, max_prompt_len, system=system,
+                          chat_template=chat_template, truncate=truncate)
+  return Pairs(prompt,
+               _encode_responses(tokenizer, records, "chosen", max_response_len, stop, pad),
+               _encode_responses(tokenizer, records, "rejected", max_response_len, stop, pad))
+
+
+def encode_sft(tokenizer, records: Sequence[dict], max_prompt_len: int, max_response_len: int,
+               *, stop_id: int | None = None, system: str | None = None,
+               chat_template: bool = True, truncate: str = "left") -> SFTData:
+  """Supervised fine-tuning data from records with "prompt" and "response" fields."""
+  stop, pad = _stop_id(tokenizer, stop_id), pad_token_id(tokenizer)
+  prompt = encode_prompts(tokenizer, records, max_prompt_len, system=system,
+                          chat_template=chat_template, truncate=truncate)
+  return SFTData(prompt,
+                 _encode_responses(tokenizer, records, "response", max_response_len, stop, pad))
+
+
+# ---------------------------------------------------------------------------------------------
+# Batching
+
+
+def batch_indices(n: int, batch_size: int, seed: int, position: int) -> np.ndarray:
+  """Row indices (int64 [batch_size]) of batch ``position`` of an endless stream that shuffles
+  the ``n`` rows anew each epoch (``np.random.default_rng([seed, epoch])``). Batches straddle
+  epoch boundaries; a pure function of its arguments, so a resumed run sees identical data."""
+  if n <= 0:
+    raise DataError(f"batch_indices: no rows to draw from (n={n}); the data set is empty")
+  if batch_size <= 0:
+    raise DataError(f"batch_indices: batch_size must be >= 1, got {batch_size}")
+  if position < 0 or seed < 0:
+    raise DataError(f"batch_indices: seed and position must be >= 0, got seed={seed}, "
+                    f"position={position}")
+  start = position * batch_size
+  first, last = start // n, (start + batch_size - 1) // n
+  stream = np.concatenate([np.random.default_rng([seed, epoch]).permutation(n)
+                           for epoch in range(first, last + 1)])
+  offset = start - first * n
+  return stream[offset:offset + batch_size].astype(np.int64)

@@ -1,0 +1,95 @@
+"""Where a run's prompts come from, and how host-side text rewards see them.
+
+``make_source(config, tokenizer)`` turns the ``data`` config section into a ``Source``: a pure
+function from the data position (the iteration number) to a batch of left-padded prompts and
+their records, so a resumed run gets exactly the batches the interrupted one would have got.
+
+    data.task = "count"    the toy token task of ppojax/tasks.py (no tokenizer)
+    data.task = "arith"    small-number arithmetic (ppojax/arith.py) through the chat template
+    data.task = "file"     prompts from data.path: JSONL, JSON, a ``datasets`` directory, parquet
+
+A *text reward* is a trl-style function ``fn(prompts, completions, **columns) -> scores``: it gets
+the prompt texts, the decoded completions and every other column of the batch's records as
+keyword lists (e.g. ``answer``).
+"""
+
+from __future__ import annotations
+
+from typing import Callable, NamedTuple
+
+import numpy as np
+
+from ppojax import arith, data, tasks
+from ppojax.experience import Prompts
+
+
+class Batch(NamedTuple):
+  prompts: Prompts  # host arrays [B, P]
+  records: list[dict] | None  # one per row (None for token tasks)
+  truncated: int  # prompts cut from the left to fit data.max_prompt_len
+
+
+class Source(NamedTuple):
+  batch: Callable[[int], Batch]  # data position → batch
+  decode: Callable[[np.ndarray, np.ndarray], str]  # (tokens, mask) → text
+  eval_records: list[dict] | None  # held-out prompts for evaluation, if the task has any
+  encode: Callable[[list[dict]], data.Encoded] | None  # records → left-padded prompts
+
+
+def make_source(config, tokenizer) -> Source:
+  d, batch_size = config.data, config.ppo.batch_size
+  if d.task == "count":
+    return Source(lambda pos: Batch(tasks.count_prompts(config.seed, pos, batch_size,
+                                                        d.prompt_len), None, 0),
+                  tasks.decode_count, None, None)
+  if d.task not in ("arith", "file"):
+    raise ValueError(f"data.task={d.task!r} is not known; choose count, arith or file")
+  if tokenizer is None:
+    raise ValueError(f"data.task={d.task!r} needs a tokenizer, and model.policy="
+                     f"{config.model.policy!r} ships none")
+  field = d.field
+
+  def encode(records: list[dict]) -> data.Encoded:
+    return data.encode_prompts(tokenizer, records, d.max_prompt_len, field=field,
+                               system=d.system or None, chat_template=d.chat_template,
+                               truncate=d.truncate)
+
+  if d.task == "arith":
+    pick = lambda pos: arith.problems((config.seed, pos), batch_size, "train")  # noqa: E731
+    held_out = arith.eval_problems(d.eval_per_digits) if d.eval_per_digits else None
+  else:
+    records = data.read_records(d.path, required=(field,))
+    pick = lambda pos: [records[i] for i in data.batch_indices(  # noqa: E731
+        len(records), batch_size, config.seed, pos)]
+    held_out = (data.read_records(d.eval_path, required=(field,)) if d.get("eval_path")
+                else None)
+
+  def batch(pos: int) -> Batch:
+    records = pick(pos)
+    enc = encode(records)
+    return Batch(Prompts(enc.tokens, enc.mask), records, int(enc.truncated.sum()))
+
+  return Source(batch, lambda t, m: decode_text(tokenizer, t, m), held_out, encode)
+
+
+def decode_text(tokenizer, tokens: np.ndarray, mask: np.ndarray) -> str:
+  """The text of the masked tokens, special tokens dropped."""
+  return tokenizer.decode(np.asarray(tokens)[np.asarray(mask, bool)].tolist(),
+                          skip_special_tokens=True)
+
+
+def text_reward(fn: Callable, tokenizer, field: str = "prompt"
+                ) -> Callable[[np.ndarray, np.ndarray, list[dict]], np.ndarray]:
+  """``(responses, mask, records) → scores [B]`` from a trl-style text reward ``fn``."""
+
+  def score(responses: np.ndarray, mask: np.ndarray, records: list[dict]) -> np.ndarray:
+    completions = [decode_text(tokenizer, t, m) for t, m in zip(responses, mask)]
+    prompts = [r[field] for r in records]
+    columns = {k: [r.get(k) for r in records] for k in records[0] if k != field}
+    scores = np.asarray(fn(prompts=prompts, completions=completions, **columns), np.float32)
+    if scores.shape != (len(records),):
+      raise ValueError(f"reward function {getattr(fn, '__name__', fn)} returned shape "
+                       f"{scores.shape} for {len(records)} completions; return one float each")
+    return scores
+
+  return score
