@@ -187,3 +187,38 @@ def ppo_loss(
         "or leave ent_coef at 0.0")
   metrics["loss/total"] = jax.lax.stop_gradient(total)
   return total, metrics
+
+
+def bradley_terry_loss(chosen: Array, rejected: Array) -> tuple[Array, dict[str, Array]]:
+  """Pairwise reward-model loss (Bradley & Terry 1952; Ouyang et al. 2022):
+
+      L = mean_b −log σ(r_c,b − r_r,b)
+
+  computed as −log_sigmoid of the margin, which stays finite for any margin. It depends on the
+  scores only through their difference, is ≥ 0, and equals log 2 where r_c = r_r.
+
+  Args:
+    chosen: [B] scores of the preferred responses.
+    rejected: [B] scores of the rejected responses.
+
+  Returns:
+    loss and metrics: ``accuracy`` = mean(r_c > r_r) (ties count as wrong), ``margin`` =
+    mean(r_c − r_r).
+  """
+  chex.assert_rank([chosen, rejected], 1)
+  chex.assert_equal_shape([chosen, rejected])
+  margin = chosen.astype(jnp.float32) - rejected.astype(jnp.float32)
+  loss = -jnp.mean(jax.nn.log_sigmoid(margin))
+  metrics = {"accuracy": jnp.mean((margin > 0).astype(jnp.float32)), "margin": jnp.mean(margin)}
+  return loss, jax.tree.map(jax.lax.stop_gradient, metrics)
+
+
+def sft_loss(logp: Array, mask: Array, aggregation: str = "token_mean") -> Array:
+  """Negative log-likelihood of the response tokens: L = −agg(log π(y_t | x, y_<t)).
+
+  ``logp`` [B, T] holds the log-probs of the response tokens (prompt tokens are context, never
+  targets); ``mask`` [B, T] marks the real response tokens (the stop token included).
+  """
+  chex.assert_rank([logp, mask], 2)
+  mask, logp = _masked_inputs(mask, logp)
+  return -ops.aggregate(logp, mask, aggregation)

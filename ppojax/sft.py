@@ -1,0 +1,113 @@
+"""Supervised fine-tuning: ``python -m ppojax.sft --config configs/sft_arith.py --workdir DIR``.
+
+The policy learns (prompt, response) examples by the negative log-likelihood of the response
+tokens only (the EOS token that ends each response included; prompt tokens are context, never
+targets):
+
+    L = −agg_{b,t} log π(y_t | x, y_<t)     (losses.sft_loss; agg: token or sequence mean)
+
+Held-out response NLL (a token mean) and token accuracy (greedy next token = target) are printed
+and logged before and after training; DIR gets metrics.jsonl, TensorBoard events and
+``policy/`` in Hugging Face format, the starting point of reward-model training and PPO
+(``--config.model.init=DIR/policy`` / ``--config.model.policy=DIR/policy``). Override any
+config field with ``--config.section.field=value``.
+"""
+
+from __future__ import annotations
+
+import functools
+import pathlib
+
+import jax.numpy as jnp
+import ml_collections
+from absl import app, flags, logging
+from ml_collections import config_flags
+
+from ppojax import arith, data, losses, ops, supervised
+from ppojax.experience import response_logits, response_logprobs
+from ppojax.models import save_model
+
+FIELDS = ("prompt", "response")
+
+
+def _args(batch: dict) -> tuple:
+  return batch["prompt"], batch["prompt_mask"], batch["response"], batch["response_mask"]
+
+
+def sft_loss(module, aggregation: str, params, batch: dict):
+  """The response NLL (``losses.sft_loss``) of a batch, at temperature 1."""
+  logp = response_logprobs(module, params, *_args(batch), 1.0)
+  return losses.sft_loss(logp, batch["response_mask"], aggregation), {}
+
+
+def sft_eval(module, params, batch: dict) -> dict:
+  """Per-example statistics over the response tokens: NLL sum and greedy-correct tokens, each
+  over the number of tokens (so the held-out means are token means)."""
+  logits = response_logits(module, params, *_args(batch))
+  tokens, mask = batch["response"], batch["response_mask"]
+  logp = ops.selective_log_softmax(logits, tokens, 1.0)
+  correct = jnp.argmax(logits, axis=-1) == tokens
+  count = ops.masked_count(mask, axis=1)
+  return {"nll": (ops.masked_sum(-logp, mask, axis=1), count),
+          "token_accuracy": (ops.masked_sum(correct.astype(jnp.float32), mask, axis=1), count)}
+
+
+def load_examples(config: ml_collections.ConfigDict, tokenizer) -> tuple[dict, dict, dict]:
+  """(train, held-out) example arrays and data statistics from the ``data`` config section."""
+  d = config.data
+  encode = functools.partial(
+      data.encode_sft, tokenizer, max_prompt_len=d.max_prompt_len,
+      max_response_len=d.max_response_len, system=d.system or None,
+      chat_template=d.chat_template, truncate=d.truncate)
+  sets = [encode(supervised.load_records(source, n, split, arith.sft_examples, FIELDS,
+                                         config.seed))
+          for source, n, split in ((d.train, d.train_size, d.train_split),
+                                   (d.eval, d.eval_size, d.eval_split))]
+  prompts = supervised.fit_length([s.prompt for s in sets], left=True)
+  responses = supervised.fit_length([s.response for s in sets], left=False)
+  arrays = [{"prompt": p.tokens, "prompt_mask": p.mask, "response": r.tokens,
+             "response_mask": r.mask} for p, r in zip(prompts, responses)]
+  info = {
+      "data/train_examples": len(sets[0].prompt.tokens),
+      "data/eval_examples": len(sets[1].prompt.tokens),
+      "data/prompt_len": prompts[0].tokens.shape[1],
+      "data/response_len": responses[0].tokens.shape[1],
+      "data/truncated_prompts": sum(int(s.prompt.truncated.sum()) for s in sets),
+      "data/truncated_responses": sum(int(s.response.truncated.sum()) for s in sets)}
+  return arrays[0], arrays[1], info
+
+
+def run(config: ml_collections.ConfigDict, workdir: str | pathlib.Path | None = None
+        ) -> supervised.Result:
+  """Fine-tunes the policy of ``config``; with a ``workdir``, writes metrics and saves the policy
+  to ``workdir/policy``."""
+  model = supervised.build_model(config, head="lm")
+  train, held_out, info = load_examples(config, model.tokenizer)
+  print(", ".join(f"{k[5:]} {v}" for k, v in info.items()), flush=True)
+  module = model.module
+  result = supervised.fit(
+      config, workdir, model, functools.partial(sft_loss, module, config.train.aggregation),
+      functools.partial(sft_eval, module), train, held_out, info,
+      shown=("train/loss", "eval/nll"))
+  if workdir:
+    out = save_model(pathlib.Path(workdir) / "policy", result.model)
+    print(f"wrote the policy to {out}", flush=True)
+  return result
+
+
+def main(argv, config_flag, workdir_flag):
+  if len(argv) > 1:
+    raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+  logging.set_verbosity(logging.WARNING)
+  config = config_flag.value
+  print(config, flush=True)
+  result = run(config, workdir_flag.value)
+  b, a = result.before, result.after
+  print(f"held-out response NLL: {b['eval/nll']:.3f} -> {a['eval/nll']:.3f}, token accuracy: "
+        f"{b['eval/token_accuracy']:.3f} -> {a['eval/token_accuracy']:.3f}", flush=True)
+
+
+if __name__ == "__main__":  # flags defined here only: importing this module defines none
+  _CONFIG = config_flags.DEFINE_config_file("config", "configs/sft_arith.py", "Config file.")
+  _WORKDIR = flags.DEFINE_string("workdir", None, "Run directory: metrics and policy/.")
+  app.run(functools.partial(main, config_flag=_CONFIG, workdir_flag=_WORKDIR))

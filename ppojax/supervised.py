@@ -1,0 +1,289 @@
+"""What reward-model training (``ppojax.train_rm``) and supervised fine-tuning (``ppojax.sft``)
+share, as plain functions:
+
+    model   = build_model(config, head="value")     # tiny random init, or load_model(model.init)
+    records = load_records(config.data.train, ...)  # JSONL / datasets dir / a generated task
+    result  = fit(config, workdir, model, loss_fn, eval_fn, train, held_out)
+
+A data set is a dict of host arrays with the rows first (``rows`` counts them). A loss is
+``loss_fn(params, batch) → (loss, metrics)``; an evaluation is ``eval_fn(params, batch) →
+{name: (numerator [B], denominator [B])}``, per-row statistics that ``evaluate`` sums over the
+held-out set and divides once at the end, so every mean is exact whatever the batching: the last
+partial batch is filled with copies of row 0 at weight 0, and every held-out row counts exactly
+once. Training batches are ``data.batch_indices(n, batch_size, seed, step)``: a pure function of
+the step, reshuffled every epoch.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import pathlib
+from collections.abc import Mapping
+from typing import Any, Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+import optax
+
+from ppojax import data, reporting, runner
+from ppojax import step as step_lib
+from ppojax.models import (SMOLLM2_NAMES, CausalLM, LoadedModel, ValueModel, hf, load_model,
+                           positions_from_mask)
+
+Arrays = dict[str, np.ndarray]
+LossFn = Callable[[Any, dict], tuple[jax.Array, dict]]
+EvalFn = Callable[[Any, dict], dict[str, tuple[jax.Array, jax.Array]]]
+
+
+class Result(NamedTuple):
+  model: LoadedModel  # the trained model (host params)
+  before: dict[str, float]  # held-out statistics before training ("eval/..."), and after:
+  after: dict[str, float]
+  history: list[dict]  # the logged metric rows
+
+
+# ---------------------------------------------------------------------------------------------
+# Model and tokenizer
+# ---------------------------------------------------------------------------------------------
+
+
+def load_tokenizer(name: str):
+  """The tokenizer of a Hugging Face directory or hub id, a GGUF file or "smollm2"."""
+  name = str(name)
+  if name.lower() in SMOLLM2_NAMES or name.endswith(".gguf"):
+    return load_model(name).tokenizer
+  from transformers import AutoTokenizer  # pylint: disable=import-outside-toplevel
+  return AutoTokenizer.from_pretrained(str(hf.resolve(name)))
+
+
+def build_model(config: ml_collections.ConfigDict, head: str = "lm") -> LoadedModel:
+  """The model to train: ``model.init`` = "tiny" (random init from ``model.tiny``, the vocabulary
+  sized to the tokenizer of ``model.tokenizer``) or anything ``load_model`` accepts ("smollm2",
+  a GGUF file, a Hugging Face directory); ``head="value"`` adds a scalar head, zero when the
+  checkpoint has none and for "tiny" (an untrained reward model scores every pair a tie).
+  ``model.tokenizer``, when set, replaces the checkpoint's tokenizer."""
+  m = config.model
+  numerics = dict(dtype=m.dtype, remat=m.remat)
+  tokenizer = load_tokenizer(m.tokenizer) if m.tokenizer else None
+  if m.init == "tiny":
+    if tokenizer is None:
+      raise ValueError("model.init='tiny' needs model.tokenizer (a Hugging Face directory, GGUF "
+                       "file or 'smollm2') to size its vocabulary and encode the data")
+    tiny = ml_collections.ConfigDict(dict(m.tiny.to_dict(), vocab_size=len(tokenizer)))
+    cfg = runner.tiny_model_config(tiny).replace(
+        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=data.pad_token_id(tokenizer), **numerics)
+    module = ValueModel(cfg) if head == "value" else CausalLM(cfg)
+    mask = jnp.ones((1, 2), bool)
+    params = jax.jit(module.init)(jax.random.key(config.seed), jnp.zeros((1, 2), jnp.int32),
+                                  positions_from_mask(mask), mask)["params"]
+    if head == "value":  # a zero head, as load_model gives a policy checkpoint: r = 0 at first
+      params = dict(params, score=jax.tree.map(jnp.zeros_like, params["score"]))
+    return LoadedModel(cfg, params, tokenizer, head)
+  model = load_model(m.init, head=head, **numerics)
+  if tokenizer is not None:
+    model = model._replace(tokenizer=tokenizer)
+  if model.tokenizer is None:
+    raise ValueError(f"model.init={m.init!r} ships no tokenizer: set model.tokenizer")
+  return model
+
+
+# ---------------------------------------------------------------------------------------------
+# Data
+# ---------------------------------------------------------------------------------------------
+
+
+def load_records(source: str, n: int, split: str, generate: Callable[[int, int, str], list],
+                 required: tuple[str, ...], seed: int) -> list[dict]:
+  """``generate(seed, n, split)`` for a generated task (``source="arith"``), else the records of
+  a JSONL / JSON / parquet file or ``datasets`` directory (its ``split``), the first ``n`` if
+  ``n`` > 0."""
+  if not source:
+    raise data.DataError("no data: set data.train and data.eval (a JSONL file, a datasets "
+                         "directory, or 'arith')")
+  if source == "arith":
+    return generate(seed, n, split)
+  records = data.read_records(source, required=required, split=split)
+  return records[:n] if n else records
+
+
+def fit_length(encoded: list[data.Encoded], left: bool) -> list[data.Encoded]:
+  """Drops the columns that are padding in every row of every set — the leading ones of
+  left-padded prompts (``left``), the trailing ones of right-padded responses — so the compiled
+  length is the longest sequence in the data, at most the configured maximum."""
+  length = max(1, max(int(e.mask.sum(1).max(initial=0)) for e in encoded))
+  cols = (lambda a: a[:, a.shape[1] - length:]) if left else (lambda a: a[:, :length])  # noqa
+  return [data.Encoded(cols(e.tokens), cols(e.mask), e.truncated) for e in encoded]
+
+
+def rows(arrays: Arrays) -> int:
+  return len(next(iter(arrays.values())))
+
+
+def take(arrays: Arrays, idx: np.ndarray) -> Arrays:
+  return {k: v[idx] for k, v in arrays.items()}
+
+
+# ---------------------------------------------------------------------------------------------
+# Optimizer, train step, evaluation
+# ---------------------------------------------------------------------------------------------
+
+
+def num_steps(num_epochs: float, n: int, batch_size: int) -> int:
+  """⌈num_epochs · n / batch_size⌉ optimizer steps (at least 1)."""
+  return max(1, math.ceil(num_epochs * n / batch_size))
+
+
+def optimizer(optim: ml_collections.ConfigDict, steps: int
+              ) -> tuple[optax.GradientTransformation, optax.Schedule]:
+  """Warmup + decay schedule over ``steps``, global-norm clipping and AdamW (``ppojax.step``);
+  the updates of a scalar head ("score") scaled by ``optim.head_lr_factor`` (default 1): a
+  zero-initialised head at the backbone's small learning rate would take hundreds of steps to
+  reach useful scores, and until then passes almost no gradient to the backbone."""
+  schedule = step_lib.lr_schedule(optim.lr, steps, optim.warmup_steps, optim.decay,
+                                  optim.end_factor)
+  tx = step_lib.make_optimizer(schedule, optim.max_grad_norm, optim.weight_decay)
+  factor = optim.get("head_lr_factor", 1.0)
+  if factor != 1.0:
+    tx = optax.chain(tx, optax.masked(optax.scale(factor), _is_head))
+  return tx, schedule
+
+
+def _is_head(params):
+  if isinstance(params, Mapping):
+    return {k: k == "score" for k in params}
+  return jax.tree.map(lambda _: False, params)
+
+
+def make_train_step(loss_fn: LossFn, tx: optax.GradientTransformation, grad_accum: int = 1):
+  """``(params, opt_state, batch) → (params, opt_state, metrics)``, compiled, inputs donated;
+  the metrics are the loss function's plus ``loss`` and ``grad_norm`` (before clipping).
+
+  With ``grad_accum`` = K the batch is split into K equal micro-batches whose gradients and
+  metrics are averaged (a ``lax.scan``: one micro-batch's activations in memory at a time).
+  The average is the full-batch gradient when the loss is a mean over rows of equal weight
+  (Bradley–Terry); for a token mean it weighs each micro-batch's token mean equally.
+  """
+
+  def grads(params, batch):  # (gradient, metrics with the loss)
+    (loss, metrics), g = jax.value_and_grad(loss_fn, has_aux=True)(params, batch)
+    return g, dict(metrics, loss=loss)
+
+  def train_step(params, opt_state, batch):
+    if grad_accum == 1:
+      g, metrics = grads(params, batch)
+    else:
+      micro = jax.tree.map(lambda x: x.reshape(grad_accum, -1, *x.shape[1:]), batch)
+      shapes = jax.eval_shape(grads, params, jax.tree.map(lambda x: x[0], micro))
+      zero = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+
+      def body(acc, mb):
+        return jax.tree.map(lambda a, x: a + x / grad_accum, acc, grads(params, mb)), None
+
+      (g, metrics), _ = jax.lax.scan(body, zero, micro)
+    updates, opt_state = tx.update(g, opt_state, params)
+    metrics = dict(metrics, grad_norm=optax.tree.norm(g))
+    return optax.apply_updates(params, updates), opt_state, metrics
+
+  return jax.jit(train_step, donate_argnums=(0, 1))
+
+
+def eval_batches(n: int, batch_size: int):
+  """(row indices [batch_size], weights [batch_size]) covering rows 0 … n−1 exactly once; the
+  last batch is filled with row 0 at weight 0 (a fixed shape: one compilation)."""
+  for start in range(0, n, batch_size):
+    idx = np.arange(start, start + batch_size)
+    yield np.where(idx < n, idx, 0), (idx < n).astype(np.float32)
+
+
+def evaluate(eval_fn: EvalFn, params, arrays: Arrays, batch_size: int) -> dict[str, float]:
+  """mean_name = Σ_rows w·numerator / Σ_rows w·denominator over the held-out ``arrays``, plus
+  ``rows``, the number of rows counted (weights w: 1 for real rows, 0 for filler)."""
+  totals, count = {}, 0.0
+  for idx, weight in eval_batches(rows(arrays), batch_size):
+    sums = jax.device_get(_weighted_sums(eval_fn, params, take(arrays, idx), weight))
+    totals = sums if not totals else jax.tree.map(np.add, totals, sums)
+    count += float(weight.sum())
+  out = {name: float(num / max(den, 1e-12)) for name, (num, den) in totals.items()}
+  return {**out, "rows": count}
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _weighted_sums(eval_fn, params, batch, weight):
+  stats = eval_fn(params, batch)
+  return {k: (jnp.sum(weight * num), jnp.sum(weight * den)) for k, (num, den) in stats.items()}
+
+
+# ---------------------------------------------------------------------------------------------
+# The loop
+# ---------------------------------------------------------------------------------------------
+
+
+def fit(config: ml_collections.ConfigDict, workdir: str | pathlib.Path | None, model: LoadedModel,
+        loss_fn: LossFn, eval_fn: EvalFn, train: Arrays, held_out: Arrays,
+        info: dict[str, float] | None = None, shown: tuple[str, ...] = ("train/loss",)
+        ) -> Result:
+  """Trains ``model.params`` for ``train.num_epochs`` epochs of ``train``; evaluates on
+  ``held_out`` before, every ``train.eval_every`` steps, and after. Metric rows (``info`` —
+  e.g. data statistics — and the first evaluation at step 0) go to ``workdir/metrics.jsonl``."""
+  t = config.train
+  n = rows(train)
+  steps = num_steps(t.num_epochs, n, t.batch_size)
+  if t.batch_size % t.grad_accum:
+    raise ValueError(f"train.batch_size={t.batch_size} is not divisible by "
+                     f"train.grad_accum={t.grad_accum}")
+  tx, schedule = optimizer(config.optim, steps)
+  train_step = make_train_step(loss_fn, tx, t.grad_accum)
+
+  def evaluation(params) -> dict[str, float]:
+    stats = evaluate(eval_fn, params, held_out, t.eval_batch_size)
+    return {f"eval/{k}": v for k, v in stats.items()}
+
+  params = jax.tree.map(jnp.array, model.params)  # own buffers: the train step donates them
+  opt_state = tx.init(params)
+  history = []
+  writer = None
+  if workdir:
+    wandb = config.get("wandb_project") or None
+    writer = reporting.MetricWriter(str(workdir), wandb_project=wandb,
+                                    wandb_config=config.to_dict() if wandb else None)
+
+  def log(step: int, metrics: dict) -> None:
+    history.append({"step": step, **metrics})
+    if writer:
+      writer.write(step, metrics)
+
+  progress = None
+  try:
+    before = evaluation(params)
+    log(0, {**(info or {}), **before})
+    print(_summary("before training", before), flush=True)
+    progress = reporting.ProgressBar(steps)
+    for i in range(steps):
+      batch = take(train, data.batch_indices(n, t.batch_size, config.seed, i))
+      params, opt_state, metrics = train_step(params, opt_state, batch)
+      it = i + 1
+      evaluate_now = it == steps or (t.eval_every and it % t.eval_every == 0)
+      if it % t.log_every == 0 or evaluate_now:
+        metrics = {f"train/{k}": float(v) for k, v in jax.device_get(metrics).items()}
+        metrics.update(lr=float(schedule(i)), epoch=it * t.batch_size / n)
+        if evaluate_now:
+          metrics.update(evaluation(params))
+        log(it, metrics)
+        progress.update(it, {k: metrics[k] for k in shown if k in metrics})
+  finally:
+    if progress:
+      progress.close()
+    if writer:
+      writer.close()
+  after = {k: v for k, v in history[-1].items() if k.startswith("eval/")}
+  print(_summary("after training", after), flush=True)
+  return Result(model._replace(params=jax.device_get(params)), before, after, history)
+
+
+def _summary(when: str, stats: dict[str, float]) -> str:
+  shown = ", ".join(f"{k[5:]} {v:.4f}" for k, v in stats.items() if k != "eval/rows")
+  return f"held-out ({int(stats.get('eval/rows', 0))} rows) {when}: {shown}"
