@@ -16,7 +16,7 @@ from ppojax.config import defaults
 
 def get_config() -> ml_collections.ConfigDict:
   c = defaults()
-  c.num_iterations = 30
+  c.num_iterations = 20
   c.sample_every = 10
   c.save_every = 10
 
@@ -37,8 +37,8 @@ def get_config() -> ml_collections.ConfigDict:
   c.sampling.temperature = 0.7
 
   c.ppo.batch_size = 32
-  c.ppo.num_epochs = 2
-  c.ppo.num_minibatches = 2
+  c.ppo.num_epochs = 1
+  c.ppo.num_minibatches = 4
   c.ppo.kl_coef = 0.02
 
   c.optim.actor.update(lr=5e-6, warmup_steps=4, decay="constant")

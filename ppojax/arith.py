@@ -22,12 +22,13 @@ from __future__ import annotations
 
 import argparse
 import re
+from decimal import Decimal
 from typing import Sequence
 
 import numpy as np
 
 FORMAT_BONUS = 0.1
-_NUMBER = re.compile(r"-?\d+")
+_NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
 _ENDS_ON_NUMBER = re.compile(r"-?\d+\s*[.!]?\s*$")
 RESPONSES = ("{a} {op} {b} = {c}", "The answer is {c}.", "{c}", "{a} {op} {b} is {c}.")
 
@@ -85,10 +86,14 @@ def eval_problems(n_per_digits: int, digits: Sequence[int] = (1, 2)) -> list[dic
   return out
 
 
-def final_number(text: str) -> int | None:
-  """The last integer in ``text`` (thousands separators ignored), or None."""
+def final_number(text: str) -> int | float | None:
+  """The last number in ``text`` (thousands separators ignored): an int when it is whole
+  ("68", "68.0"), else a float (never equal to an integer answer); None if there is none."""
   found = _NUMBER.findall(text.replace(",", ""))
-  return int(found[-1]) if found else None
+  if not found:
+    return None
+  value = Decimal(found[-1])
+  return int(value) if value == value.to_integral_value() else float(value)
 
 
 def exact_match(completions: Sequence[str], answer: Sequence[str]) -> list[float]:

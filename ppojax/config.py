@@ -28,6 +28,7 @@ def defaults() -> ml_collections.ConfigDict:
 
   c.model = ml_collections.ConfigDict()
   c.model.policy = "smollm2"  # "tiny", "smollm2", a GGUF file, a Hugging Face directory or hub id
+  c.model.tokenizer = ""  # replaces the policy's tokenizer (needed for "tiny" on a text task)
   c.model.reward = ""  # reward model checkpoint, with reward.kind = "model"
   c.model.critic_init = "auto"  # "reward" (the RLHF recipe), "policy"; auto: reward if any
   c.model.dtype = "float32"  # compute dtype ("bfloat16" on accelerators)
@@ -60,6 +61,7 @@ def defaults() -> ml_collections.ConfigDict:
   c.eval.max_new_tokens = 0  # 0: sampling.max_new_tokens
   c.eval.group_by = ""  # a record column to report metrics per value of (e.g. "digits")
   c.eval.metrics = ml_collections.ConfigDict({"score": "ppojax.arith:reward"})  # name: fn
+  c.eval.monitor = False  # also score every iteration's sampled responses ("monitor/NAME")
 
   c.sampling = ml_collections.ConfigDict()
   c.sampling.max_new_tokens = 64

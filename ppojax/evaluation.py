@@ -19,7 +19,7 @@ import numpy as np
 
 from ppojax import data
 from ppojax.sampling import SamplingConfig, generate
-from ppojax.sources import decode_text
+from ppojax.sources import call_text_fn, decode_text
 
 
 def greedy(sampling: SamplingConfig, max_new_tokens: int | None = None) -> SamplingConfig:
@@ -54,10 +54,7 @@ def evaluate(module, params, records: Sequence[dict], encode, sampling: Sampling
   if not records:
     raise ValueError("evaluate: no held-out records")
   texts = completions(module, params, records, encode, sampling, tokenizer, batch_size)
-  prompts = [r[field] for r in records]
-  columns = {k: [r.get(k) for r in records] for k in records[0] if k != field}
-  values = {name: np.asarray(fn(prompts=prompts, completions=texts, **columns), np.float64)
-            for name, fn in metrics.items()}
+  values = {name: call_text_fn(fn, records, texts, field) for name, fn in metrics.items()}
   summary = {f"eval/{name}": float(v.mean()) for name, v in values.items()}
   if group_by:
     keys = np.asarray([r[group_by] for r in records])
@@ -65,5 +62,5 @@ def evaluate(module, params, records: Sequence[dict], encode, sampling: Sampling
       for name, v in values.items():
         summary[f"eval/{name}/{group_by}={k}"] = float(v[keys == k].mean())
   rows = [{"prompt": p, "completion": c, **{n: float(v[i]) for n, v in values.items()}}
-          for i, (p, c) in enumerate(zip(prompts, texts))]
+          for i, (p, c) in enumerate(zip((r[field] for r in records), texts))]
   return summary, rows

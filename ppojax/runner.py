@@ -22,8 +22,8 @@ from ppojax import evaluation, sources, tasks
 from ppojax import sharding as sharding_lib
 from ppojax import step as step_lib
 from ppojax.experience import Prompts
-from ppojax.models import (CausalLM, LoadedModel, ModelConfig, ValueModel, load_model,
-                           partition_rules, positions_from_mask, save_model)
+from ppojax.models import (SMOLLM2_NAMES, CausalLM, LoadedModel, ModelConfig, ValueModel, hf,
+                           load_model, partition_rules, positions_from_mask, save_model)
 from ppojax.sampling import SamplingConfig
 
 SHOWN = ("objective/scores", "objective/kl", "objective/entropy", "policy/clipfrac_avg",
@@ -86,19 +86,51 @@ def tiny_model_config(c: ml_collections.ConfigDict) -> ModelConfig:
 def _init_params(module, key):
   tokens = jnp.zeros((1, 2), jnp.int32)
   mask = jnp.ones((1, 2), bool)
-  return module.init(key, tokens, positions_from_mask(mask), mask)["params"]
+  return jax.jit(module.init)(key, tokens, positions_from_mask(mask), mask)["params"]
 
 
 def _numerics(config) -> dict:
   return dict(dtype=config.model.dtype, remat=config.model.remat)
 
 
+def load_tokenizer(name: str):
+  """The tokenizer of a Hugging Face directory or hub id, a GGUF file or "smollm2"."""
+  name = str(name)
+  if name.lower() in SMOLLM2_NAMES or name.endswith(".gguf"):
+    return load_model(name).tokenizer
+  from transformers import AutoTokenizer  # pylint: disable=import-outside-toplevel
+  return AutoTokenizer.from_pretrained(str(hf.resolve(name)))
+
+
+def load_named(name: str, key, *, tiny=None, tokenizer: str = "", head: str = "lm",
+               **numerics) -> LoadedModel:
+  """A model by config name: "tiny" (random init from the ``tiny`` section; with a
+  ``tokenizer`` its vocabulary and special ids come from it, else from the token tasks of
+  ppojax/tasks.py) or anything ``load_model`` accepts. ``tokenizer``, when set, replaces the
+  checkpoint's. A value head is zero-initialised (V = 0, or r = 0 for a reward model)."""
+  tok = load_tokenizer(tokenizer) if tokenizer else None
+  if name != "tiny":
+    model = load_model(name, head=head, **numerics)
+    return model._replace(tokenizer=tok) if tok is not None else model
+  if tok is None:
+    cfg = tiny_model_config(tiny)
+  else:
+    from ppojax import data  # pylint: disable=import-outside-toplevel
+    cfg = tiny_model_config(ml_collections.ConfigDict(dict(tiny.to_dict(),
+                                                           vocab_size=len(tok)))).replace(
+        bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+        pad_token_id=data.pad_token_id(tok))
+  cfg = cfg.replace(**numerics)
+  module = ValueModel(cfg) if head == "value" else CausalLM(cfg)
+  params = _init_params(module, key)
+  if head == "value":
+    params = dict(params, score=jax.tree.map(jnp.zeros_like, params["score"]))
+  return LoadedModel(cfg, params, tok, head)
+
+
 def load_policy(config, key) -> LoadedModel:
-  name = config.model.policy
-  if name == "tiny":
-    cfg = tiny_model_config(config.model.tiny).replace(**_numerics(config))
-    return LoadedModel(cfg, _init_params(CausalLM(cfg), key), None, "lm")
-  return load_model(name, **_numerics(config))
+  m = config.model
+  return load_named(m.policy, key, tiny=m.tiny, tokenizer=m.tokenizer, **_numerics(config))
 
 
 def critic_from_policy(policy: LoadedModel) -> LoadedModel:
@@ -308,6 +340,8 @@ def run(config, workdir: str | None = None, stop_after: int | None = None) -> Re
                                                   config.phase_timing)
       metrics.update(episode=it * batch, eps=batch / metrics["time/iteration"],
                      **{"data/truncated_prompts": data.truncated})
+      if config.eval.monitor and data.records:
+        metrics.update(_monitor(r, rollout, data.records))
       if it % config.log_every == 0 or it in (start + 1, config.num_iterations):
         history.append({"iteration": it, **metrics})
         progress.update(it, {k: metrics[k] for k in SHOWN if k in metrics})
@@ -367,6 +401,16 @@ def _held_out(r: Run, actor, phase: str, workdir, writer, it: int) -> dict:
   if writer:
     writer.write(it, summary)
   return summary
+
+
+def _monitor(r: Run, rollout, records: list[dict]) -> dict:
+  """``eval.metrics`` on this iteration's sampled responses ("monitor/NAME"): e.g. the true
+  accuracy beside a learned reward, to catch reward hacking as it happens."""
+  responses, mask = jax.device_get((rollout.responses, rollout.mask))
+  texts = [r.source.decode(t, m) for t, m in zip(responses, mask)]
+  return {f"monitor/{name}": float(np.mean(sources.call_text_fn(
+      _import(path), records, texts, r.config.data.field)))
+          for name, path in r.config.eval.metrics.items()}
 
 
 def _read_evals(workdir) -> dict:

@@ -196,8 +196,9 @@ def generate(module: nn.Module, params, prompts: Array, prompt_mask: Array, key:
   length = config.max_new_tokens
   prompt_mask = prompt_mask.astype(jnp.bool_)
   if module.cfg.scan_layers:  # decode with unrolled layers: they read their weights in place
-    module = module.clone(cfg=module.cfg.replace(scan_layers=False))
     params = unstack_layers(params)
+  # no remat either: no gradient flows through sampling, and remat would trace the layer index
+  module = module.clone(cfg=module.cfg.replace(scan_layers=False, remat=False))
   params = _cast_floats(params, module.cfg.compute_dtype)  # once, not in every decode step
   apply = functools.partial(module.apply, {"params": params})
 

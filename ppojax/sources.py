@@ -84,12 +84,19 @@ def text_reward(fn: Callable, tokenizer, field: str = "prompt"
 
   def score(responses: np.ndarray, mask: np.ndarray, records: list[dict]) -> np.ndarray:
     completions = [decode_text(tokenizer, t, m) for t, m in zip(responses, mask)]
-    prompts = [r[field] for r in records]
-    columns = {k: [r.get(k) for r in records] for k in records[0] if k != field}
-    scores = np.asarray(fn(prompts=prompts, completions=completions, **columns), np.float32)
-    if scores.shape != (len(records),):
-      raise ValueError(f"reward function {getattr(fn, '__name__', fn)} returned shape "
-                       f"{scores.shape} for {len(records)} completions; return one float each")
-    return scores
+    return call_text_fn(fn, records, completions, field).astype(np.float32)
 
   return score
+
+
+def call_text_fn(fn: Callable, records: list[dict], completions: list[str],
+                 field: str = "prompt") -> np.ndarray:
+  """``fn(prompts=..., completions=..., **columns)`` as float64 [N]: the prompts are the
+  records' ``field``, every other column arrives as a keyword list (trl's convention)."""
+  prompts = [r[field] for r in records]
+  columns = {k: [r.get(k) for r in records] for k in records[0] if k != field}
+  values = np.asarray(fn(prompts=prompts, completions=completions, **columns), np.float64)
+  if values.shape != (len(records),):
+    raise ValueError(f"{getattr(fn, '__name__', fn)} returned shape {values.shape} for "
+                     f"{len(records)} completions; return one float per completion")
+  return values

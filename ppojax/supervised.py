@@ -30,8 +30,7 @@ import optax
 
 from ppojax import data, reporting, runner
 from ppojax import step as step_lib
-from ppojax.models import (SMOLLM2_NAMES, CausalLM, LoadedModel, ValueModel, hf, load_model,
-                           positions_from_mask)
+from ppojax.models import LoadedModel
 
 Arrays = dict[str, np.ndarray]
 LossFn = Callable[[Any, dict], tuple[jax.Array, dict]]
@@ -50,15 +49,6 @@ class Result(NamedTuple):
 # ---------------------------------------------------------------------------------------------
 
 
-def load_tokenizer(name: str):
-  """The tokenizer of a Hugging Face directory or hub id, a GGUF file or "smollm2"."""
-  name = str(name)
-  if name.lower() in SMOLLM2_NAMES or name.endswith(".gguf"):
-    return load_model(name).tokenizer
-  from transformers import AutoTokenizer  # pylint: disable=import-outside-toplevel
-  return AutoTokenizer.from_pretrained(str(hf.resolve(name)))
-
-
 def build_model(config: ml_collections.ConfigDict, head: str = "lm") -> LoadedModel:
   """The model to train: ``model.init`` = "tiny" (random init from ``model.tiny``, the vocabulary
   sized to the tokenizer of ``model.tokenizer``) or anything ``load_model`` accepts ("smollm2",
@@ -66,26 +56,11 @@ def build_model(config: ml_collections.ConfigDict, head: str = "lm") -> LoadedMo
   checkpoint has none and for "tiny" (an untrained reward model scores every pair a tie).
   ``model.tokenizer``, when set, replaces the checkpoint's tokenizer."""
   m = config.model
-  numerics = dict(dtype=m.dtype, remat=m.remat)
-  tokenizer = load_tokenizer(m.tokenizer) if m.tokenizer else None
-  if m.init == "tiny":
-    if tokenizer is None:
-      raise ValueError("model.init='tiny' needs model.tokenizer (a Hugging Face directory, GGUF "
-                       "file or 'smollm2') to size its vocabulary and encode the data")
-    tiny = ml_collections.ConfigDict(dict(m.tiny.to_dict(), vocab_size=len(tokenizer)))
-    cfg = runner.tiny_model_config(tiny).replace(
-        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=data.pad_token_id(tokenizer), **numerics)
-    module = ValueModel(cfg) if head == "value" else CausalLM(cfg)
-    mask = jnp.ones((1, 2), bool)
-    params = jax.jit(module.init)(jax.random.key(config.seed), jnp.zeros((1, 2), jnp.int32),
-                                  positions_from_mask(mask), mask)["params"]
-    if head == "value":  # a zero head, as load_model gives a policy checkpoint: r = 0 at first
-      params = dict(params, score=jax.tree.map(jnp.zeros_like, params["score"]))
-    return LoadedModel(cfg, params, tokenizer, head)
-  model = load_model(m.init, head=head, **numerics)
-  if tokenizer is not None:
-    model = model._replace(tokenizer=tokenizer)
+  if m.init == "tiny" and not m.tokenizer:
+    raise ValueError("model.init='tiny' needs model.tokenizer (a Hugging Face directory, GGUF "
+                     "file or 'smollm2') to size its vocabulary and encode the data")
+  model = runner.load_named(m.init, jax.random.key(config.seed), tiny=m.tiny,
+                            tokenizer=m.tokenizer, head=head, dtype=m.dtype, remat=m.remat)
   if model.tokenizer is None:
     raise ValueError(f"model.init={m.init!r} ships no tokenizer: set model.tokenizer")
   return model

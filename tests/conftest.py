@@ -30,3 +30,24 @@ def run_on_8_cpu_devices():
     return result.stdout
 
   return run
+
+
+@pytest.fixture(scope="session")
+def char_tokenizer():
+  """A character-level ``PreTrainedTokenizerFast``: <pad> (id 0), </s> (eos, id 1), <unk> (2),
+  then one token per printable ASCII character and "\\n" (99 tokens); it decodes without spaces,
+  adds no BOS, and its chat template renders ``u:TEXT\\n`` per message (first letter of the role)
+  and ``a:`` as the generation prompt."""
+  import string  # pylint: disable=import-outside-toplevel
+
+  from tokenizers import Tokenizer, decoders, models  # pylint: disable=import-outside-toplevel
+  from transformers import PreTrainedTokenizerFast  # pylint: disable=import-outside-toplevel
+
+  chars = sorted(set(string.printable) - set("\t\n\r\x0b\x0c")) + ["\n"]
+  vocab = {t: i for i, t in enumerate(["<pad>", "</s>", "<unk>"] + chars)}
+  tok = Tokenizer(models.BPE(vocab, [], unk_token="<unk>"))
+  tok.decoder = decoders.Fuse()
+  template = ("{% for m in messages %}{{ m['role'][0] }}:{{ m['content'] }}\n{% endfor %}"
+              "{% if add_generation_prompt %}a:{% endif %}")
+  return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="</s>", pad_token="<pad>",
+                                 unk_token="<unk>", chat_template=template)
