@@ -10,7 +10,10 @@ and changes what its job needs (``configs/*.py``), so every option is documented
 
 from __future__ import annotations
 
+import difflib
+
 import ml_collections
+import numpy as np
 
 
 def defaults() -> ml_collections.ConfigDict:
@@ -105,3 +108,120 @@ def defaults() -> ml_collections.ConfigDict:
   c.mesh = ml_collections.ConfigDict()
   c.mesh.shape = (-1, 1, 1)  # (data, fsdp, tensor); -1: all remaining devices
   return c
+
+
+# ---------------------------------------------------------------------------------------------
+# Validation: before any model is loaded or anything compiles
+# ---------------------------------------------------------------------------------------------
+
+FREE_FORM = ("eval.metrics",)  # sections whose keys are the user's names
+CHOICES = {
+    "reward.kind": ("jax", "python", "text", "model"),
+    "model.critic_init": ("auto", "reward", "policy"),
+    "data.task": ("count", "arith", "file"),
+    "data.truncate": ("left", "error"),
+    "ppo.aggregation": ("token_mean", "seq_mean"),
+    "ppo.kl_estimator": ("k1", "kl", "k2", "mse", "k3", "abs", "clamp"),
+    "model.dtype": ("float32", "bfloat16", "float16"),
+    "optim.actor.decay": ("constant", "linear", "cosine"),
+    "optim.critic.decay": ("constant", "linear", "cosine"),
+}
+
+
+class ConfigError(ValueError):
+  """A config that cannot run; the message names the option and what to do."""
+
+
+def check_names_and_types(config: ml_collections.ConfigDict,
+                          reference: ml_collections.ConfigDict | None = None,
+                          prefix: str = "") -> None:
+  """Every option exists in ``defaults()`` (else the nearest names are suggested) and has the
+  default's type (an int where a float is expected is fine; None defaults take anything)."""
+  reference = defaults() if reference is None else reference
+  for key in config.keys():
+    name = prefix + key
+    if key not in reference:
+      near = difflib.get_close_matches(key, list(reference.keys()), n=3, cutoff=0.6)
+      hint = f"; did you mean {' or '.join(prefix + n for n in near)}?" if near else (
+          f"; the options of {prefix[:-1] or 'the config'} are: {', '.join(reference.keys())}")
+      raise ConfigError(f"unknown config option {name}{hint}")
+    value, default = config[key], reference[key]
+    if isinstance(default, ml_collections.ConfigDict):
+      if not isinstance(value, ml_collections.ConfigDict):
+        raise ConfigError(f"config option {name} must be a section (ConfigDict), got "
+                          f"{type(value).__name__}")
+      if name not in FREE_FORM:
+        check_names_and_types(value, default, name + ".")
+    elif default is not None and value is not None and not _same_kind(value, default):
+      raise ConfigError(f"config option {name}={value!r} has type {type(value).__name__}; "
+                        f"expected {type(default).__name__} (like the default {default!r})")
+
+
+def _same_kind(value, default) -> bool:
+  if isinstance(default, bool) or isinstance(value, bool):
+    return isinstance(value, bool) and isinstance(default, bool)
+  if isinstance(default, float):
+    return isinstance(value, (int, float))
+  if isinstance(default, (list, tuple)):
+    return isinstance(value, (list, tuple))
+  return isinstance(value, type(default))
+
+
+def check_choices(config: ml_collections.ConfigDict) -> None:
+  for name, allowed in CHOICES.items():
+    node = config
+    for part in name.split("."):
+      node = node[part]
+    if node not in allowed:
+      raise ConfigError(f"{name}={node!r} is not one of {', '.join(map(repr, allowed))}")
+
+
+def check_sizes(config: ml_collections.ConfigDict, num_devices: int,
+                context_length: int | None = None) -> None:
+  """Sizes that must fit: minibatches and micro-batches in the batch, the batch over the
+  data-parallel devices, the mesh over the devices, prompt + response in the model's context."""
+  ppo = config.ppo
+  for name in ("batch_size", "num_minibatches", "grad_accum", "num_epochs"):
+    if ppo[name] < 1:
+      raise ConfigError(f"ppo.{name}={ppo[name]} must be >= 1")
+  per_step = ppo.num_minibatches * ppo.grad_accum
+  if ppo.batch_size % per_step:
+    raise ConfigError(
+        f"ppo.batch_size={ppo.batch_size} is not divisible by ppo.num_minibatches × "
+        f"ppo.grad_accum = {ppo.num_minibatches} × {ppo.grad_accum}; change one of them")
+  shape = list(config.mesh.shape)
+  if len(shape) != 3 or shape.count(-1) > 1 or any(s == 0 or s < -1 for s in shape):
+    raise ConfigError(f"mesh.shape={tuple(shape)}: give three sizes (data, fsdp, tensor), "
+                      "positive or one -1 for the remaining devices")
+  known = int(np.prod([s for s in shape if s != -1]))
+  if (-1 in shape and num_devices % known) or (-1 not in shape and known != num_devices):
+    raise ConfigError(f"mesh.shape={tuple(shape)} does not fit the {num_devices} devices "
+                      f"present; e.g. --config.mesh.shape='(-1, 1, 1)'")
+  if -1 in shape:
+    shape[shape.index(-1)] = num_devices // known
+  data_parallel = shape[0] * shape[1]
+  if ppo.batch_size % (ppo.num_minibatches * data_parallel):
+    raise ConfigError(
+        f"ppo.batch_size={ppo.batch_size} is not divisible by ppo.num_minibatches × "
+        f"data-parallel devices = {ppo.num_minibatches} × {data_parallel} (mesh data × fsdp = "
+        f"{shape[0]} × {shape[1]}): every minibatch must split evenly over the devices")
+  if config.sampling.max_new_tokens < 1:
+    raise ConfigError(f"sampling.max_new_tokens={config.sampling.max_new_tokens} must be >= 1")
+  length = _prompt_length(config) + config.sampling.max_new_tokens
+  if context_length is not None and length > context_length:
+    raise ConfigError(
+        f"prompt + response = {_prompt_length(config)} + {config.sampling.max_new_tokens} = "
+        f"{length} tokens exceeds the model's context of {context_length}; lower "
+        "data.max_prompt_len or sampling.max_new_tokens")
+
+
+def _prompt_length(config) -> int:
+  return config.data.prompt_len if config.data.task == "count" else config.data.max_prompt_len
+
+
+def validate(config: ml_collections.ConfigDict, num_devices: int,
+             context_length: int | None = None) -> None:
+  """All checks that need no model weights; raises ``ConfigError`` with one clear message."""
+  check_names_and_types(config)
+  check_choices(config)
+  check_sizes(config, num_devices, context_length)

@@ -12,6 +12,7 @@ exactly once: the last batch is filled up with copies whose results are dropped.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Callable, Mapping, Sequence
 
 import jax
@@ -28,19 +29,23 @@ def greedy(sampling: SamplingConfig, max_new_tokens: int | None = None) -> Sampl
                              max_new_tokens=max_new_tokens or sampling.max_new_tokens)
 
 
+@functools.partial(jax.jit, static_argnums=(0, 4))
+def _greedy_generate(module, params, tokens, mask, sampling):
+  """``generate`` compiled once per (module, shapes, sampling) — before and after training."""
+  return generate(module, params, tokens, mask, jax.random.key(0), sampling)
+
+
 def completions(module, params, records: Sequence[dict],
                 encode: Callable[[list[dict]], data.Encoded], sampling: SamplingConfig,
                 tokenizer, batch_size: int) -> list[str]:
   """Completions of every record's prompt, ``batch_size`` rows per compiled call."""
-  run = jax.jit(lambda p, tokens, mask: generate(module, p, tokens, mask, jax.random.key(0),
-                                                 sampling))
   out = []
   for start in range(0, len(records), batch_size):
     chunk = list(records[start:start + batch_size])
     real = len(chunk)
     chunk += [chunk[0]] * (batch_size - real)  # same shape for every call; extras dropped
     enc = encode(chunk)
-    gen = jax.device_get(run(params, enc.tokens, enc.mask))
+    gen = jax.device_get(_greedy_generate(module, params, enc.tokens, enc.mask, sampling))
     out += [decode_text(tokenizer, gen.tokens[i], gen.mask[i]) for i in range(real)]
   return out
 

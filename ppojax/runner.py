@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
+from ppojax import config as config_lib
 from ppojax import evaluation, sources, tasks
 from ppojax import sharding as sharding_lib
 from ppojax import step as step_lib
@@ -171,18 +172,24 @@ def _eos_ids(policy: LoadedModel) -> tuple[int, ...]:
 
 
 def validate(config) -> None:
-  """Checks that need no model: sizes that must divide, and known choices."""
-  ppo = config.ppo
-  per_step = ppo.num_minibatches * ppo.grad_accum
-  if ppo.batch_size % per_step:
-    raise ValueError(
-        f"ppo.batch_size={ppo.batch_size} is not divisible by ppo.num_minibatches × "
-        f"ppo.grad_accum = {ppo.num_minibatches} × {ppo.grad_accum}; change one of them")
-  if config.reward.kind not in ("jax", "python", "text", "model"):
-    raise ValueError(f"reward.kind={config.reward.kind!r}: choose jax, python, text or model")
-  if config.model.critic_init not in ("auto", "reward", "policy"):
-    raise ValueError(f"model.critic_init={config.model.critic_init!r}: choose auto, reward or "
-                     "policy")
+  """Every check that needs no model weights (``ppojax.config.validate``): option names and
+  types, choices, sizes against the devices present and the policy's context length."""
+  config_lib.validate(config, jax.device_count(), _context_length(config))
+
+
+def _context_length(config) -> int | None:
+  """The policy's context length from its config alone (None where that needs a download)."""
+  name = str(config.model.policy)
+  if name == "tiny":
+    return config.model.tiny.max_position_embeddings
+  if name.lower() in SMOLLM2_NAMES or name.endswith(".gguf"):
+    from ppojax.models import gguf  # pylint: disable=import-outside-toplevel
+    return gguf.context_length(gguf.fetch_smollm2() if not name.endswith(".gguf") else name)
+  path = pathlib.Path(name).expanduser()
+  if (path / "config.json").is_file():
+    hf_config = hf.read_config(path)
+    return hf_config.get("max_position_embeddings") or hf_config.get("n_positions")
+  return None
 
 
 def build(config) -> Run:
@@ -190,6 +197,7 @@ def build(config) -> Run:
   key = jax.random.key(config.seed)
   key, k_policy = jax.random.split(key)
   policy = load_policy(config, k_policy)
+  config_lib.check_sizes(config, jax.device_count(), policy.cfg.max_position_embeddings)
   reward_model = None
   if config.reward.kind == "model":
     reward_model = load_model(config.model.reward, head="value", **_numerics(config))

@@ -130,6 +130,15 @@ def load_gguf(path: str | os.PathLike) -> GGUFModel:
   return GGUFModel(config, gguf_state_dict(reader, config, path), gguf_tokenizer(meta, path))
 
 
+def context_length(path: str | os.PathLike) -> int | None:
+  """``llama.context_length`` from a GGUF file's header (no tensor is read)."""
+  try:
+    field = gguf.GGUFReader(path).fields.get("llama.context_length")
+  except Exception as e:  # the reader raises bare ValueErrors on truncated or foreign files
+    raise GGUFError(f"{path} is not a readable GGUF file (truncated or corrupt?): {e}") from e
+  return int(field.contents()) if field is not None else None
+
+
 def _metadata(reader: gguf.GGUFReader) -> dict[str, Any]:
   """Metadata key -> Python value (str, int, float, bool or list)."""
   return {key: field.contents() for key, field in reader.fields.items()

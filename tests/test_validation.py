@@ -1,0 +1,102 @@
+"""Config validation: every mistake gives one clear message before any model is loaded."""
+
+import ml_collections
+import pytest
+
+from ppojax import config as config_lib
+from ppojax import runner
+
+
+def toy(**overrides):
+  return runner.load_config("configs/toy.py", **overrides)
+
+
+def test_defaults_and_shipped_configs_pass():
+  config_lib.validate(config_lib.defaults(), num_devices=1)
+  config_lib.validate(toy(), num_devices=1, context_length=64)
+
+
+def test_unknown_option_suggests_the_nearest_name():
+  c = toy()
+  c.ppo.kl_coeff = 0.1  # a typo adds a new field silently in ml_collections
+  with pytest.raises(config_lib.ConfigError, match=r"unknown config option ppo\.kl_coeff; did "
+                     r"you mean ppo\.kl_coef"):
+    config_lib.validate(c, num_devices=1)
+
+
+def test_unknown_section_lists_the_options():
+  c = toy()
+  c.optimiser = ml_collections.ConfigDict({"lr": 1.0})
+  with pytest.raises(config_lib.ConfigError, match="unknown config option optimiser"):
+    config_lib.validate(c, num_devices=1)
+
+
+def test_user_named_metrics_are_free_form():
+  c = toy()
+  c.eval.metrics = ml_collections.ConfigDict({"my_metric": "pkg.mod:fn"})
+  config_lib.validate(c, num_devices=1)
+
+
+@pytest.mark.parametrize("name, value, message", [
+    ("ppo.clip_eps", "0.2", r"ppo\.clip_eps='0\.2' has type str; expected float"),
+    ("ppo.batch_size", 8.0, r"ppo\.batch_size=8\.0 has type float; expected int"),
+    ("ppo.whiten_advantages", 1, r"ppo\.whiten_advantages=1 has type int; expected bool"),
+    ("sampling.stop_ids", 2, r"sampling\.stop_ids=2 has type int; expected list"),
+])
+def test_wrong_types(name, value, message):
+  c = toy()
+  section, field = name.split(".")
+  unlocked = c[section].to_dict()  # ConfigDict refuses some of these on assignment already
+  unlocked[field] = value
+  c[section] = ml_collections.ConfigDict(unlocked, type_safe=False)
+  with pytest.raises(config_lib.ConfigError, match=message):
+    config_lib.validate(c, num_devices=1)
+
+
+def test_int_for_float_is_fine():
+  c = toy()
+  c.optim.actor.lr = 1  # ConfigDict keeps it a float anyway; a plain int must pass too
+  config_lib.validate(c, num_devices=1)
+
+
+@pytest.mark.parametrize("name, value, message", [
+    ("reward.kind", "txt", r"reward\.kind='txt' is not one of 'jax', 'python', 'text', 'model'"),
+    ("ppo.aggregation", "mean", r"ppo\.aggregation='mean' is not one of"),
+    ("data.task", "gsm8k", r"data\.task='gsm8k' is not one of 'count', 'arith', 'file'"),
+])
+def test_unknown_choices(name, value, message):
+  section, field = name.split(".")
+  c = toy(**{f"{section}__{field}": value})
+  with pytest.raises(config_lib.ConfigError, match=message):
+    config_lib.validate(c, num_devices=1)
+
+
+@pytest.mark.parametrize("overrides, devices, context, message", [
+    ({"ppo__batch_size": 31}, 1, None, r"ppo\.batch_size=31 is not divisible by "
+     r"ppo\.num_minibatches × ppo\.grad_accum = 2 × 1"),
+    ({"ppo__batch_size": 8}, 8, None, r"ppo\.batch_size=8 is not divisible by "
+     r"ppo\.num_minibatches × data-parallel devices = 2 × 8"),
+    ({"mesh__shape": (2, 1, 1)}, 1, None, r"mesh\.shape=\(2, 1, 1\) does not fit the 1 devices"),
+    ({"mesh__shape": (3, -1, 1)}, 8, None, r"mesh\.shape=\(3, -1, 1\) does not fit the 8"),
+    ({"mesh__shape": (-1, -1, 1)}, 8, None, r"three sizes"),
+    ({"sampling__max_new_tokens": 60}, 1, 64,
+     r"prompt \+ response = 6 \+ 60 = 66 tokens exceeds the model's context of 64"),
+    ({"ppo__num_epochs": 0}, 1, None, r"ppo\.num_epochs=0 must be >= 1"),
+])
+def test_inconsistent_sizes(overrides, devices, context, message):
+  with pytest.raises(config_lib.ConfigError, match=message):
+    config_lib.validate(toy(**overrides), num_devices=devices, context_length=context)
+
+
+def test_runner_validates_before_loading_any_model(monkeypatch):
+  """build() fails on a bad config without touching the model loader."""
+  monkeypatch.setattr(runner, "load_policy", lambda *a: pytest.fail("a model was loaded"))
+  c = toy()
+  c.ppo.kl_coeff = 0.1
+  with pytest.raises(config_lib.ConfigError, match="kl_coeff"):
+    runner.build(c)
+
+
+def test_context_length_of_the_tiny_model_is_checked_by_the_runner():
+  with pytest.raises(config_lib.ConfigError, match="exceeds the model's context of 64"):
+    runner.validate(toy(sampling__max_new_tokens=64))
