@@ -15,12 +15,13 @@ Atomicity: orbax (on local file systems its ``AtomicRenameTemporaryPath``) write
 ``<step>.orbax-checkpoint-tmp/`` (items into ``state.orbax-checkpoint-tmp/`` etc. inside it) and
 renames it to ``<step>/`` only once everything is written, so a process killed mid-save leaves only
 a tmp-suffixed directory. ``CheckpointManager`` lists only directories whose names carry no tmp
-suffix, so ``latest_step``/``restore`` fall back to the last complete step. Leftover tmp
-directories are deleted in the background when the next ``Checkpointer`` is created (before its
-first save). On GCS orbax instead writes in place and marks completion with
-``commit_success.txt``. Old checkpoints are deleted (``rmtree``) after the new one is committed: a
-kill during that deletion can leave an older step half-deleted and still listed by ``all_steps``,
-but never the latest one.
+suffix, so ``latest_step``/``restore`` fall back to the last complete step. Old checkpoints are
+retired the same way: renamed (atomically) into ``<directory>/.deleted/`` after the new one is
+committed, and only then removed, so a step directory is always either complete or absent. A
+``Checkpointer`` created on a local directory in a single process first removes whatever a killed
+process left behind (tmp directories, ``.deleted/``); elsewhere orbax deletes leftover tmp
+directories in the background before the first save. On GCS orbax instead writes in place and
+marks completion with ``commit_success.txt``.
 
 Saving is synchronous: ``save`` returns once the checkpoint is committed, so a process may exit
 right after it. This costs the time of the write at each save; ``wait`` is kept for API symmetry.
@@ -34,6 +35,8 @@ from __future__ import annotations
 
 import json
 import os
+import pathlib
+import shutil
 from typing import Any
 
 import jax
@@ -43,6 +46,8 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 _STATE, _META, _MANIFEST = "state", "meta", "manifest"
 _MAX_REPORTED = 20  # mismatching leaves listed in an error message
+_TMP = ".orbax-checkpoint-tmp"  # in the name of a step directory not yet committed
+_TRASH = ".deleted"  # retired checkpoints are renamed into this subdirectory, then removed
 
 
 def _is_key(x) -> bool:
@@ -126,6 +131,21 @@ def _mismatches(saved: dict[str, dict], wanted: dict[str, dict]) -> list[str]:
   return sorted(problems)
 
 
+def remove_leftovers(directory: str | os.PathLike) -> list[str]:
+  """Deletes what a killed process can leave in a local checkpoint directory: uncommitted
+  ``<step>.orbax-checkpoint-tmp*`` directories and retired checkpoints in ``.deleted/``.
+  Returns the names removed. Only for a directory no other process is writing to."""
+  root = pathlib.Path(directory)
+  if not root.is_dir():
+    return []
+  removed = []
+  for path in root.iterdir():
+    if path.is_dir() and (_TMP in path.name or path.name == _TRASH):
+      shutil.rmtree(path, ignore_errors=True)
+      removed.append(path.name)
+  return sorted(removed)
+
+
 class Checkpointer:
   """Saves every ``save_every`` steps and keeps the newest ``keep`` complete checkpoints."""
 
@@ -136,10 +156,15 @@ class Checkpointer:
     self.directory = directory if "://" in directory else os.path.abspath(directory)  # gs://...
     self.save_every = save_every
     self.keep = keep
+    # a local directory written by this process alone: we clean up ourselves, synchronously
+    self._local = "://" not in directory and jax.process_count() == 1
+    if self._local:
+      remove_leftovers(self.directory)
     options = ocp.CheckpointManagerOptions(
         enable_async_checkpointing=False,
         preservation_policy=ocp.checkpoint_managers.LatestN(n=keep),
         cleanup_tmp_directories=True,  # delete saves cut short by a crash
+        todelete_subdir=_TRASH if self._local else None,
         create=True)
     self._manager = ocp.CheckpointManager(self.directory, options=options)
 
@@ -170,7 +195,10 @@ class Checkpointer:
         _META: ocp.args.JsonSave(meta),
         _MANIFEST: ocp.args.JsonSave({"leaves": _manifest(state)}),
     })
-    return bool(self._manager.save(step, args=args, force=True))
+    saved = bool(self._manager.save(step, args=args, force=True))
+    if self._local:
+      shutil.rmtree(os.path.join(self.directory, _TRASH), ignore_errors=True)
+    return saved
 
   def restore(self, target, step: int | None = None) -> tuple[Any, dict]:
     """Restores (state, meta) from `step` (default: latest complete) into the structure, dtypes

@@ -97,6 +97,10 @@ def defaults() -> ml_collections.ConfigDict:
   c.ppo.whiten_rewards = False
   c.ppo.whiten_advantages = True
   c.ppo.aggregation = "token_mean"
+  # An iteration whose scores, advantages, losses or gradient norms hold a NaN or Inf is
+  # skipped (no update; counted in skipped/nonfinite); after this many in a row the run saves
+  # its last good state and stops with runner.NonFiniteError (0: never stop, only skip)
+  c.ppo.max_bad_steps = 3
 
   c.optim = ml_collections.ConfigDict()
   c.optim.max_grad_norm = 1.0

@@ -10,6 +10,9 @@ import importlib.util
 import json
 import os
 import pathlib
+import signal
+import sys
+import threading
 import time
 from typing import Any, Callable, NamedTuple
 
@@ -198,6 +201,10 @@ def build(config) -> Run:
   key, k_policy = jax.random.split(key)
   policy = load_policy(config, k_policy)
   config_lib.check_sizes(config, jax.device_count(), policy.cfg.max_position_embeddings)
+  # The data next (it needs the policy's tokenizer): a bad file, a missing field or a prompt
+  # the tokenizer cannot render fails here, before any other model loads or anything compiles.
+  source = sources.make_source(config, policy.tokenizer)
+  source.batch(0)
   reward_model = None
   if config.reward.kind == "model":
     reward_model = load_model(config.model.reward, head="value", **_numerics(config))
@@ -242,7 +249,6 @@ def build(config) -> Run:
   step = step_lib.make_ppo_step(models, txs["actor"], txs["critic"], schedules["actor"], sampling,
                                 ppo,
                                 python_reward=python_reward, state_shardings=state_shardings)
-  source = sources.make_source(config, policy.tokenizer)
   return Run(config, models, frozen, state, step, mesh, state_shardings, source, policy,
              host_reward, sampling)
 
@@ -305,6 +311,11 @@ class Result(NamedTuple):
   evals: dict[str, dict]  # "before" / "after": held-out evaluation summaries (if the task has any)
 
 
+class NonFiniteError(RuntimeError):
+  """``ppo.max_bad_steps`` iterations in a row had NaN or Inf in their scores, advantages,
+  losses or gradient norms (each one skipped); the last good state was saved first."""
+
+
 def run(config, workdir: str | None = None, stop_after: int | None = None) -> Result:
   """Trains for ``config.num_iterations`` PPO iterations.
 
@@ -313,14 +324,29 @@ def run(config, workdir: str | None = None, stop_after: int | None = None) -> Re
   trained policy in Hugging Face format). ``stop_after``: stop (with a checkpoint) after that
   iteration, as an interrupted run would; running again resumes. A task with held-out prompts
   is evaluated greedily before the first and after the last iteration (eval.json).
-  """
-  from ppojax import checkpoint, reporting  # pylint: disable=import-outside-toplevel
 
+  Faults: SIGTERM or SIGINT (Ctrl-C) stops the run after the current iteration with a
+  checkpoint, and ``run`` returns normally; a second one aborts the process at once (exit code
+  128 + signal number, no checkpoint; the handlers are installed only while ``run`` runs, in the
+  main thread). An iteration with non-finite values is skipped (``skipped/nonfinite``); after
+  ``ppo.max_bad_steps`` in a row the last good state is saved and ``NonFiniteError`` raised.
+  A process killed at any moment resumes from its last complete checkpoint, and metrics.jsonl
+  ends up as that of an uninterrupted run.
+  """
   if config.get("distributed", False):
     jax.distributed.initialize()
+  with StopSignals() as signals:
+    return _run(config, workdir, stop_after, signals)
+
+
+def _run(config, workdir, stop_after, signals: StopSignals) -> Result:
+  from ppojax import checkpoint, reporting  # pylint: disable=import-outside-toplevel
+
   r = build(config)
-  state, start = r.state, 0
+  state, start, n = r.state, 0, config.num_iterations
+  bad = {"total": 0, "streak": 0}  # skipped iterations: all of them, and the latest run of them
   ckpt = writer = None
+  evals = _read_evals(workdir)
   if workdir:
     workdir = pathlib.Path(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
@@ -328,47 +354,84 @@ def run(config, workdir: str | None = None, stop_after: int | None = None) -> Re
     if ckpt.latest_step() is not None:
       state, meta = ckpt.restore(_abstract(state, r.state_shardings))
       start = int(meta["iteration"])
+      bad.update(total=int(meta.get("nonfinite_total", 0)),
+                 streak=int(meta.get("nonfinite_streak", 0)))
       print(f"resumed from {workdir / 'checkpoints'} at iteration {start}", flush=True)
+    # an evaluation cut short after its metrics row but before eval.json is done again
+    redo = [it for it, phase in ((0, "before"), (n, "after"))
+            if it == start and phase not in evals]
+    _drop_eval_rows(workdir / reporting.METRICS_FILE, redo)
     wandb = config.get("wandb_project") or None
     writer = reporting.MetricWriter(str(workdir), wandb_project=wandb,
                                     wandb_config=config.to_dict() if wandb else None,
                                     resume_step=start)
   batch = config.ppo.batch_size
   batch_sharding = sharding_lib.batch_sharding(r.mesh)
-  evals = _read_evals(workdir)
-  if "before" not in evals and start == 0 and r.source.eval_records:
+  if "before" not in evals and start == 0 and r.source.eval_records and not signals.received:
     evals["before"] = _held_out(r, state.actor, "before", workdir, writer, 0)
-  progress = reporting.ProgressBar(config.num_iterations, start=start)
-  history = []
+  progress = reporting.ProgressBar(n, start=start)
+  history, last, unsaved = [], start, False  # last: the latest completed iteration
+  what: set[str] = set()  # what was non-finite in the current run of skipped iterations
+
+  def save(it: int, state, force: bool) -> bool:
+    return bool(ckpt) and ckpt.save(it, state, {
+        "iteration": it, "data_position": it, "nonfinite_total": bad["total"],
+        "nonfinite_streak": bad["streak"]}, force=force)
+
   try:
-    for it in range(start + 1, config.num_iterations + 1):
+    for it in range(start + 1, n + 1):
+      if signals.received:  # arrived after the previous iteration's save
+        if unsaved:
+          save(last, state, force=True)
+        break
       data = r.source.batch(it - 1)
       prompts = jax.device_put(data.prompts, batch_sharding)
       state, metrics, rollout, scores = iteration(r, state, prompts, data.records,
                                                   config.phase_timing)
+      last = it
+      skipped = metrics.get("skipped/nonfinite", 0.0) > 0
+      bad["total"] += skipped
+      bad["streak"] = bad["streak"] + 1 if skipped else 0
+      what = what | _nonfinite(metrics) if skipped else set()  # over the current streak
       metrics.update(episode=it * batch, eps=batch / metrics["time/iteration"],
-                     **{"data/truncated_prompts": data.truncated})
+                     **{"data/truncated_prompts": data.truncated,
+                        "skipped/nonfinite_total": bad["total"]})
       if config.eval.monitor and data.records:
         metrics.update(_monitor(r, rollout, data.records))
-      if it % config.log_every == 0 or it in (start + 1, config.num_iterations):
+      if skipped or it % config.log_every == 0 or it in (start + 1, n):
         history.append({"iteration": it, **metrics})
         progress.update(it, {k: metrics[k] for k in SHOWN if k in metrics})
         if writer:
           writer.write(it, metrics)
-      if config.sample_every and (it % config.sample_every == 0 or it == config.num_iterations):
+      if skipped:
+        print(f"\niteration {it}: non-finite {_names(_nonfinite(metrics))}: update skipped "
+              f"({bad['streak']} in a row, {bad['total']} in all)", flush=True)
+      if config.sample_every and (it % config.sample_every == 0 or it == n):
         rows = _sample_rows(r, rollout, scores, config.num_samples)
         print(f"\nsamples at iteration {it}:\n{reporting.format_samples_table(rows)}", flush=True)
         if writer:
           writer.write_samples(it, rows)
-      stop = it == config.num_iterations or it == stop_after
-      if ckpt:
-        ckpt.save(it, state, {"iteration": it, "data_position": it}, force=stop)
+      failed = skipped and 0 < config.ppo.max_bad_steps <= bad["streak"]
+      stop = it == n or it == stop_after or failed or signals.received is not None
+      unsaved = not save(it, state, force=stop)
+      if failed:
+        saved = (f"is saved as checkpoint {it} in {ckpt.directory}" if ckpt
+                 else "was not saved (no workdir)")
+        raise NonFiniteError(
+            f"{bad['streak']} PPO iterations in a row ({it - bad['streak'] + 1} to {it}) had "
+            f"non-finite {_names(what)} and were skipped (ppo.max_bad_steps="
+            f"{config.ppo.max_bad_steps}); the last good state {saved}. Check the reward "
+            "function and the learning rate, then rerun to resume.")
       if stop:
         break
-    if history and history[-1]["iteration"] == config.num_iterations and r.source.eval_records:
+    if signals.received:
+      where = f"after iteration {last}" if last > start else "before any iteration"
+      print(f"\nstopped by {signals.received} {where}"
+            + (f"; checkpoint {last} saved: run the same command again to resume"
+               if ckpt and last > start else ""), flush=True)
+    elif last == n and r.source.eval_records and "after" not in evals:
       progress.close()
-      evals["after"] = _held_out(r, state.actor, "after", workdir, writer,
-                                 config.num_iterations)
+      evals["after"] = _held_out(r, state.actor, "after", workdir, writer, n)
   finally:
     progress.close()
     if ckpt:
@@ -376,10 +439,115 @@ def run(config, workdir: str | None = None, stop_after: int | None = None) -> Re
       ckpt.close()
     if writer:
       writer.close()
-  done = history and history[-1]["iteration"] == config.num_iterations
-  if workdir and done:
+  if workdir and last == n and not signals.received:
     _finish(r, state, workdir, reporting)
   return Result(history, evals)
+
+
+def _nonfinite(metrics: dict) -> set[str]:
+  """Which of the checked quantities were non-finite in an iteration's metrics."""
+  return {k for k in step_lib.NONFINITE_CHECKS if metrics.get(f"nonfinite/{k}")}
+
+
+def _names(what: set[str]) -> str:
+  """"scores, advantages, loss" in the order of ``step.NONFINITE_CHECKS``."""
+  return ", ".join(k for k in step_lib.NONFINITE_CHECKS if k in what) or "values"
+
+
+def _drop_eval_rows(path: pathlib.Path, steps: list[int]) -> None:
+  """Removes the held-out evaluation rows at ``steps`` from metrics.jsonl (atomically)."""
+  if not steps or not path.exists():
+    return
+  lines = path.read_bytes().splitlines(keepends=True)
+  keep = []
+  for line in lines:
+    try:
+      row = json.loads(line)
+    except ValueError:
+      keep.append(line)  # not ours to judge: the writer's resume drops a partial last line
+      continue
+    if not (isinstance(row, dict) and row.get("step") in steps
+            and any(k.startswith("eval/") for k in row)):
+      keep.append(line)
+  if len(keep) != len(lines):
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_bytes(b"".join(keep))
+    os.replace(tmp, path)
+
+
+class StopSignals:
+  """While active (a context manager, in the main thread): the first SIGTERM or SIGINT sets
+  ``received`` (its name) for the training loop to stop at the end of the current iteration;
+  a second one ends the process at once with exit code 128 + its number.
+
+  Python runs signal handlers only between bytecodes, so during a long compiled call (a
+  compile, a step) they would wait for it to return. Signals are therefore also written to a
+  pipe (``signal.set_wakeup_fd``, done in C) and counted by a watcher thread, which sees the
+  second signal and exits even while the main thread is blocked. The previous handlers and
+  wakeup fd are restored on exit. Elsewhere than the main thread nothing is installed.
+  """
+
+  SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+  def __init__(self):
+    self.received: str | None = None
+    self._active = False
+
+  def __enter__(self) -> StopSignals:
+    if threading.current_thread() is not threading.main_thread():
+      return self
+    self._read, self._write = os.pipe()
+    os.set_blocking(self._write, False)
+    try:
+      self._old_fd = signal.set_wakeup_fd(self._write, warn_on_full_buffer=False)
+    except ValueError:  # e.g. an embedding that forbids it: no handlers then
+      os.close(self._read)
+      os.close(self._write)
+      return self
+    self._previous = {s: signal.getsignal(s) for s in self.SIGNALS}
+    for s in self.SIGNALS:
+      signal.signal(s, self._handle)
+    self._count = 0
+    self._thread = threading.Thread(target=self._watch, name="ppojax-signals", daemon=True)
+    self._thread.start()
+    self._active = True
+    return self
+
+  def _handle(self, signum, frame):  # pylint: disable=unused-argument
+    """The Python-level handler: nothing to do, the watcher thread counts (the wakeup fd)."""
+
+  def _watch(self) -> None:
+    while True:
+      try:
+        data = os.read(self._read, 64)
+      except OSError:
+        return
+      if not data:  # the write end was closed: __exit__
+        return
+      for signum in data:
+        if signum not in self.SIGNALS:
+          continue
+        name = signal.Signals(signum).name
+        self._count += 1
+        if self._count == 1:
+          self.received = name
+          print(f"\n{name}: stopping after the current iteration with a checkpoint "
+                f"({name} again aborts at once)", file=sys.stderr, flush=True)
+        else:
+          print(f"\n{name} again: aborting now, without a checkpoint", file=sys.stderr,
+                flush=True)
+          os._exit(128 + signum)  # pylint: disable=protected-access
+
+  def __exit__(self, *exc) -> None:
+    if not self._active:
+      return
+    self._active = False
+    signal.set_wakeup_fd(self._old_fd)
+    for s, handler in self._previous.items():
+      signal.signal(s, handler if handler is not None else signal.SIG_DFL)
+    os.close(self._write)
+    self._thread.join(timeout=5)
+    os.close(self._read)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -400,14 +568,13 @@ def _held_out(r: Run, actor, phase: str, workdir, writer, it: int) -> dict:
   shown = ", ".join(f"{k.removeprefix('eval/')} {v:.3f}" for k, v in summary.items())
   print(f"held-out eval {phase} ({len(rows)} prompts, {time.perf_counter() - t0:.0f} s): "
         f"{shown}", flush=True)
+  if writer:  # first: a run cut off before eval.json is written evaluates again (_run)
+    writer.write(it, summary)
   if workdir:
+    _write_jsonl(workdir / f"eval_samples_{phase}.jsonl", rows)
     evals = _read_evals(workdir)
     evals[phase] = summary
-    _write_json(workdir / "eval.json", evals)
-    with open(workdir / f"eval_samples_{phase}.jsonl", "w", encoding="utf-8") as f:
-      f.writelines(json.dumps(row) + "\n" for row in rows)
-  if writer:
-    writer.write(it, summary)
+    _write_json(workdir / "eval.json", evals)  # the commit: this phase is done
   return summary
 
 
@@ -424,6 +591,12 @@ def _monitor(r: Run, rollout, records: list[dict]) -> dict:
 def _read_evals(workdir) -> dict:
   path = pathlib.Path(workdir) / "eval.json" if workdir else None
   return json.loads(path.read_text()) if path and path.exists() else {}
+
+
+def _write_jsonl(path: pathlib.Path, rows: list[dict]) -> None:
+  tmp = path.with_name(f".{path.name}.tmp")
+  tmp.write_text("".join(json.dumps(row) + "\n" for row in rows))
+  os.replace(tmp, path)
 
 
 def _write_json(path: pathlib.Path, obj) -> None:

@@ -7,6 +7,8 @@
     update     = E epochs × M shuffled minibatches (lax.scan), each the sum of K micro-batch
                  gradients (lax.scan), clipped by global norm, Adam with warmup + decay
     β          = KL controller update
+    guard      = all finite (scores, advantages, losses, gradient norms)? the new state : the old
+                 one with only the key advanced (``skipped/nonfinite`` = 1)
 
 With a JAX reward (a reward model or a jnp rule) all of it is one jit-compiled function
 (``PPOStep.fused``). A Python reward (e.g. one that parses decoded text) splits it into two
@@ -195,6 +197,28 @@ def update(models: Models, actor_tx, critic_tx, state: TrainState, exp: Experien
 # ---------------------------------------------------------------------------------------------
 
 
+NONFINITE_CHECKS = ("scores", "advantages", "loss", "grad_norm")
+
+
+def finite_checks(scores: Array, exp: Experience, upd: dict) -> tuple[Array, dict]:
+  """(all finite, metrics) of one iteration: ``nonfinite/{scores,advantages,loss,grad_norm}``
+  are 1.0 where that quantity held a NaN or Inf (advantages on the response mask only: padding
+  never counts), and ``skipped/nonfinite`` is 1.0 when any did, i.e. when the update is skipped.
+  Losses and gradient norms are the update's means over its minibatches, so one non-finite
+  minibatch makes them non-finite."""
+  finite = lambda xs: jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in xs]))  # noqa: E731
+  checks = {
+      "scores": finite([scores]),
+      "advantages": finite([jnp.where(exp.rollout.mask, exp.advantages, 0.0)]),
+      "loss": finite([v for k, v in upd.items() if k.startswith("loss/")]),
+      "grad_norm": finite([v for k, v in upd.items() if k.endswith("grad_norm")]),
+  }
+  ok = jnp.all(jnp.stack(list(checks.values())))
+  metrics = {f"nonfinite/{k}": 1.0 - v.astype(jnp.float32) for k, v in checks.items()}
+  metrics["skipped/nonfinite"] = 1.0 - ok.astype(jnp.float32)
+  return ok, metrics
+
+
 class PPOStep(NamedTuple):
   """The compiled pieces of one PPO iteration.
 
@@ -249,12 +273,20 @@ def make_ppo_step(models: Models, actor_tx, critic_tx, actor_schedule: optax.Sch
     next_key, _, k_update = _keys(state)
     exp, exp_metrics = make_experience(r, scores, state.kl.beta, cfg)
     lr = actor_schedule(_opt_count(state.actor_opt))
-    state, upd = update(models, actor_tx, critic_tx, state, exp, k_update, cfg,
-                        sampling.temperature)
+    new, upd = update(models, actor_tx, critic_tx, state, exp, k_update, cfg,
+                      sampling.temperature)
     metrics = {**exp_metrics, **{_TRL_NAMES.get(k, f"{k}_avg"): v for k, v in upd.items()},
                "objective/kl_coef": state.kl.beta, "lr": lr}
     kl_state = controller.update(state.kl, exp_metrics["objective/kl"], scores.shape[0])
-    return state._replace(kl=kl_state, step=state.step + 1, key=next_key), metrics
+    new = new._replace(kl=kl_state, step=state.step + 1)
+    ok, flags = finite_checks(scores, exp, upd)
+    metrics.update(flags)
+    # A non-finite iteration changes nothing but the key: params, optimizer states, KL
+    # controller and step stay as they were; the next iteration samples anew. (The old state
+    # stays alive until the select: one extra copy of parameters and optimizer states.)
+    state = jax.tree.map(lambda a, b: jnp.where(ok, a, b), new._replace(key=None),
+                         state._replace(key=None))
+    return state._replace(key=next_key), metrics
 
   def fused(state, frozen, prompts):
     r = do_rollout(state, frozen, prompts)

@@ -125,7 +125,7 @@ def load_gguf(path: str | os.PathLike) -> GGUFModel:
     reader = gguf.GGUFReader(path)
   except Exception as e:  # the reader raises bare ValueErrors on truncated or foreign files
     raise GGUFError(f"{path} is not a readable GGUF file (truncated or corrupt?): {e}") from e
-  meta = _metadata(reader)
+  meta = _metadata(reader, path)
   config = gguf_config(meta, {t.name for t in reader.tensors}, path)
   return GGUFModel(config, gguf_state_dict(reader, config, path), gguf_tokenizer(meta, path))
 
@@ -139,10 +139,17 @@ def context_length(path: str | os.PathLike) -> int | None:
   return int(field.contents()) if field is not None else None
 
 
-def _metadata(reader: gguf.GGUFReader) -> dict[str, Any]:
+def _metadata(reader: gguf.GGUFReader, path: pathlib.Path | None = None) -> dict[str, Any]:
   """Metadata key -> Python value (str, int, float, bool or list)."""
-  return {key: field.contents() for key, field in reader.fields.items()
-          if not key.startswith("GGUF.")}
+  meta = {}
+  for key, field in reader.fields.items():
+    if key.startswith("GGUF."):
+      continue
+    try:
+      meta[key] = field.contents()
+    except Exception as e:  # a field whose bytes do not decode: a corrupt header
+      raise GGUFError(f"{path}: metadata key {key} cannot be read (corrupt file?): {e}") from e
+  return meta
 
 
 def _f32(value: float) -> float:
@@ -167,7 +174,8 @@ def gguf_config(meta: dict[str, Any], tensor_names: set[str], path: pathlib.Path
   config = {
       "architectures": ["LlamaForCausalLM"],
       "model_type": "llama",
-      "vocab_size": get("vocab_size", len(meta["tokenizer.ggml.tokens"])),
+      "vocab_size": get("vocab_size", None) or len(_required(meta, "tokenizer.ggml.tokens",
+                                                              path)),
       "hidden_size": hidden,
       "intermediate_size": get("feed_forward_length"),
       "num_hidden_layers": get("block_count"),
@@ -191,6 +199,28 @@ def gguf_config(meta: dict[str, Any], tensor_names: set[str], path: pathlib.Path
   return config
 
 
+def _required(meta: dict[str, Any], key: str, path: pathlib.Path):
+  if key not in meta:
+    raise GGUFError(f"{path}: required metadata key {key} is missing")
+  return meta[key]
+
+
+def expected_shapes(config: dict) -> dict[str, tuple[int, ...]]:
+  """Hugging Face ([out, in]) shape of every llama tensor the config implies."""
+  d, inter = config["hidden_size"], config["intermediate_size"]
+  q, kv = (config[k] * config["head_dim"] for k in ("num_attention_heads", "num_key_value_heads"))
+  layer = {"input_layernorm.weight": (d,), "post_attention_layernorm.weight": (d,),
+           "self_attn.q_proj.weight": (q, d), "self_attn.k_proj.weight": (kv, d),
+           "self_attn.v_proj.weight": (kv, d), "self_attn.o_proj.weight": (d, q),
+           "mlp.gate_proj.weight": (inter, d), "mlp.up_proj.weight": (inter, d),
+           "mlp.down_proj.weight": (d, inter)}
+  shapes = {"model.embed_tokens.weight": (config["vocab_size"], d), "model.norm.weight": (d,),
+            "lm_head.weight": (config["vocab_size"], d)}
+  for i in range(config["num_hidden_layers"]):
+    shapes.update({f"model.layers.{i}.{k}": v for k, v in layer.items()})
+  return shapes
+
+
 def hf_name(gguf_name: str) -> str | None:
   """Hugging Face parameter name of a llama GGUF tensor name, or None if it has none."""
   if gguf_name in _GLOBAL_NAMES:
@@ -209,17 +239,27 @@ def unpermute_rope_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
 def gguf_state_dict(reader: gguf.GGUFReader, config: dict, path: pathlib.Path) -> dict:
   """Dequantized float32 tensors under Hugging Face names, in Hugging Face ([out, in]) layout."""
   state = {}
+  shapes = expected_shapes(config)
   for tensor in reader.tensors:
     name = hf_name(tensor.name)
     where = f"{path}: tensor {tensor.name} ({tensor.tensor_type.name})"
     if name is None:
       raise GGUFError(f"{where} has no Hugging Face Llama counterpart")
+    header = tuple(int(n) for n in reversed(tensor.shape))
+    if name in shapes and header != shapes[name]:
+      raise GGUFError(f"{where} has shape {header}, but the file's llama.* metadata implies "
+                      f"{shapes[name]} (Hugging Face {name}, [out, in])")
     try:  # the gguf package dequantizes F32, F16, BF16, Q4_0 ... Q8_0, the K- and IQ-quants
       w = np.array(gguf.quants.dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)
     except NotImplementedError as e:
       raise GGUFError(f"{where}: quantization type not supported by the gguf package") from e
-    if w.shape != tuple(int(n) for n in reversed(tensor.shape)):
-      raise GGUFError(f"{where}: data shape {w.shape} does not match header {tensor.shape[::-1]}")
+    except Exception as e:  # data that does not decode: a corrupt or truncated file
+      raise GGUFError(f"{where}: cannot be dequantized (corrupt file?): {e}") from e
+    if w.shape != header:
+      raise GGUFError(f"{where}: data shape {w.shape} does not match header {header}")
+    if not np.isfinite(w).all():
+      raise GGUFError(f"{where} holds NaN or Inf values: the file is corrupt or the model "
+                      "diverged")
     if name.endswith("q_proj.weight"):
       w = unpermute_rope_rows(w, config["num_attention_heads"])
     elif name.endswith("k_proj.weight"):
@@ -243,8 +283,9 @@ def gguf_tokenizer(meta: dict[str, Any], path: pathlib.Path) -> PreTrainedTokeni
   digit_split = {"smollm", "starcoder", "refact", "codeshell"}
   if kind != "gpt2" or pre not in digit_split | {"default", "gpt-2"}:
     raise GGUFError(f"{path}: tokenizer {kind!r} with pre-tokenizer {pre!r} is not supported")
-  tokens, types = meta["tokenizer.ggml.tokens"], meta["tokenizer.ggml.token_type"]
-  merges = [tuple(m.split(" ", 1)) for m in meta["tokenizer.ggml.merges"]]
+  tokens, types, merges = (_required(meta, f"tokenizer.ggml.{k}", path)
+                           for k in ("tokens", "token_type", "merges"))
+  merges = [tuple(m.split(" ", 1)) for m in merges]
   tok = Tokenizer(models.BPE({t: i for i, t in enumerate(tokens)}, merges))
   byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
   tok.pre_tokenizer = (pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True),
@@ -254,7 +295,14 @@ def gguf_tokenizer(meta: dict[str, Any], path: pathlib.Path) -> PreTrainedTokeni
                   for t, k in zip(tokens, types) if k == _USER_DEFINED])
   tok.add_special_tokens([AddedToken(t, special=True, normalized=False)
                           for t, k in zip(tokens, types) if k == _CONTROL])
-  special = lambda key: tokens[meta[key]] if key in meta else None
+
+  def special(key):
+    if key not in meta:
+      return None
+    if not 0 <= int(meta[key]) < len(tokens):
+      raise GGUFError(f"{path}: {key}={meta[key]} is outside the vocabulary of {len(tokens)}")
+    return tokens[meta[key]]
+
   bos = special("tokenizer.ggml.bos_token_id")
   if meta.get("tokenizer.ggml.add_bos_token", False):
     bos_id = meta["tokenizer.ggml.bos_token_id"]

@@ -27,6 +27,15 @@ class CheckpointError(ValueError):
   """A checkpoint file is missing, unreadable or does not match its config."""
 
 
+class TensorFiles(dict):
+  """A state dict read from files: ``files[name]`` is the file each tensor came from, so
+  errors about a tensor can name its file."""
+
+  def __init__(self, tensors=(), files: dict[str, str] | None = None):
+    super().__init__(tensors)
+    self.files = dict(files or {})
+
+
 # ---------------------------------------------------------------------------------------------
 # Name maps: ppojax path (within the stacked layer params) ↔ Hugging Face name
 # ---------------------------------------------------------------------------------------------
@@ -41,25 +50,42 @@ _GPT2_LAYER = {("attn", "o"): "attn.c_proj", ("mlp", "fc"): "mlp.c_fc",
                ("mlp", "proj"): "mlp.c_proj"}  # Conv1D weights are already [in, out]
 
 
-def _strip_prefix(sd: StateDict, cfg: ModelConfig) -> StateDict:
-  """Names relative to the backbone: drop 'model.' / 'transformer.' (kept for heads)."""
+def _strip_prefix(sd: StateDict, cfg: ModelConfig) -> tuple[StateDict, dict[str, str]]:
+  """Names relative to the backbone: drop 'model.' / 'transformer.' (kept for heads); and
+  where each came from: stripped name → "FULL_NAME in FILE" (or "FULL_NAME")."""
   prefix = "transformer." if cfg.is_gpt2 else "model."
-  out = {}
+  files = getattr(sd, "files", {})
+  out, origin = {}, {}
   for name, value in sd.items():
     if name.endswith((".attn.bias", ".attn.masked_bias")) and cfg.is_gpt2 and value.ndim == 4:
       continue  # GPT-2's stored causal-mask buffers
-    out[name[len(prefix):] if name.startswith(prefix) else name] = value
-  return out
+    short = name[len(prefix):] if name.startswith(prefix) else name
+    out[short] = value
+    origin[short] = f"{name} in {files[name]}" if name in files else name
+  return out, origin
 
 
-def _take(sd: StateDict, name: str, shape: tuple[int, ...]) -> np.ndarray:
-  if name not in sd:
-    raise CheckpointError(f"tensor {name!r} is missing from the checkpoint")
-  value = sd.pop(name)
-  if tuple(value.shape) != tuple(shape):
-    raise CheckpointError(
-        f"tensor {name!r} has shape {tuple(value.shape)}, the config implies {tuple(shape)}")
-  return value
+class _Taker:
+  """Pops tensors by (stripped) name, checking their shapes; errors name the tensor, the file
+  it came from, and the shapes found and implied by the config."""
+
+  def __init__(self, sd: StateDict, cfg: ModelConfig):
+    self.sd, self.origin = _strip_prefix(sd, cfg)
+    self.prefix = "transformer." if cfg.is_gpt2 else "model."
+    files = sorted(set(getattr(sd, "files", {}).values()))
+    self.where = ", ".join(files) if files else "the checkpoint"
+
+  def __call__(self, name: str, shape: tuple[int, ...]) -> np.ndarray:
+    if name not in self.sd:
+      full = name if name.split(".")[0] in ("lm_head", "score") else self.prefix + name
+      raise CheckpointError(f"tensor {name!r} is missing from the checkpoint (no {full!r} in "
+                            f"{self.where})")
+    value = self.sd.pop(name)
+    if tuple(value.shape) != tuple(shape):
+      raise CheckpointError(
+          f"tensor {name!r} ({self.origin[name]}) has shape {tuple(value.shape)}, but the "
+          f"config implies {tuple(shape)}")
+    return value
 
 
 def params_from_hf(cfg: ModelConfig, sd: StateDict, head: str = "lm", dtype=None) -> dict:
@@ -69,18 +95,19 @@ def params_from_hf(cfg: ModelConfig, sd: StateDict, head: str = "lm", dtype=None
   if head not in HEADS:
     raise ValueError(f"head must be one of {HEADS}, got {head!r}")
   dtype = np.dtype(dtype or cfg.param_dtype)
-  sd = _strip_prefix(dict(sd), cfg)
+  _take = _Taker(sd, cfg)
+  sd = _take.sd
   d, L, i_size = cfg.hidden_size, cfg.num_layers, cfg.intermediate_size
   q_out, kv_out = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
 
   def stack(fmt, shape, transpose=False):
-    arrays = [_take(sd, fmt.format(i), shape) for i in range(L)]
+    arrays = [_take(fmt.format(i), shape) for i in range(L)]
     return np.stack([a.T if transpose else a for a in arrays]).astype(dtype)
 
   layers: dict[str, dict] = {"attn": {}, "mlp": {}}
   if cfg.is_gpt2:
-    backbone = {"embed": {"embedding": _take(sd, "wte.weight", (cfg.vocab_size, d))},
-                "wpe": {"embedding": _take(sd, "wpe.weight", (cfg.max_position_embeddings, d))}}
+    backbone = {"embed": {"embedding": _take("wte.weight", (cfg.vocab_size, d))},
+                "wpe": {"embedding": _take("wpe.weight", (cfg.max_position_embeddings, d))}}
     qkv_w = stack("h.{}.attn.c_attn.weight", (d, 3 * d))
     qkv_b = stack("h.{}.attn.c_attn.bias", (3 * d,))
     for j, name in enumerate("qkv"):
@@ -94,10 +121,10 @@ def params_from_hf(cfg: ModelConfig, sd: StateDict, head: str = "lm", dtype=None
     for ours, theirs in (("attn_norm", "ln_1"), ("mlp_norm", "ln_2")):
       layers[ours] = {"scale": stack(f"h.{{}}.{theirs}.weight", (d,)),
                       "bias": stack(f"h.{{}}.{theirs}.bias", (d,))}
-    backbone["final_norm"] = {"scale": _take(sd, "ln_f.weight", (d,)),
-                              "bias": _take(sd, "ln_f.bias", (d,))}
+    backbone["final_norm"] = {"scale": _take("ln_f.weight", (d,)),
+                              "bias": _take("ln_f.bias", (d,))}
   else:
-    backbone = {"embed": {"embedding": _take(sd, "embed_tokens.weight", (cfg.vocab_size, d))}}
+    backbone = {"embed": {"embedding": _take("embed_tokens.weight", (cfg.vocab_size, d))}}
     out_dims = {"q": q_out, "k": kv_out, "v": kv_out, "o": d, "gate": i_size, "up": i_size,
                 "down": d}
     in_dims = {"o": q_out, "down": i_size}
@@ -108,19 +135,20 @@ def params_from_hf(cfg: ModelConfig, sd: StateDict, head: str = "lm", dtype=None
         layers[group][ours]["bias"] = stack(f"layers.{{}}.{theirs}.bias", (out_dims[ours],))
     layers["attn_norm"] = {"scale": stack("layers.{}.input_layernorm.weight", (d,))}
     layers["mlp_norm"] = {"scale": stack("layers.{}.post_attention_layernorm.weight", (d,))}
-    backbone["final_norm"] = {"scale": _take(sd, "norm.weight", (d,))}
+    backbone["final_norm"] = {"scale": _take("norm.weight", (d,))}
   backbone["layers"] = layers
 
   params: dict[str, Any] = {"model": backbone}
   if head == "value":
-    params["score"] = {"kernel": _take(sd, "score.weight", (1, d)).T}
+    params["score"] = {"kernel": _take("score.weight", (1, d)).T}
     sd.pop("lm_head.weight", None)  # a policy checkpoint used to initialise a critic
   elif not cfg.tie_word_embeddings:
-    params["lm_head"] = {"kernel": _take(sd, "lm_head.weight", (cfg.vocab_size, d)).T}
+    params["lm_head"] = {"kernel": _take("lm_head.weight", (cfg.vocab_size, d)).T}
   else:
     sd.pop("lm_head.weight", None)  # some tied checkpoints store the copy anyway
   if sd:
-    raise CheckpointError(f"unexpected tensors in the checkpoint: {sorted(sd)[:8]}")
+    raise CheckpointError(f"unexpected tensors in the checkpoint ({_take.where}): "
+                          f"{sorted(sd)[:8]}")
   return _cast(params, dtype)
 
 
@@ -201,33 +229,60 @@ def to_transformers(cfg: ModelConfig, params: dict, head: str = "lm"):
 # ---------------------------------------------------------------------------------------------
 
 
-def read_safetensors(directory: str | os.PathLike) -> StateDict:
-  """All tensors of ``model.safetensors`` or of the shards listed in its index, as float32."""
+def read_safetensors(directory: str | os.PathLike) -> TensorFiles:
+  """All tensors of ``model.safetensors`` or of the shards listed in its index, as float32.
+
+  Raises ``CheckpointError`` naming the file (and tensor) for: no weights, an unreadable index,
+  a missing shard, a truncated or corrupt file, a tensor the index places in a shard that lacks
+  it, a tensor stored twice, and NaN or Inf in a tensor (a corrupt or diverged checkpoint).
+  """
   from safetensors import safe_open  # pylint: disable=import-outside-toplevel
 
   directory = pathlib.Path(directory)
   index = directory / "model.safetensors.index.json"
   if index.exists():
-    files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    try:
+      weight_map = json.loads(index.read_text())["weight_map"]
+      expected = {str(name): str(file) for name, file in weight_map.items()}
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
+      raise CheckpointError(f"{index} is not a valid safetensors index (a JSON object with a "
+                            f"'weight_map' of tensor name → shard file): {e!r}") from e
+    files = sorted(set(expected.values()))
   elif (directory / "model.safetensors").exists():
-    files = ["model.safetensors"]
+    files, expected = ["model.safetensors"], {}
   else:
     raise CheckpointError(
         f"{directory} has neither model.safetensors nor model.safetensors.index.json "
         "(PyTorch .bin checkpoints are not supported: convert them with safetensors first)")
-  sd: StateDict = {}
+  sd = TensorFiles()
   for name in files:
     path = directory / name
     if not path.exists():
       raise CheckpointError(f"shard {path} listed in the index is missing")
+    key = None
     try:
-      with safe_open(str(path), framework="flax") as f:  # flax: reads bfloat16 too
+      with safe_open(str(path), framework="numpy") as f:  # bfloat16 too (ml_dtypes)
         for key in f.keys():
-          sd[key] = np.asarray(f.get_tensor(key).astype("float32"))
+          if key in sd:
+            raise CheckpointError(f"tensor {key!r} is stored twice: in {sd.files[key]} and "
+                                  f"in {path}")
+          sd[key] = np.asarray(f.get_tensor(key)).astype(np.float32)
+          sd.files[key] = str(path)
     except CheckpointError:
       raise
     except Exception as e:  # safetensors raises several types for corrupt files
-      raise CheckpointError(f"cannot read {path}: {e}") from e
+      what = f"tensor {key!r} of " if key is not None else ""
+      raise CheckpointError(f"cannot read {what}{path} (truncated or corrupt?): {e}") from e
+  for key, name in expected.items():
+    if sd.files.get(key) != str(directory / name):
+      raise CheckpointError(f"{index} places tensor {key!r} in {name}, but "
+                            + (f"it is in {sd.files[key]}" if key in sd.files
+                               else f"{directory / name} does not hold it"))
+  for key, value in sd.items():
+    if not np.isfinite(value).all():
+      raise CheckpointError(f"tensor {key!r} in {sd.files[key]} holds NaN or Inf values "
+                            f"({int(np.size(value) - np.isfinite(value).sum())} of "
+                            f"{np.size(value)}): the file is corrupt or the model diverged")
   return sd
 
 
