@@ -46,7 +46,7 @@ def make_source(config, tokenizer) -> Source:
     raise ValueError(f"data.task={d.task!r} is not known; choose count, arith or file")
   if tokenizer is None:
     raise ValueError(f"data.task={d.task!r} needs a tokenizer, and model.policy="
-                     f"{config.model.policy!r} ships none")
+                     f"{config.model.policy!r} ships none: set model.tokenizer")
   field = d.field
 
   def encode(records: list[dict]) -> data.Encoded:

@@ -195,6 +195,14 @@ for _agg in ops.AGGREGATIONS:
        jax.grad(lambda *a, g=_agg: _ppo(*a, g)[0], argnums=(0, 3, 7)), _ppo_gen)
 case("losses.policy_loss/defaults", losses.policy_loss,
      lambda r: _policy_gen(r)[:4])
+case("losses.bradley_terry_loss", losses.bradley_terry_loss,
+     lambda r: (_x(r, shape=(B,)), _x(r, shape=(B,))))
+case("losses.bradley_terry_loss/grad",
+     jax.grad(lambda c, rj: losses.bradley_terry_loss(c, rj)[0], argnums=(0, 1)),
+     lambda r: (_x(r, shape=(B,)), _x(r, shape=(B,))))
+for _agg in ("token_mean", "seq_mean"):
+  case(f"losses.sft_loss/{_agg}", lambda lp, m, g=_agg: losses.sft_loss(lp, m, g),
+       lambda r: (_logp(r), _mask(r)))
 case("losses.ppo_loss/no_entropy",
      lambda lp, old, adv, v, ov, ret, m: losses.ppo_loss(lp, old, adv, v, ov, ret, m),
      lambda r: _ppo_gen(r)[:7])
