@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ppojax import ops
+from ppojax import hostmem, ops
 from ppojax.models import hf, load_model, positions_from_mask
 
 
@@ -79,6 +79,7 @@ def bench_torch(model, tokens, mask, repeats, dtype):
 
 
 def main():
+  hostmem.reexec_with_huge_pages()  # as the CLI does (PPOJAX_HUGE_PAGES=0: off)
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--batch", type=int, default=8)
   parser.add_argument("--seq-len", type=int, default=128)
@@ -95,7 +96,8 @@ def main():
   mask = jnp.ones((args.batch, args.seq_len), bool)
   n_tokens = args.batch * args.seq_len
   print(f"device: {jax.devices()[0].device_kind}, {os.cpu_count()} CPUs; model {args.model}, "
-        f"batch {args.batch} x {args.seq_len} tokens, {args.dtype}, remat={args.remat}")
+        f"batch {args.batch} x {args.seq_len} tokens, {args.dtype}, remat={args.remat}; "
+        f"huge_pages={hostmem.huge_pages_active()}")
 
   (jf_first, jf), (jb_first, jb) = bench_ppojax(model, tokens, mask, args.repeats)
   (tf_first, tf), (tb_first, tb) = bench_torch(model, tokens, mask, args.repeats, args.dtype)
@@ -106,6 +108,7 @@ def main():
           f"{first - j:>11.1f}")
   print(json.dumps({
       "batch": args.batch, "seq_len": args.seq_len, "dtype": args.dtype, "remat": args.remat,
+      "huge_pages": hostmem.huge_pages_active(),
       "ppojax_forward_tokens_per_s": n_tokens / jf, "torch_forward_tokens_per_s": n_tokens / tf,
       "ppojax_fwd_bwd_tokens_per_s": n_tokens / jb, "torch_fwd_bwd_tokens_per_s": n_tokens / tb,
       "forward_ratio": tf / jf, "fwd_bwd_ratio": tb / jb,

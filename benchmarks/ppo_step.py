@@ -68,7 +68,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ppojax import runner
+from ppojax import hostmem, runner
 from ppojax.experience import Prompts
 from ppojax.models import load_model, save_model
 
@@ -204,6 +204,7 @@ def peak_rss_mb() -> float:
 
 
 def main():
+  hostmem.reexec_with_huge_pages()  # as the CLI does (PPOJAX_HUGE_PAGES=0: off)
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--batch", type=int, default=16)
   parser.add_argument("--response-length", type=int, default=32)
@@ -227,7 +228,8 @@ def main():
   real = int(np.sum(np.asarray(prompts.mask)))
   print(f"device: {jax.devices()[0].device_kind} ({jax.default_backend()}), {os.cpu_count()} "
         f"CPUs, jax {jax.__version__}; SmolLM2-135M-Instruct as policy, reference, reward and "
-        f"critic; {args.dtype}{', remat' if args.remat else ''}")
+        f"critic; {args.dtype}{', remat' if args.remat else ''}; "
+        f"huge_pages={hostmem.huge_pages_active()}")
   print(f"batch {b}, prompts {args.prompt_length} slots ({real / b:.1f} real tokens per row), "
         f"responses exactly {r_len} tokens; 1 epoch × 1 minibatch; build {build_s:.1f} s",
         flush=True)
@@ -324,7 +326,8 @@ def main():
       **({"matmul_peak_bf16_gflops": peaks["bfloat16"]} if "bfloat16" in peaks else {}),
       "fraction_of_peak": achieved / peak, "peak_rss_mb": rss,
       "peak_rss_after_build_mb": build_rss, "phases": phases,
-      "dtype": args.dtype, "remat": args.remat, "batch": b, "prompt_length": args.prompt_length,
+      "dtype": args.dtype, "remat": args.remat, "huge_pages": hostmem.huge_pages_active(),
+      "batch": b, "prompt_length": args.prompt_length,
       "response_length": r_len, "trl_seconds_per_iteration": TRL_SECONDS,
       "trl_ratio_cross_run": TRL_SECONDS / seconds,
       "device": jax.devices()[0].device_kind, "cpus": os.cpu_count()}))

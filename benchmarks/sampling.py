@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ppojax import hostmem
 from ppojax.models import hf, load_model
 from ppojax.sampling import SamplingConfig, generate
 
@@ -92,6 +93,7 @@ def bench_transformers(model, tokens, mask, new_tokens, repeats, dtype):
 
 
 def main():
+  hostmem.reexec_with_huge_pages()  # as the CLI does (PPOJAX_HUGE_PAGES=0: off)
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--batches", type=int, nargs="+", default=[16, 64])
   parser.add_argument("--new-tokens", type=int, default=64)
@@ -102,7 +104,8 @@ def main():
 
   model = load_model(args.model, dtype=args.dtype)
   print(f"device: {jax.devices()[0].device_kind} ({jax.default_backend()}), {os.cpu_count()} "
-        f"CPUs; {args.model}, {args.new_tokens} new tokens, {args.dtype}")
+        f"CPUs; {args.model}, {args.new_tokens} new tokens, {args.dtype}; "
+        f"huge_pages={hostmem.huge_pages_active()}")
   print(f"{'batch':>6}{'prompt':>8}{'ppojax tok/s':>14}{'transformers tok/s':>20}{'ratio':>8}"
         f"{'compile s':>11}")
   rows = []
@@ -119,6 +122,7 @@ def main():
           f"{theirs / ours:>8.2f}{compile_s:>11.1f}", flush=True)
   largest = max(rows, key=lambda r: r["batch"])
   print(json.dumps({**largest, "new_tokens": args.new_tokens, "dtype": args.dtype,
+                    "huge_pages": hostmem.huge_pages_active(),
                     "device": jax.devices()[0].device_kind, "rows": rows}))
 
 

@@ -8,10 +8,11 @@ writes metrics.jsonl, TensorBoard events, samples.jsonl, curves.png and the fina
 
 from __future__ import annotations
 
+import sys
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-from ppojax import runner
+from ppojax import hostmem, runner
 
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/toy.py", "Training config file.")
 _WORKDIR = flags.DEFINE_string("workdir", None, "Run directory: checkpoints, metrics, plots.")
@@ -35,4 +36,5 @@ def main(argv):
 
 
 if __name__ == "__main__":
+  hostmem.reexec_with_huge_pages(["-m", "ppojax.train", *sys.argv[1:]])
   app.run(main)

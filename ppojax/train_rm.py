@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import functools
 import pathlib
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -24,7 +25,7 @@ import ml_collections
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-from ppojax import arith, data, losses, supervised
+from ppojax import arith, data, hostmem, losses, supervised
 from ppojax.experience import model_scores
 from ppojax.models import save_model
 
@@ -114,6 +115,7 @@ def main(argv, config_flag, workdir_flag):
 
 
 if __name__ == "__main__":  # flags defined here only: importing this module defines none
+  hostmem.reexec_with_huge_pages(["-m", "ppojax.train_rm", *sys.argv[1:]])
   _CONFIG = config_flags.DEFINE_config_file("config", "configs/rm_arith.py", "Config file.")
   _WORKDIR = flags.DEFINE_string("workdir", None, "Run directory: metrics and reward_model/.")
   app.run(functools.partial(main, config_flag=_CONFIG, workdir_flag=_WORKDIR))

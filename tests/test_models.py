@@ -666,6 +666,51 @@ def test_unrolled_layers_match_scanned(name):
   assert tuple(per_layer[q.replace("['layers']", "['layers_0']")]) == ("fsdp", "tensor")
 
 
+@pytest.mark.parametrize("name", ["llama", "gpt2"])
+@pytest.mark.parametrize("scan", [True, False])
+def test_fused_projections_match_separate(name, scan):
+  """fused_projections=True (q/k/v and gate/up joined by fuse_projections, the decode layout of
+  generate) computes the same function, without and with a cache; the joined kernels are the
+  column blocks [q | k | v] and [gate | up], and the partition rules shard them like q and
+  gate."""
+  cfg = CACHE_CONFIGS[name]
+  params, tokens, full_pos, full_mask, full = _decode_setup(cfg)
+  cfg = cfg.replace(scan_layers=scan)
+  params = params if scan else T.unstack_layers(params)
+  fused_cfg = cfg.replace(fused_projections=True)
+  fused = T.fuse_projections(params)
+  layer = fused["model"]["layers" if scan else "layers_1"]
+  plain = params["model"]["layers" if scan else "layers_1"]
+  assert set(layer["attn"]) == {"qkv", "o"}
+  np.testing.assert_array_equal(
+      layer["attn"]["qkv"]["kernel"],
+      np.concatenate([plain["attn"][p]["kernel"] for p in "qkv"], axis=-1))
+  if name == "llama":
+    assert set(layer["mlp"]) == {"gate_up", "down"}
+    h = plain["mlp"]["gate"]["kernel"].shape[-1]
+    np.testing.assert_array_equal(layer["mlp"]["gate_up"]["kernel"][..., h:],
+                                  plain["mlp"]["up"]["kernel"])
+  else:  # GPT-2: fc/proj stay as they are; q/k/v carry biases
+    assert set(layer["mlp"]) == {"fc", "proj"} and "bias" in layer["attn"]["qkv"]
+  np.testing.assert_allclose(_ours(fused_cfg, fused, tokens, full_pos, full_mask)[full_mask],
+                             full[full_mask], atol=1e-5)
+  model = T.CausalLM(fused_cfg)
+  apply = jax.jit(lambda p, tok, pos, m, c, i: model.apply({"params": p}, tok, pos, m, c, i))
+  decoded = _decode(fused_cfg, fused, tokens, full_pos, full_mask,
+                    lambda p, tok, pos, m, c: apply(p, tok, pos, m, c, jnp.int32(0)), apply)
+  np.testing.assert_allclose(decoded[full_mask], full[full_mask], atol=1e-5)
+
+  from ppojax import sharding  # pylint: disable=import-outside-toplevel
+  mesh = sharding.make_mesh((1, 1, 1), devices=jax.devices()[:1])
+  specs = {jax.tree_util.keystr(k): tuple(s.spec) for k, s in jax.tree_util.tree_leaves_with_path(
+      sharding.param_shardings(fused, mesh, T.partition_rules()))}
+  prefix = "['model']['layers']" if scan else "['model']['layers_1']"
+  lead = (None,) if scan else ()
+  assert specs[prefix + "['attn']['qkv']['kernel']"] == lead + ("fsdp", "tensor")
+  if name == "llama":
+    assert specs[prefix + "['mlp']['gate_up']['kernel']"] == lead + ("fsdp", "tensor")
+
+
 @pytest.mark.parametrize("head", ["lm", "value"])
 def test_to_transformers_builds_the_same_model_in_memory(torch, head):
   cfg = CACHE_CONFIGS["llama"]

@@ -19,13 +19,14 @@ import numpy as np
 
 from ppojax.models import hf
 from ppojax.models.config import ModelConfig
-from ppojax.models.transformer import (CausalLM, KVCache, ValueModel, init_cache,
-                                       partition_rules, positions_from_mask, stack_layers,
-                                       unstack_layers)
+from ppojax.models.transformer import (CausalLM, KVCache, ValueModel, fuse_projections,
+                                       init_cache, partition_rules, positions_from_mask,
+                                       stack_layers, unstack_layers)
 
 SMOLLM2_NAMES = ("smollm2", "smollm2-135m-instruct", "huggingfacetb/smollm2-135m-instruct")
 
-__all__ = ["CausalLM", "KVCache", "LoadedModel", "ModelConfig", "ValueModel", "init_cache",
+__all__ = ["CausalLM", "KVCache", "LoadedModel", "ModelConfig", "ValueModel",
+           "fuse_projections", "init_cache",
            "load_model", "partition_rules", "positions_from_mask", "save_model", "stack_layers",
            "unstack_layers"]
 

@@ -46,6 +46,9 @@ class ModelConfig:
   param_dtype: str = "float32"
   remat: bool = False  # rematerialise each layer's activations in the backward pass
   scan_layers: bool = True  # stacked layer params in one nn.scan; False: layers_0 … layers_{L−1}
+  # q/k/v as one ``qkv`` matmul and gate/up as one ``gate_up`` (``fuse_projections`` converts
+  # the parameters); the decode layout of ``sampling.generate``, never a checkpoint's
+  fused_projections: bool = False
 
   def __post_init__(self):
     if self.model_type not in SUPPORTED:
