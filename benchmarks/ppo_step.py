@@ -13,7 +13,8 @@ Prints the compile time (first iteration minus the steady median), the median se
 iteration of the fused step (one compiled function), a median over the phase-timed path
 (sampling / scoring / update, three compiled functions, warmed up first), peak host memory
 (ru_maxrss), the model FLOPs of one iteration, the achieved GFLOP/s against a large ``jnp.dot``
-measured in the same run, and trl's figure for comparison. The last line is a JSON object.
+measured in the same run, and trl's figure for comparison. The last line is a JSON object. Like the CLI, the script restarts
+itself once with glibc's huge-page tunable (``ppojax.hostmem``; ``PPOJAX_HUGE_PAGES=0``: off).
 
 Model FLOPs (multiply-add = 2 FLOPs), from the model config: d = hidden_size, f =
 intermediate_size, L = num_layers, H / H_kv = num_heads / num_kv_heads, D = head_dim, V =
@@ -104,6 +105,7 @@ def make_config(args, reward_dir: str):
   c.model.critic_init = "reward"
   c.model.dtype = args.dtype
   c.model.remat = args.remat
+  c.model.scan_layers = not args.unrolled
   c.reward.kind = "model"
   c.sampling.max_new_tokens = args.response_length
   c.sampling.min_new_tokens = args.response_length  # exactly R tokens: stop ids banned before
@@ -212,6 +214,7 @@ def main():
   parser.add_argument("--iterations", type=int, default=3, help="timed iterations per path")
   parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
   parser.add_argument("--remat", action="store_true")
+  parser.add_argument("--unrolled", action="store_true", help="model.scan_layers=False")
   parser.add_argument("--matmul-size", type=int, default=4096)
   args = parser.parse_args()
   b, r_len = args.batch, args.response_length
@@ -228,7 +231,8 @@ def main():
   real = int(np.sum(np.asarray(prompts.mask)))
   print(f"device: {jax.devices()[0].device_kind} ({jax.default_backend()}), {os.cpu_count()} "
         f"CPUs, jax {jax.__version__}; SmolLM2-135M-Instruct as policy, reference, reward and "
-        f"critic; {args.dtype}{', remat' if args.remat else ''}; "
+        f"critic; {args.dtype}{', remat' if args.remat else ''}"
+        f"{', unrolled layers' if args.unrolled else ''}; "
         f"huge_pages={hostmem.huge_pages_active()}")
   print(f"batch {b}, prompts {args.prompt_length} slots ({real / b:.1f} real tokens per row), "
         f"responses exactly {r_len} tokens; 1 epoch × 1 minibatch; build {build_s:.1f} s",
@@ -326,7 +330,7 @@ def main():
       **({"matmul_peak_bf16_gflops": peaks["bfloat16"]} if "bfloat16" in peaks else {}),
       "fraction_of_peak": achieved / peak, "peak_rss_mb": rss,
       "peak_rss_after_build_mb": build_rss, "phases": phases,
-      "dtype": args.dtype, "remat": args.remat, "huge_pages": hostmem.huge_pages_active(),
+      "dtype": args.dtype, "remat": args.remat, "unrolled": args.unrolled, "huge_pages": hostmem.huge_pages_active(),
       "batch": b, "prompt_length": args.prompt_length,
       "response_length": r_len, "trl_seconds_per_iteration": TRL_SECONDS,
       "trl_ratio_cross_run": TRL_SECONDS / seconds,

@@ -7,7 +7,9 @@ so both produce exactly batch × 64 tokens. Run side by side in one process:
     python benchmarks/sampling.py --batches 16 64 [--new-tokens 64] [--dtype float32]
 
 Prints both figures, their ratio and ppojax's compile time per batch size; the last line is a
-JSON object (figures of the largest batch, plus all rows).
+JSON object (figures of the largest batch, plus all rows). ``--dtype`` applies to both sides.
+Like the CLI, the script restarts itself once with glibc's huge-page tunable (both libraries
+then run on it; ``PPOJAX_HUGE_PAGES=0``: off).
 """
 
 from __future__ import annotations

@@ -36,6 +36,9 @@ def defaults() -> ml_collections.ConfigDict:
   c.model.critic_init = "auto"  # "reward" (the RLHF recipe), "policy"; auto: reward if any
   c.model.dtype = "float32"  # compute dtype ("bfloat16" on accelerators)
   c.model.remat = False
+  # layers as one nn.scan (one compiled layer body, faster compile) or unrolled (False: no
+  # stacked per-layer weights and activations to slice and update; longer compile)
+  c.model.scan_layers = True
   c.model.tiny = ml_collections.ConfigDict(dict(  # model.policy = "tiny": a random-init model
       vocab_size=16, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
       num_kv_heads=2, max_position_embeddings=64))
@@ -129,6 +132,7 @@ def supervised_defaults() -> ml_collections.ConfigDict:
   c.model.tokenizer = ""  # where the tokenizer comes from (HF dir, GGUF); needed with "tiny"
   c.model.dtype = "float32"  # compute dtype ("bfloat16" on accelerators)
   c.model.remat = False  # rematerialise layer activations in the backward pass
+  c.model.scan_layers = True  # one nn.scan over the layers; False: unrolled (longer compile)
   c.model.tiny = ml_collections.ConfigDict(dict(  # vocab_size: the tokenizer's
       hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2,
       max_position_embeddings=128))

@@ -92,7 +92,8 @@ def _init_params(module, key):
 
 
 def _numerics(config) -> dict:
-  return dict(dtype=config.model.dtype, remat=config.model.remat)
+  return dict(dtype=config.model.dtype, remat=config.model.remat,
+              scan_layers=config.model.scan_layers)
 
 
 def load_tokenizer(name: str):

@@ -2,6 +2,7 @@
 leave the process alone where it cannot help or is turned off."""
 
 import os
+import pathlib
 import subprocess
 import sys
 import textwrap
@@ -49,3 +50,23 @@ def test_no_restart_when_off_already_set_or_another_allocator(tmp_path, env):
   lines = _run(tmp_path, env)
   assert lines.count("start") == 1, lines
   assert ("active True" in lines) == (env.get("GLIBC_TUNABLES") == hostmem.TUNABLE)
+
+
+def test_cli_results_do_not_depend_on_huge_pages(tmp_path):
+  """The training CLI restarted with the tunable (the default) writes the same metrics, bit for
+  bit, as with PPOJAX_HUGE_PAGES=0: only the page size of host buffers changes."""
+  from ppojax import reporting  # pylint: disable=import-outside-toplevel
+  root = pathlib.Path(__file__).parents[1]
+  rows = {}
+  for pages in ("1", "0"):
+    env = {k: v for k, v in os.environ.items() if k not in ("GLIBC_TUNABLES", "LD_PRELOAD")}
+    env["PPOJAX_HUGE_PAGES"] = pages
+    workdir = tmp_path / pages
+    result = subprocess.run(
+        [sys.executable, "-m", "ppojax.train", "--config", str(root / "configs" / "toy.py"),
+         "--workdir", str(workdir), "--config.num_iterations=4", "--config.sample_every=0"],
+        cwd=root, env=env, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows[pages] = [{k: v for k, v in row.items() if not k.startswith(("time/", "eps"))}
+                   for row in reporting.read_metrics(str(workdir / "metrics.jsonl"))]
+  assert len(rows["1"]) == 4 and rows["1"] == rows["0"]

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from ppojax import experience, runner, tasks
-from ppojax.models import ValueModel, positions_from_mask
+from ppojax.models import ValueModel, positions_from_mask, stack_layers, unstack_layers
 
 _CONFIGS = pathlib.Path(__file__).parents[1] / "configs"
 
@@ -53,6 +53,28 @@ def test_fused_step_equals_its_three_phases(fused_run):
   for a, b in zip(rows, rows_p):
     assert a.keys() == b.keys()
     _assert_close(a, b)
+
+
+def test_unrolled_layers_train_like_scanned_ones():
+  """model.scan_layers=False (one subtree per layer: the faster bf16 training layout on CPU)
+  computes the same iterations as the default nn.scan from the same starting state."""
+  scanned, unrolled = (runner.build(toy_config(**{"model.scan_layers": scan}))
+                       for scan in (True, False))
+  per_layer = lambda tree: jax.tree.map(  # noqa: E731  every params-shaped subtree, unstacked
+      lambda x: unstack_layers(x) if isinstance(x, dict) and "model" in x else x, tree,
+      is_leaf=lambda x: isinstance(x, dict) and "model" in x)
+  unrolled = unrolled._replace(frozen=per_layer(scanned.frozen))
+  state, state_u = scanned.state, per_layer(jax.tree.map(jnp.copy, scanned.state))  # donated
+  assert "layers_0" in state_u.actor["model"] and "layers_0" in state_u.actor_opt[1][0].mu["model"]
+  for it in range(2):
+    prompts = scanned.source.batch(it).prompts
+    state, metrics, _, _ = runner.iteration(scanned, state, prompts)
+    state_u, metrics_u, _, _ = runner.iteration(unrolled, state_u, prompts)
+    _assert_close({k: v for k, v in metrics.items() if not k.startswith("time/")},
+                  {k: v for k, v in metrics_u.items() if not k.startswith("time/")},
+                  rtol=1e-4, atol=1e-5)
+  _assert_close(_params(state), tuple(stack_layers(p) for p in _params(state_u)),
+                rtol=1e-4, atol=1e-5)
 
 
 def test_python_reward_equals_the_jax_rule(fused_run):
