@@ -3,10 +3,10 @@
 XLA:CPU takes the temporaries of a compiled program from ``malloc`` as one block per call (6.2 GB
 for the SmolLM2 PPO step of ``benchmarks/ppo_step.py``) and frees it on return. glibc serves such
 a block with a fresh ``mmap``, so every call touches it page by page again: 16 million 4 KiB page
-faults in that benchmark's run, half of its wall time spent in the kernel. The glibc tunable
+faults in that benchmark's run (108 s of system time in a 220 s run). The glibc tunable
 ``glibc.malloc.hugetlb=1`` (glibc ≥ 2.35) makes malloc ask for transparent huge pages
-(``madvise(MADV_HUGEPAGE)``), 512× fewer faults: 16 M → 0.5 M, and 15.6 → 12.4 s per iteration
-in that benchmark. Results are bit-identical; only the page size changes.
+(``madvise(MADV_HUGEPAGE)``): 16 M → 0.5 M faults, and 15.6 → 12.4 s per iteration in that
+benchmark (same code, one run each). Results are bit-identical; only the page size changes.
 
 glibc reads tunables once, when a process starts, so ``reexec_with_huge_pages`` restarts the
 current command with the tunable set (once: the new process finds it set and carries on). The

@@ -60,7 +60,8 @@ def build_model(config: ml_collections.ConfigDict, head: str = "lm") -> LoadedMo
     raise ValueError("model.init='tiny' needs model.tokenizer (a Hugging Face directory, GGUF "
                      "file or 'smollm2') to size its vocabulary and encode the data")
   model = runner.load_named(m.init, jax.random.key(config.seed), tiny=m.tiny,
-                            tokenizer=m.tokenizer, head=head, dtype=m.dtype, remat=m.remat)
+                            tokenizer=m.tokenizer, head=head, dtype=m.dtype, remat=m.remat,
+                            scan_layers=m.scan_layers)
   if model.tokenizer is None:
     raise ValueError(f"model.init={m.init!r} ships no tokenizer: set model.tokenizer")
   return model

@@ -9,6 +9,7 @@ writes metrics.jsonl, TensorBoard events, samples.jsonl, curves.png and the fina
 from __future__ import annotations
 
 import sys
+
 from absl import app, flags, logging
 from ml_collections import config_flags
 
