@@ -64,7 +64,8 @@ def test_cli_results_do_not_depend_on_huge_pages(tmp_path):
     workdir = tmp_path / pages
     result = subprocess.run(
         [sys.executable, "-m", "ppojax.train", "--config", str(root / "configs" / "toy.py"),
-         "--workdir", str(workdir), "--config.num_iterations=4", "--config.sample_every=0"],
+         "--workdir", str(workdir), "--config.num_iterations=4", "--config.log_every=1",
+         "--config.sample_every=0"],
         cwd=root, env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     rows[pages] = [{k: v for k, v in row.items() if not k.startswith(("time/", "eps"))}
