@@ -7,7 +7,7 @@ below template to 44; shorter ones would be left-padded); every response is forc
 ``--response-length`` tokens (min_new_tokens = max_new_tokens), so the FLOP count below is exact:
 
     python benchmarks/ppo_step.py --batch 16 --response-length 32 [--iterations 3]
-        [--dtype float32|bfloat16] [--remat]
+        [--dtype float32|bfloat16] [--remat] [--unrolled]
 
 Prints the compile time (first iteration minus the steady median), the median seconds per
 iteration of the fused step (one compiled function), a median over the phase-timed path

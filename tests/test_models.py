@@ -633,6 +633,23 @@ def test_config_reads_transformers_4_spelling():
   assert ModelConfig.from_hf(hf4) == cfg5
 
 
+def _assert_decodes_like_full(cfg, params, tokens, full_pos, full_mask, full):
+  """Cached prefill + one-token decode steps give the full forward's logits ``full``."""
+  model = T.CausalLM(cfg)
+  apply = jax.jit(lambda p, tok, pos, m, c, i: model.apply({"params": p}, tok, pos, m, c, i))
+  decoded = _decode(cfg, params, tokens, full_pos, full_mask,
+                    lambda p, tok, pos, m, c: apply(p, tok, pos, m, c, jnp.int32(0)), apply)
+  np.testing.assert_allclose(decoded[full_mask], full[full_mask], atol=1e-5)
+
+
+def _partition_specs(params) -> dict:
+  """{leaf path: PartitionSpec} under the models' partition rules on a one-device mesh."""
+  from ppojax import sharding  # pylint: disable=import-outside-toplevel
+  mesh = sharding.make_mesh((1, 1, 1), devices=jax.devices()[:1])
+  return {jax.tree_util.keystr(k): s.spec for k, s in jax.tree_util.tree_leaves_with_path(
+      sharding.param_shardings(params, mesh, T.partition_rules()))}
+
+
 @pytest.mark.parametrize("name", ["llama", "gpt2"])
 def test_unrolled_layers_match_scanned(name):
   """scan_layers=False (one subtree per layer, used for decoding) computes the same function,
@@ -646,21 +663,12 @@ def test_unrolled_layers_match_scanned(name):
   jax.tree.map(np.testing.assert_array_equal, T.stack_layers(unrolled), params)
   np.testing.assert_allclose(_ours(unrolled_cfg, unrolled, tokens, full_pos, full_mask)[full_mask],
                              full[full_mask], atol=1e-5)
-  model = T.CausalLM(unrolled_cfg)
-  apply = jax.jit(lambda p, tok, pos, m, c, i: model.apply({"params": p}, tok, pos, m, c, i))
-  decoded = _decode(unrolled_cfg, unrolled, tokens, full_pos, full_mask,
-                    lambda p, tok, pos, m, c: apply(p, tok, pos, m, c, jnp.int32(0)), apply)
-  np.testing.assert_allclose(decoded[full_mask], full[full_mask], atol=1e-5)
+  _assert_decodes_like_full(unrolled_cfg, unrolled, tokens, full_pos, full_mask, full)
   # the same state dict either way
   for key, value in hf.params_to_hf(cfg, params).items():
     np.testing.assert_array_equal(hf.params_to_hf(unrolled_cfg, unrolled)[key], value)
 
-  from ppojax import sharding  # pylint: disable=import-outside-toplevel
-  mesh = sharding.make_mesh((1, 1, 1), devices=jax.devices()[:1])
-  specs = lambda p: {jax.tree_util.keystr(k): s.spec for k, s in  # noqa: E731
-                     jax.tree_util.tree_leaves_with_path(
-                         sharding.param_shardings(p, mesh, T.partition_rules()))}
-  stacked, per_layer = specs(params), specs(unrolled)
+  stacked, per_layer = _partition_specs(params), _partition_specs(unrolled)
   q = "['model']['layers']['attn']['q']['kernel']"
   assert tuple(stacked[q]) == (None, "fsdp", "tensor")
   assert tuple(per_layer[q.replace("['layers']", "['layers_0']")]) == ("fsdp", "tensor")
@@ -694,21 +702,14 @@ def test_fused_projections_match_separate(name, scan):
     assert set(layer["mlp"]) == {"fc", "proj"} and "bias" in layer["attn"]["qkv"]
   np.testing.assert_allclose(_ours(fused_cfg, fused, tokens, full_pos, full_mask)[full_mask],
                              full[full_mask], atol=1e-5)
-  model = T.CausalLM(fused_cfg)
-  apply = jax.jit(lambda p, tok, pos, m, c, i: model.apply({"params": p}, tok, pos, m, c, i))
-  decoded = _decode(fused_cfg, fused, tokens, full_pos, full_mask,
-                    lambda p, tok, pos, m, c: apply(p, tok, pos, m, c, jnp.int32(0)), apply)
-  np.testing.assert_allclose(decoded[full_mask], full[full_mask], atol=1e-5)
+  _assert_decodes_like_full(fused_cfg, fused, tokens, full_pos, full_mask, full)
 
-  from ppojax import sharding  # pylint: disable=import-outside-toplevel
-  mesh = sharding.make_mesh((1, 1, 1), devices=jax.devices()[:1])
-  specs = {jax.tree_util.keystr(k): tuple(s.spec) for k, s in jax.tree_util.tree_leaves_with_path(
-      sharding.param_shardings(fused, mesh, T.partition_rules()))}
+  specs = _partition_specs(fused)
   prefix = "['model']['layers']" if scan else "['model']['layers_1']"
   lead = (None,) if scan else ()
-  assert specs[prefix + "['attn']['qkv']['kernel']"] == lead + ("fsdp", "tensor")
+  assert tuple(specs[prefix + "['attn']['qkv']['kernel']"]) == lead + ("fsdp", "tensor")
   if name == "llama":
-    assert specs[prefix + "['mlp']['gate_up']['kernel']"] == lead + ("fsdp", "tensor")
+    assert tuple(specs[prefix + "['mlp']['gate_up']['kernel']"]) == lead + ("fsdp", "tensor")
 
 
 @pytest.mark.parametrize("head", ["lm", "value"])
