@@ -599,6 +599,52 @@ def test_remat_gives_the_same_gradient():
   assert max(float(jnp.abs(x).max()) for x in jax.tree.leaves(g0)) > 1e-3
 
 
+
+@pytest.mark.parametrize("name", ["llama-gqa", "qwen2-tied", "gpt2"])
+def test_parameter_gradients_match_torch(torch, checkpoint, name):
+  """∂/∂θ of Σ_real R·logits for a fixed random R [B, T, V], against torch's autograd: every
+  Dense kernel's dW = xᵀ·dy (``weight_matmul``'s written-out gradient), the tied LM head's dE
+  (both of its uses summed), norms, biases and embeddings."""
+  model, directory = checkpoint(name)
+  cfg, params = _load(directory)
+  tokens, positions, mask = _batch()
+  weights = np.random.RandomState(1).randn(B, S, V).astype(np.float32) * mask[..., None]
+
+  def loss(p):
+    logits, _ = T.CausalLM(cfg).apply({"params": p}, tokens, positions, mask)
+    return jnp.sum(logits.astype(jnp.float32) * weights)
+
+  ours = jax.jit(jax.grad(loss))(params)
+  model.zero_grad()
+  logits = model(input_ids=torch.tensor(tokens, dtype=torch.long),
+                 attention_mask=torch.tensor(mask, dtype=torch.long),
+                 position_ids=torch.tensor(positions, dtype=torch.long)).logits
+  (logits * torch.from_numpy(weights)).sum().backward()
+  theirs = hf.params_from_hf(cfg, {n: p.grad.numpy() for n, p in model.named_parameters()})
+  scale = max(float(np.abs(g).max()) for g in jax.tree.leaves(theirs))
+  assert scale > 1e-2
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=2e-5 * scale, rtol=0),
+               ours, theirs)
+
+
+@pytest.mark.parametrize("w_axis", [0, 1])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_weight_matmul_gradient_equals_autodiff(w_axis, dtype):
+  """The written-out VJP equals JAX's own transpose of the same float32-accumulated dot."""
+  kx, kw, ky = jax.random.split(jax.random.key(0), 3)
+  x = jax.random.normal(kx, (3, 5, 8)).astype(dtype)
+  w = jax.random.normal(kw, (8, 6) if w_axis == 0 else (6, 8)).astype(dtype)
+  dy = jax.random.normal(ky, (3, 5, 6)).astype(dtype)
+  dims = (((2,), (w_axis,)), ((), ()))
+  autodiff = lambda x, w: T._dot_f32(x, w, dims)  # noqa: E731
+  y0, vjp0 = jax.vjp(autodiff, x, w)
+  y1, vjp1 = jax.vjp(lambda x, w: T.dot_f32_accumulate(x, w, dims), x, w)
+  assert y1.dtype == x.dtype
+  for a, b in zip((y1, *vjp1(dy)), (y0, *vjp0(dy))):
+    assert a.dtype == b.dtype and a.shape == b.shape
+    np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32),
+                               rtol=1e-6 if dtype == "float32" else 1e-2, atol=1e-5)
+
 # ---------------------------------------------------------------------------------------------
 # 7. Config round trip (no weights, no torch)
 # ---------------------------------------------------------------------------------------------
