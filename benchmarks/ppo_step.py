@@ -12,9 +12,10 @@ below template to 44; shorter ones would be left-padded); every response is forc
 Prints the compile time (first iteration minus the steady median), the median seconds per
 iteration of the fused step (one compiled function), a median over the phase-timed path
 (sampling / scoring / update, three compiled functions, warmed up first), peak host memory
-(ru_maxrss), the model FLOPs of one iteration, the achieved GFLOP/s against a large ``jnp.dot``
-measured in the same run, and trl's figure for comparison. The last line is a JSON object. Like the CLI, the script restarts
-itself once with glibc's huge-page tunable (``ppojax.hostmem``; ``PPOJAX_HUGE_PAGES=0``: off).
+(ru_maxrss), the model FLOPs of one iteration, the achieved GFLOP/s against the matmul peak (a
+4096² float32 ``jnp.dot``, sampled between the timed iterations of the same run), and trl's figure
+for comparison. The last line is a JSON object. Like the CLI, the script restarts itself once
+with glibc's huge-page tunable (``ppojax.hostmem``; ``PPOJAX_HUGE_PAGES=0``: off).
 
 Model FLOPs (multiply-add = 2 FLOPs), from the model config: d = hidden_size, f =
 intermediate_size, L = num_layers, H / H_kv = num_heads / num_kv_heads, D = head_dim, V =
@@ -56,6 +57,7 @@ model FLOPs. Decode attention in ppojax reads all P + R cache slots (masked), an
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib.util
 import json
 import os
@@ -185,16 +187,16 @@ PHASE_PARTS = {
 # ---------------------------------------------------------------------------------------------
 
 
-def matmul_peak(dtype, n: int, repeats: int = 5, budget_s: float = 20.0) -> float:
-  """GFLOP/s of a jit-compiled n×n·n×n ``jnp.dot`` in ``dtype``: the median of up to
-  ``repeats`` calls after a warm-up (fewer, but at least 2, if they exceed ``budget_s``)."""
+def matmul_peak(dtype, n: int, repeats: int = 3) -> float:
+  """GFLOP/s of a jit-compiled n×n·n×n product in ``dtype``, accumulated in float32 (the form
+  every ppojax matmul takes): the median of ``repeats`` calls after a warm-up."""
   ka, kb = jax.random.split(jax.random.key(0))
   a = jax.random.normal(ka, (n, n), jnp.float32).astype(dtype)
   b = jax.random.normal(kb, (n, n), jnp.float32).astype(dtype)
-  dot = jax.jit(jnp.dot)
+  dot = jax.jit(functools.partial(jax.lax.dot, preferred_element_type=jnp.float32))
   dot(a, b).block_until_ready()
-  times, start = [], time.perf_counter()
-  while len(times) < repeats and (len(times) < 2 or time.perf_counter() - start < budget_s):
+  times = []
+  for _ in range(repeats):
     t0 = time.perf_counter()
     dot(a, b).block_until_ready()
     times.append(time.perf_counter() - t0)
@@ -246,10 +248,22 @@ def main():
   n_tokens = int(np.sum(np.asarray(rollout.mask)))
   if n_tokens != b * r_len:
     raise RuntimeError(f"responses are not all {r_len} tokens long: {n_tokens} in all")
+  # The matmul peak is sampled before every timed iteration and after the last: this VM's
+  # speed drifts by ±15% within minutes, so a peak taken once, at another moment, would make
+  # the fraction of peak mostly noise.
+  dtypes = ["float32"] + (["bfloat16"] if args.dtype == "bfloat16" else [])
+  peak_samples = {k: [] for k in dtypes}
+
+  def sample_peaks():
+    for k in dtypes:
+      peak_samples[k].append(matmul_peak(jnp.dtype(k), args.matmul_size))
+
   fused = []
   for _ in range(args.iterations):
+    sample_peaks()
     state, metrics, _, _ = runner.iteration(run, state, prompts)
     fused.append(metrics["time/iteration"])
+  sample_peaks()
   seconds = statistics.median(fused)
   compile_s = first_s - seconds
   print(f"fused step: first iteration {first_s:.1f} s (compile ≈ {compile_s:.1f} s), then "
@@ -272,9 +286,7 @@ def main():
   phase_s = {k: statistics.median(m[f"time/{k}"] for m in rows) for k in PHASE_PARTS}
   phased_total = statistics.median(m["time/iteration"] for m in rows)
 
-  peaks = {"float32": matmul_peak(jnp.float32, args.matmul_size)}
-  if args.dtype == "bfloat16":
-    peaks["bfloat16"] = matmul_peak(jnp.bfloat16, args.matmul_size)
+  peaks = {k: statistics.median(v) for k, v in peak_samples.items()}
   peak = peaks[args.dtype]
   achieved = total / seconds / 1e9
 
@@ -309,8 +321,10 @@ def main():
       0.8 < total / 1e12 / REFERENCE_TFLOP < 1.25):
     print(f"  WARNING: {total / 1e12:.2f} TFLOP is not in the ballpark of {REFERENCE_TFLOP}")
 
-  print(f"\nmatmul peak ({args.matmul_size}² jnp.dot, median): "
-        + ", ".join(f"{k} {v:.1f} GFLOP/s" for k, v in peaks.items()))
+  print(f"\nmatmul peak ({args.matmul_size}² product, float32 accumulation; median of "
+        f"{len(peak_samples['float32'])} samples taken between the fused iterations): "
+        + ", ".join(f"{k} {v:.1f} GFLOP/s (samples {', '.join(f'{x:.0f}' for x in peak_samples[k])})"
+                    for k, v in peaks.items()))
   print(f"achieved (fused step): {achieved:.1f} GFLOP/s = {achieved / peak:.1%} of the "
         f"{args.dtype} matmul peak"
         + (f" ({achieved / peaks['float32']:.1%} of the float32 peak)"
@@ -326,7 +340,7 @@ def main():
       "first_iteration_seconds": first_s, "phase_timed_warmup_seconds": phase_first_s,
       "phase_timed_seconds_per_iteration": phased_total,
       "model_tflop_per_iteration": total / 1e12, "achieved_gflops": achieved,
-      "matmul_peak_gflops": peaks["float32"],
+      "matmul_peak_gflops": peaks["float32"], "matmul_peak_samples": peak_samples["float32"],
       **({"matmul_peak_bf16_gflops": peaks["bfloat16"]} if "bfloat16" in peaks else {}),
       "fraction_of_peak": achieved / peak, "peak_rss_mb": rss,
       "peak_rss_after_build_mb": build_rss, "phases": phases,
