@@ -323,7 +323,8 @@ def main():
 
   print(f"\nmatmul peak ({args.matmul_size}² product, float32 accumulation; median of "
         f"{len(peak_samples['float32'])} samples taken between the fused iterations): "
-        + ", ".join(f"{k} {v:.1f} GFLOP/s (samples {', '.join(f'{x:.0f}' for x in peak_samples[k])})"
+        + ", ".join(f"{k} {v:.1f} GFLOP/s (samples "
+                    f"{', '.join(f'{x:.0f}' for x in peak_samples[k])})"
                     for k, v in peaks.items()))
   print(f"achieved (fused step): {achieved:.1f} GFLOP/s = {achieved / peak:.1%} of the "
         f"{args.dtype} matmul peak"
@@ -344,7 +345,8 @@ def main():
       **({"matmul_peak_bf16_gflops": peaks["bfloat16"]} if "bfloat16" in peaks else {}),
       "fraction_of_peak": achieved / peak, "peak_rss_mb": rss,
       "peak_rss_after_build_mb": build_rss, "phases": phases,
-      "dtype": args.dtype, "remat": args.remat, "unrolled": args.unrolled, "huge_pages": hostmem.huge_pages_active(),
+      "dtype": args.dtype, "remat": args.remat, "unrolled": args.unrolled,
+      "huge_pages": hostmem.huge_pages_active(),
       "batch": b, "prompt_length": args.prompt_length,
       "response_length": r_len, "trl_seconds_per_iteration": TRL_SECONDS,
       "trl_ratio_cross_run": TRL_SECONDS / seconds,

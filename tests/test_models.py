@@ -648,7 +648,8 @@ def test_weight_matmul_gradient_equals_autodiff(w_axis, dtype):
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_swiglu_gradient_equals_autodiff(dtype):
-  """The written-out gradient of silu(g)·u equals autodiff's, saturated gates included."""
+  """The written-out gradient of silu(g)·u equals autodiff's (float32 math for reference),
+  saturated gates included."""
   kg, ku, ky = jax.random.split(jax.random.key(0), 3)
   gate = jnp.concatenate([jax.random.normal(kg, (64,)) * 4, jnp.array([-1e3, -30., 30., 1e3])])
   gate, up, dy = (x.astype(dtype) for x in (
@@ -659,8 +660,9 @@ def test_swiglu_gradient_equals_autodiff(dtype):
   assert y1.dtype == gate.dtype
   for a, b in zip(vjp1(dy), vjp0(dy.astype(jnp.float32))):
     assert a.dtype == gate.dtype and np.isfinite(np.asarray(a, np.float32)).all()
-    np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32),
-                               rtol=1e-5 if dtype == "float32" else 1e-2, atol=1e-5)
+    b = np.asarray(b, np.float32)  # bf16: a few roundings of 2⁻⁸ each, relative to |b|_max
+    atol = 1e-5 if dtype == "float32" else 0.03 * np.abs(b).max()
+    np.testing.assert_allclose(np.asarray(a, np.float32), b, rtol=1e-5, atol=atol)
 
 # ---------------------------------------------------------------------------------------------
 # 7. Config round trip (no weights, no torch)

@@ -262,9 +262,10 @@ def swiglu(gate: Array, up: Array) -> Array:
 
       ∂/∂g = dy·u·s·(1 + g·(1 − s)),    ∂/∂u = dy·g·s
 
-  keeps only g and u for the backward pass (evaluated in float32, returned in their dtype);
+  keeps only g and u for the backward pass, evaluated in their dtype as autodiff would;
   autodiff of the composition kept four [tokens, intermediate] arrays per layer, and reading
-  them back cost a 30-layer MLP's backward 10% of its time on CPU."""
+  them back cost a 30-layer MLP's backward 10% of its time on CPU. (Upcasting bf16 g and u to
+  float32 here made XLA convert all 30 layers' stacked residuals at once, at 0.6 GB/s.)"""
   return nn.silu(gate) * up
 
 
@@ -273,10 +274,9 @@ def _swiglu_fwd(gate, up):
 
 
 def _swiglu_bwd(residuals, dy):
-  gate, up = residuals
-  g, u, dy32 = (x.astype(jnp.float32) for x in (gate, up, dy))
+  g, u = residuals
   s = jax.nn.sigmoid(g)
-  return (dy32 * u * s * (1 + g * (1 - s))).astype(gate.dtype), (dy32 * g * s).astype(up.dtype)
+  return dy * u * s * (1 + g * (1 - s)), dy * g * s
 
 
 swiglu.defvjp(_swiglu_fwd, _swiglu_bwd)
