@@ -27,7 +27,12 @@ def defaults() -> ml_collections.ConfigDict:
   c.keep = 2  # checkpoints kept
   c.phase_timing = False  # True: run sampling / scoring / update as three timed calls
   c.wandb_project = ""  # log to Weights & Biases too (needs `pip install wandb`)
-  c.distributed = False  # jax.distributed.initialize() first (multi-host TPU / GPU)
+  c.distributed = False  # jax.distributed.initialize() first (multi-host TPU / GPU / CPU)
+  # where the cluster is not auto-detected (SLURM, Open MPI, TPU and k8s are): the coordinator
+  # "host:port", the number of processes and this one's index (""/0/-1: auto-detect)
+  c.coordinator_address = ""
+  c.num_processes = 0
+  c.process_id = -1
 
   c.model = ml_collections.ConfigDict()
   c.model.policy = "smollm2"  # "tiny", "smollm2", a GGUF file, a Hugging Face directory or hub id

@@ -18,7 +18,7 @@ from typing import Callable, Mapping, Sequence
 import jax
 import numpy as np
 
-from ppojax import data
+from ppojax import data, sharding
 from ppojax.sampling import SamplingConfig, generate
 from ppojax.sources import call_text_fn, decode_text
 
@@ -45,7 +45,7 @@ def completions(module, params, records: Sequence[dict],
     real = len(chunk)
     chunk += [chunk[0]] * (batch_size - real)  # same shape for every call; extras dropped
     enc = encode(chunk)
-    gen = jax.device_get(_greedy_generate(module, params, enc.tokens, enc.mask, sampling))
+    gen = sharding.to_host(_greedy_generate(module, params, enc.tokens, enc.mask, sampling))
     out += [decode_text(tokenizer, gen.tokens[i], gen.mask[i]) for i in range(real)]
   return out
 

@@ -236,11 +236,11 @@ def build(config) -> Run:
   rules = partition_rules()
   state = step_lib.init_state(key, policy.params, critic.params, txs["actor"], txs["critic"], ppo)
   state_shardings = sharding_lib.param_shardings(jax.eval_shape(lambda: state), mesh, rules)
-  state = jax.device_put(state, state_shardings)
+  state = sharding_lib.place(state, state_shardings)
   ref = jax.tree.map(jnp.copy, state.actor)  # frozen copy of the initial policy
   reward_params = None
   if reward_model is not None:
-    reward_params = jax.device_put(
+    reward_params = sharding_lib.place(
         reward_model.params, sharding_lib.param_shardings(reward_model.params, mesh, rules))
   frozen = step_lib.Frozen(ref, reward_params)
 
@@ -270,7 +270,7 @@ def _records_required(rollout):
 
 
 def _sample_rows(run: Run, r, scores, n: int) -> list[dict]:
-  r, scores = jax.device_get(jax.tree.map(lambda x: x[:n], (r, scores)))  # only the rows shown
+  r, scores = jax.tree.map(lambda x: x[:n], sharding_lib.to_host((r, scores)))  # only the rows shown
   decode = run.source.decode
   return [{"prompt": decode(r.prompts[i], r.prompt_mask[i]),
            "response": decode(r.responses[i], r.mask[i]), "score": float(scores[i])}
@@ -292,7 +292,7 @@ def iteration(run: Run, state, prompts: Prompts, records: list[dict] | None = No
     r = jax.block_until_ready(step.rollout(state, frozen, prompts))
     t1 = time.perf_counter()
     if run.host_reward is not None:
-      scores = jnp.asarray(run.host_reward(jax.device_get(r), records), jnp.float32)
+      scores = jnp.asarray(run.host_reward(sharding_lib.to_host(r), records), jnp.float32)
     else:
       scores = jax.block_until_ready(step.score(frozen, r))
     t2 = time.perf_counter()
@@ -300,7 +300,7 @@ def iteration(run: Run, state, prompts: Prompts, records: list[dict] | None = No
     jax.block_until_ready(metrics)
     timings = {"time/sampling": t1 - t0, "time/scoring": t2 - t1,
                "time/update": time.perf_counter() - t2}
-  metrics = {k: float(v) for k, v in jax.device_get(metrics).items()}
+  metrics = {k: float(v) for k, v in sharding_lib.to_host(metrics).items()}
   metrics["time/iteration"] = time.perf_counter() - t0
   return state, {**metrics, **timings}, r, scores
 
@@ -332,10 +332,22 @@ def run(config, workdir: str | None = None, stop_after: int | None = None) -> Re
   A process killed at any moment resumes from its last complete checkpoint, and metrics.jsonl
   ends up as that of an uninterrupted run.
   """
-  if config.get("distributed", False):
-    jax.distributed.initialize()
+  init_distributed(config)
   with StopSignals() as signals:
     return _run(config, workdir, stop_after, signals)
+
+
+def init_distributed(config) -> None:
+  """``jax.distributed.initialize`` when ``config.distributed`` is set, with the coordinator,
+  process count and index from the config where given (else the cluster's auto-detection).
+  CPU processes exchange collectives over Gloo."""
+  if not config.get("distributed", False):
+    return
+  given = {"coordinator_address": config.get("coordinator_address") or None,
+           "num_processes": config.get("num_processes") or None,
+           "process_id": None if config.get("process_id", -1) < 0 else config.process_id}
+  jax.config.update("jax_cpu_collectives_implementation", "gloo")
+  jax.distributed.initialize(**{k: v for k, v in given.items() if v is not None})
 
 
 def _run(config, workdir, stop_after, signals: StopSignals) -> Result:
@@ -384,7 +396,7 @@ def _run(config, workdir, stop_after, signals: StopSignals) -> Result:
           save(last, state, force=True)
         break
       data = r.source.batch(it - 1)
-      prompts = jax.device_put(data.prompts, batch_sharding)
+      prompts = sharding_lib.place(data.prompts, batch_sharding)
       state, metrics, rollout, scores = iteration(r, state, prompts, data.records,
                                                   config.phase_timing)
       last = it
@@ -506,7 +518,7 @@ def _held_out(r: Run, actor, phase: str, workdir, writer, it: int) -> dict:
 def _monitor(r: Run, rollout, records: list[dict]) -> dict:
   """``eval.metrics`` on this iteration's sampled responses ("monitor/NAME"): e.g. the true
   accuracy beside a learned reward, to catch reward hacking as it happens."""
-  responses, mask = jax.device_get((rollout.responses, rollout.mask))
+  responses, mask = sharding_lib.to_host((rollout.responses, rollout.mask))
   texts = [r.source.decode(t, m) for t, m in zip(responses, mask)]
   return {f"monitor/{name}": float(np.mean(sources.call_text_fn(
       _import(path), records, texts, r.config.data.field)))
@@ -538,7 +550,7 @@ def _abstract(state, shardings):
 def _finish(r: Run, state, workdir: pathlib.Path, reporting) -> None:
   """The curves picture and the trained policy in Hugging Face format."""
   plotted = reporting.plot_curves(str(workdir / "metrics.jsonl"), str(workdir / "curves.png"))
-  policy = r.policy._replace(params=jax.device_get(state.actor))
+  policy = r.policy._replace(params=sharding_lib.to_host(state.actor))
   out = save_model(workdir / "policy", policy)
   print(f"wrote {workdir / 'curves.png'} ({', '.join(plotted)}) and the policy to {out}",
         flush=True)

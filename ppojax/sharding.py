@@ -7,6 +7,7 @@ from typing import Sequence
 
 import jax
 import numpy as np
+from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 AXES = ("data", "fsdp", "tensor")
@@ -57,3 +58,37 @@ def param_shardings(params, mesh: Mesh, rules):
 def batch_sharding(mesh: Mesh, ndim: int = 2) -> NamedSharding:
   """Leading (batch) axis over ("data", "fsdp"), the rest replicated."""
   return NamedSharding(mesh, PartitionSpec(("data", "fsdp"), *([None] * (ndim - 1))))
+
+
+def to_host(tree):
+  """NumPy copies of a pytree's arrays, whole on every process.
+
+  ``jax.device_get`` cannot read an array that spans devices of other processes (a batch
+  sharded over a multi-host mesh, or even a replicated metric); those are all-gathered across
+  processes first. Single-process arrays are copied as they are."""
+  def one(x):
+    if isinstance(x, jax.Array) and not x.is_fully_addressable:
+      return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+    return np.asarray(jax.device_get(x))
+  return jax.tree.map(one, tree)
+
+
+def place(tree, shardings):
+  """``jax.device_put(tree, shardings)``, also where a sharding spans other processes' devices
+  (a multi-host mesh): every process holds the same values (the same checkpoint, seed and
+  data) and fills the shards on its own devices. ``shardings``: a pytree matching ``tree``, or
+  one sharding for every leaf."""
+  if jax.process_count() == 1:
+    return jax.device_put(tree, shardings)
+  if isinstance(shardings, jax.sharding.Sharding):
+    shardings = jax.tree.map(lambda _: shardings, tree)
+
+  def one(x, sharding):
+    if sharding.is_fully_addressable:
+      return jax.device_put(x, sharding)
+    if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):  # typed PRNG keys: place their data
+      impl = jax.random.key_impl(x)
+      return jax.random.wrap_key_data(one(jax.random.key_data(x), sharding), impl=impl)
+    host = np.asarray(x)
+    return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
+  return jax.tree.map(one, tree, shardings)

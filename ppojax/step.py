@@ -28,7 +28,7 @@ import numpy as np
 import optax
 
 from ppojax import kl as kl_lib
-from ppojax import losses, ops
+from ppojax import losses, ops, sharding
 from ppojax.experience import (Experience, Prompts, RewardFn, Rollout, make_experience,
                                model_scores, response_logits, response_values, rollout)
 from ppojax.sampling import SamplingConfig
@@ -300,7 +300,7 @@ def make_ppo_step(models: Models, actor_tx, critic_tx, actor_schedule: optax.Sch
   if python_reward is not None:
     def score(frozen, r):
       del frozen
-      return jnp.asarray(np.asarray(python_reward(jax.device_get(r)), np.float32))
+      return jnp.asarray(np.asarray(python_reward(sharding.to_host(r)), np.float32))
     return PPOStep(fused=None, rollout=rollout_fn, score=score, learn=learn)
   fused_out = None if out is None else (state_shardings, None, None, None)
   return PPOStep(fused=jax.jit(fused, donate_argnums=0, out_shardings=fused_out),
