@@ -270,7 +270,7 @@ def _records_required(rollout):
 
 
 def _sample_rows(run: Run, r, scores, n: int) -> list[dict]:
-  r, scores = jax.tree.map(lambda x: x[:n], sharding_lib.to_host((r, scores)))  # only the rows shown
+  r, scores = sharding_lib.to_host(jax.tree.map(lambda x: x[:n], (r, scores)))  # rows shown
   decode = run.source.decode
   return [{"prompt": decode(r.prompts[i], r.prompt_mask[i]),
            "response": decode(r.responses[i], r.mask[i]), "score": float(scores[i])}
