@@ -53,7 +53,7 @@ def _start(tmp_path, devices, process_id, port):
 
 
 def _history(proc) -> list[dict]:
-  out, _ = proc.communicate(timeout=600)
+  out, _ = proc.communicate(timeout=300)
   assert proc.returncode == 0, out[-3000:]
   lines = [line for line in out.splitlines() if line.startswith("HISTORY ")]
   assert lines, out[-3000:]
@@ -63,7 +63,11 @@ def _history(proc) -> list[dict]:
 def test_two_processes_train_like_one(tmp_path):
   port = _free_port()
   procs = [_start(tmp_path, 4, i, port) for i in range(2)]
-  multi = [_history(p) for p in procs]
+  try:
+    multi = [_history(p) for p in procs]
+  finally:  # a process that failed leaves its peer waiting for it: stop both
+    for p in procs:
+      p.kill()
   single = _history(_start(tmp_path, 8, -1, 0))
   for ours, ref in zip(multi[0], single, strict=True):
     keys = [k for k in ref if not k.startswith(("time/", "eps"))]
