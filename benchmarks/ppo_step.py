@@ -187,13 +187,16 @@ PHASE_PARTS = {
 # ---------------------------------------------------------------------------------------------
 
 
+_PEAK_DOT = jax.jit(functools.partial(jax.lax.dot, preferred_element_type=jnp.float32))
+
+
 def matmul_peak(dtype, n: int, repeats: int = 3) -> float:
   """GFLOP/s of a jit-compiled n×n·n×n product in ``dtype``, accumulated in float32 (the form
   every ppojax matmul takes): the median of ``repeats`` calls after a warm-up."""
   ka, kb = jax.random.split(jax.random.key(0))
   a = jax.random.normal(ka, (n, n), jnp.float32).astype(dtype)
   b = jax.random.normal(kb, (n, n), jnp.float32).astype(dtype)
-  dot = jax.jit(functools.partial(jax.lax.dot, preferred_element_type=jnp.float32))
+  dot = _PEAK_DOT
   dot(a, b).block_until_ready()
   times = []
   for _ in range(repeats):

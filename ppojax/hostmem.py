@@ -50,16 +50,25 @@ def reexec_with_huge_pages(argv: list[str] | None = None) -> None:
   """Replace this process by the same command started with ``GLIBC_TUNABLES`` extended by
   ``glibc.malloc.hugetlb=1``, where that helps (see the module docstring); otherwise return.
 
-  ``argv``: the command after the interpreter; default ``sys.argv`` (a script). A module run
-  with ``python -m pkg.mod`` passes ``["-m", "pkg.mod", *sys.argv[1:]]``. Call it before any
-  work: whatever ran before runs again in the new process.
+  ``argv``: the command after the interpreter; default: this one's (``-m pkg.mod`` and its
+  arguments for a module run with ``python -m``, else ``sys.argv``). Call it before any work:
+  whatever ran before runs again in the new process.
   """
   if (os.environ.get("PPOJAX_HUGE_PAGES", "1") == "0" or huge_pages_active()
       or os.environ.get("LD_PRELOAD") or not huge_pages_available()):
     return
   env = dict(os.environ)
   env["GLIBC_TUNABLES"] = ":".join(filter(None, [env.get("GLIBC_TUNABLES"), TUNABLE]))
-  args = list(sys.argv if argv is None else argv)
+  args = list(_own_argv() if argv is None else argv)
   sys.stdout.flush()
   sys.stderr.flush()
   os.execve(sys.executable, [sys.executable, *args], env)
+
+
+def _own_argv() -> list[str]:
+  """This process's command after the interpreter: ``-m`` and the module's name for a module
+  run with ``python -m`` (whose ``sys.argv[0]`` is the module's file), else ``sys.argv``."""
+  spec = getattr(sys.modules.get("__main__"), "__spec__", None)
+  if spec is not None and spec.name:
+    return ["-m", spec.name.removesuffix(".__main__"), *sys.argv[1:]]
+  return list(sys.argv)

@@ -17,8 +17,6 @@ from __future__ import annotations
 
 import functools
 import pathlib
-import sys
-
 import jax.numpy as jnp
 import ml_collections
 from absl import app, flags, logging
@@ -109,7 +107,7 @@ def main(argv, config_flag, workdir_flag):
 
 
 if __name__ == "__main__":  # flags defined here only: importing this module defines none
-  hostmem.reexec_with_huge_pages(["-m", "ppojax.sft", *sys.argv[1:]])
+  hostmem.reexec_with_huge_pages()
   _CONFIG = config_flags.DEFINE_config_file("config", "configs/sft_arith.py", "Config file.")
   _WORKDIR = flags.DEFINE_string("workdir", None, "Run directory: metrics and policy/.")
   app.run(functools.partial(main, config_flag=_CONFIG, workdir_flag=_WORKDIR))

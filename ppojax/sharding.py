@@ -66,11 +66,11 @@ def to_host(tree):
   ``jax.device_get`` cannot read an array that spans devices of other processes (a batch
   sharded over a multi-host mesh, or even a replicated metric); those are all-gathered across
   processes first. Single-process arrays are copied as they are."""
-  def one(x):
+  def gather(x):
     if isinstance(x, jax.Array) and not x.is_fully_addressable:
-      return np.asarray(multihost_utils.process_allgather(x, tiled=True))
-    return np.asarray(jax.device_get(x))
-  return jax.tree.map(one, tree)
+      return multihost_utils.process_allgather(x, tiled=True)
+    return x
+  return jax.tree.map(np.asarray, jax.device_get(jax.tree.map(gather, tree)))  # one transfer
 
 
 def place(tree, shardings):

@@ -8,8 +8,6 @@ writes metrics.jsonl, TensorBoard events, samples.jsonl, curves.png and the fina
 
 from __future__ import annotations
 
-import sys
-
 from absl import app, flags, logging
 from ml_collections import config_flags
 
@@ -37,5 +35,5 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  hostmem.reexec_with_huge_pages(["-m", "ppojax.train", *sys.argv[1:]])
+  hostmem.reexec_with_huge_pages()
   app.run(main)
