@@ -107,9 +107,10 @@ def sample_token(logits: Array, key: Array, config: SamplingConfig, banned: Arra
     zt = z if banned is None else jnp.where(banned, jnp.finfo(z.dtype).min, z)
     zt = truncate_logits(zt, config) if config.truncates else zt
     zt_max, weights_t, lse_t = _normaliser(zt)
-  tokens = first_argmax(zt, zt_max)
-  if not config.greedy:
-    tokens = _inverse_cdf_sample(key, weights_t, fallback=tokens)
+  if config.greedy:
+    tokens = first_argmax(zt, zt_max)
+  else:
+    tokens = _inverse_cdf_sample(key, weights_t)
   pick = lambda x: jnp.take_along_axis(x, tokens[:, None], axis=-1)[:, 0]  # noqa: E731
   return tokens, pick(z - lse), pick(zt - lse_t)
 
@@ -135,31 +136,43 @@ def first_argmax(z: Array, z_max: Array) -> Array:
 _CDF_BLOCK = 256
 
 
-def _inverse_cdf_sample(key: Array, weights: Array, fallback: Array) -> Array:
-  """Token i with probability w_i / Σw: the first i with CDF_i ≥ u·Σw, u ~ U(0, 1].
+def _inverse_cdf_sample(key: Array, weights: Array) -> Array:
+  """Token i with probability w_i / Σw for weights [B, V] ≥ 0 with a positive sum:
+  ``inverse_cdf`` at u ~ U[tiny, 1), one uniform per row instead of the Gumbel-max trick's one
+  per vocabulary entry (the random bits for [64, 49152] Gumbel noise cost more than the rest of
+  the step)."""
+  u = jax.random.uniform(key, (weights.shape[0], 1), minval=jnp.finfo(jnp.float32).tiny,
+                         maxval=1.0)
+  return inverse_cdf(weights, u)
 
-  One uniform per row instead of the Gumbel-max trick's one per vocabulary entry (the random
-  bits for [64, 49152] Gumbel noise cost more than the rest of the step). The CDF is two-level:
-  cumulative sums of 256-token block totals pick the block, a cumulative sum inside that block
-  picks the token — a full-length ``cumsum`` cost 10x a reduction on CPU. A token of weight 0 is
-  never chosen: ``fallback`` (the argmax) covers float rounding at the block edges.
+
+def inverse_cdf(weights: Array, u: Array) -> Array:
+  """The first token i whose CDF_i ≥ u·Σw, for weights [B, V] ≥ 0 with a positive sum and
+  u [B, 1] in (0, 1]; always a token of positive weight, whatever the rounding.
+
+  The CDF is two-level: cumulative sums of 256-token block totals pick the block (the first
+  whose block CDF reaches the target, so its total is positive), a cumulative sum inside that
+  block picks the token; a full-length ``cumsum`` cost 10x a reduction on CPU. The two levels
+  round differently, so the offset in the block is clipped to the block's first and last
+  positive weights: a rounding at either edge would otherwise land on a zero-weight token.
   """
   batch, vocab = weights.shape
   blocks = -(-vocab // _CDF_BLOCK)
   w = jnp.pad(weights, ((0, 0), (0, blocks * _CDF_BLOCK - vocab))).reshape(
       batch, blocks, _CDF_BLOCK)
   block_cdf = jnp.cumsum(jnp.sum(w, axis=-1), axis=-1)  # [B, blocks]
-  u = jax.random.uniform(key, (batch, 1), minval=jnp.finfo(jnp.float32).tiny,
-                         maxval=1.0) * block_cdf[:, -1:]
-  block = jnp.minimum(jnp.sum(block_cdf < u, axis=-1), blocks - 1)  # [B]
+  target = u * block_cdf[:, -1:]  # in [0, Σw] (0 only by underflow)
+  # leading blocks of total 0 are skipped even at target 0
+  block = jnp.sum((block_cdf < target) | (block_cdf <= 0), axis=-1)  # [B]
+  block = jnp.minimum(block, blocks - 1)
   below = jnp.where(block > 0, jnp.take_along_axis(
       block_cdf, jnp.maximum(block - 1, 0)[:, None], axis=-1)[:, 0], 0.0)
   inner = jnp.take_along_axis(w, block[:, None, None], axis=1)[:, 0]  # [B, 256]
-  offset = jnp.sum(jnp.cumsum(inner, axis=-1) < (u - below[:, None]), axis=-1)
-  tokens = jnp.minimum(block * _CDF_BLOCK + jnp.minimum(offset, _CDF_BLOCK - 1),
-                       vocab - 1).astype(jnp.int32)
-  chosen = jnp.take_along_axis(weights, tokens[:, None], axis=-1)[:, 0]
-  return jnp.where(chosen > 0, tokens, fallback)
+  offset = jnp.sum(jnp.cumsum(inner, axis=-1) < (target - below[:, None]), axis=-1)
+  index = jnp.arange(_CDF_BLOCK, dtype=jnp.int32)
+  first = jnp.min(jnp.where(inner > 0, index, _CDF_BLOCK - 1), axis=-1)
+  last = jnp.max(jnp.where(inner > 0, index, 0), axis=-1)
+  return (block * _CDF_BLOCK + jnp.clip(offset, first, last)).astype(jnp.int32)
 
 
 def _cast_floats(params, dtype):
@@ -170,10 +183,10 @@ def _cast_floats(params, dtype):
 
 
 class _LoopState(NamedTuple):
-  t: Array
+  t: Array  # index of the token the next step samples
   cache: object
   kv_mask: Array
-  logits: Array
+  last: Array  # [B] the token sampled at t − 1, fed to the next forward pass
   tokens: Array
   logp: Array
   sampling_logp: Array
@@ -193,6 +206,9 @@ def generate(module: nn.Module, params, prompts: Array, prompt_mask: Array, key:
     params: its parameters (may be sharded; the batch too).
     prompts, prompt_mask: [B, P], left-padded (real tokens at the end of each row).
     key: PRNG key; the same key gives the same sample. Step t draws with ``fold_in(key, t)``.
+
+  The prefill's logits give token 0; each loop step feeds token t − 1 and samples token t, so
+  the last token costs no forward pass.
   """
   batch, prompt_len = prompts.shape
   length = config.max_new_tokens
@@ -207,39 +223,49 @@ def generate(module: nn.Module, params, prompts: Array, prompt_mask: Array, key:
   params = _cast_floats(params, module.cfg.compute_dtype)  # once, not in every decode step
   apply = functools.partial(module.apply, {"params": params})
 
-  kv_mask = jnp.zeros((batch, prompt_len + length), jnp.bool_).at[:, :prompt_len].set(prompt_mask)
-  cache = init_cache(module.cfg, batch, prompt_len + length)
+  # the last token is sampled but never fed back: P + R − 1 cache slots
+  kv_mask = jnp.zeros((batch, prompt_len + length - 1), jnp.bool_).at[:, :prompt_len].set(
+      prompt_mask)
+  cache = init_cache(module.cfg, batch, prompt_len + length - 1)
   logits, cache = apply(prompts, positions_from_mask(prompt_mask), kv_mask, cache, 0,
                         last_only=True)
   first_position = jnp.sum(prompt_mask, axis=1, dtype=jnp.int32)  # of the first new token
   stop_ids = jnp.asarray(config.stop_ids, jnp.int32)
-
   is_stop_id = jnp.isin(jnp.arange(logits.shape[-1]), stop_ids)  # [V]
 
-  def body(s: _LoopState) -> _LoopState:
+  def pick(t, logits, s: _LoopState) -> _LoopState:
+    """Sample token t from next-token logits [B, V] and record it (pad_id, log-probs 0 in rows
+    already stopped)."""
     banned = None
     if config.min_new_tokens:  # as Hugging Face's MinNewTokensLengthLogitsProcessor
-      banned = (s.t < config.min_new_tokens) & is_stop_id
-    tok, logp, slogp = sample_token(s.logits, jax.random.fold_in(key, s.t), config, banned)
+      banned = (t < config.min_new_tokens) & is_stop_id
+    tok, logp, slogp = sample_token(logits, jax.random.fold_in(key, t), config, banned)
     tok = jnp.where(s.done, config.pad_id, tok)
     logp, slogp = jnp.where(s.done, 0.0, logp), jnp.where(s.done, 0.0, slogp)
-    write = lambda buf, x: jax.lax.dynamic_update_slice(buf, x[:, None], (0, s.t))  # noqa: E731
-    slot = prompt_len + s.t
-    kv_mask = jax.lax.dynamic_update_slice(s.kv_mask, jnp.ones((batch, 1), jnp.bool_), (0, slot))
-    logits, cache = apply(tok[:, None], (first_position + s.t)[:, None], kv_mask, s.cache, slot)
-    return _LoopState(
-        t=s.t + 1, cache=cache, kv_mask=kv_mask, logits=logits[:, -1], tokens=write(s.tokens, tok),
-        logp=write(s.logp, logp), sampling_logp=write(s.sampling_logp, slogp),
+    write = lambda buf, x: jax.lax.dynamic_update_slice(buf, x[:, None], (0, t))  # noqa: E731
+    return s._replace(
+        t=t + 1, last=tok, tokens=write(s.tokens, tok), logp=write(s.logp, logp),
+        sampling_logp=write(s.sampling_logp, slogp),
         done=s.done | jnp.any(tok[:, None] == stop_ids, axis=-1))
+
+  def body(s: _LoopState) -> _LoopState:
+    """Feed token t − 1 (slot P + t − 1), then sample token t."""
+    slot = prompt_len + s.t - 1
+    kv_mask = jax.lax.dynamic_update_slice(s.kv_mask, jnp.ones((batch, 1), jnp.bool_), (0, slot))
+    logits, cache = apply(s.last[:, None], (first_position + s.t - 1)[:, None], kv_mask,
+                          s.cache, slot)
+    return pick(s.t, logits[:, -1], s._replace(cache=cache, kv_mask=kv_mask))
 
   def cond(s: _LoopState) -> Array:
     return (s.t < length) & ~jnp.all(s.done)
 
   zeros = jnp.zeros((batch, length), jnp.float32)
   state = _LoopState(
-      t=jnp.zeros((), jnp.int32), cache=cache, kv_mask=kv_mask, logits=logits[:, -1],
+      t=jnp.zeros((), jnp.int32), cache=cache, kv_mask=kv_mask,
+      last=jnp.zeros((batch,), jnp.int32),
       tokens=jnp.full((batch, length), config.pad_id, jnp.int32), logp=zeros,
       sampling_logp=zeros, done=jnp.zeros((batch,), jnp.bool_))
+  state = pick(state.t, logits[:, -1], state)  # token 0, from the prefill
   state = jax.lax.while_loop(cond, body, state)
 
   mask = ops.response_mask(state.tokens, config.stop_ids)

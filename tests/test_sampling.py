@@ -448,9 +448,10 @@ def test_stop_padding_mask_lengths_and_early_exit(stop_outputs, ragged_batch, na
   assert np.all(np.isin(tokens[np.arange(RAGGED_ROWS), first], config.stop_ids))
   if config.pad_id in config.stop_ids:  # the stop stays in the response, identical pads do not
     assert np.any(lengths < RAGGED_NEW - 1) and np.all(tokens[:, -1] == config.pad_id)
-  # The loop exits as soon as every row has stopped: one prefill, then one decode step per
-  # token of the longest response, instead of RAGGED_NEW steps.
-  assert calls == 1 + lengths.max(), (calls, lengths.max())
+  # The loop exits as soon as every row has stopped: one prefill (which gives token 0), then
+  # one decode step per further token of the longest response, instead of RAGGED_NEW steps; the
+  # last token sampled is never fed back.
+  assert calls == lengths.max(), (calls, lengths.max())
 
 
 def test_min_new_tokens_bans_stops_and_changes_only_sampling_logprobs(tiny_params, ragged_batch):
@@ -619,9 +620,41 @@ def test_inverse_cdf_over_several_blocks_matches_the_probabilities():
   weights[rng.random(1000) < 0.3] = 0.0
   rows = 40_000
   draw = jax.jit(lambda k: sampling._inverse_cdf_sample(  # pylint: disable=protected-access
-      k, jnp.broadcast_to(jnp.asarray(weights), (rows, 1000)), jnp.zeros(rows, jnp.int32)))
+      k, jnp.broadcast_to(jnp.asarray(weights), (rows, 1000))))
   tokens = np.asarray(draw(jax.random.key(2)))
   assert np.all(weights[tokens] > 0)
   counts = np.bincount(tokens, minlength=1000)
   p_value, _, _ = chi_square_pvalue(counts[weights > 0], weights[weights > 0])
   assert p_value > 1e-3, p_value
+
+
+def test_inverse_cdf_lands_on_positive_weights_at_both_ends():
+  """u = 1 (the top of the CDF) and u = the smallest normal float, on 4096 rows of weights
+  spanning twelve orders of magnitude whose blocks start and end with zeros, with a padded last
+  block: every token is in range and of positive weight — the first positive one, and the last
+  unless its weight is below float32 rounding of the total. (Without the clip to the block's positive weights, u = 1 sent 1592 rows past the vocabulary and
+  u = tiny 72 rows to a zero weight.) Interior u agree with a float64 reference."""
+  rng = np.random.default_rng(0)
+  rows, vocab = 4096, 1000  # blocks of 256: the last one is [768, 1000), padded
+  weights = (rng.gamma(0.5, size=(rows, vocab)) * rng.lognormal(0, 3, (rows, 1))).astype(
+      np.float32)
+  weights[:, :3] = weights[:, 250:262] = weights[:, 990:] = 0.0
+  positive = [np.flatnonzero(row) for row in weights]
+  first, last = np.array([p[0] for p in positive]), np.array([p[-1] for p in positive])
+  draw = jax.jit(sampling.inverse_cdf)
+  edge = lambda u: np.asarray(draw(jnp.asarray(weights),  # noqa: E731
+                                   jnp.full((rows, 1), u, jnp.float32)))
+  np.testing.assert_array_equal(edge(np.finfo(np.float32).tiny), first)
+  top = edge(1.0)
+  assert np.all(top < vocab) and np.all(weights[np.arange(rows), np.minimum(top, vocab - 1)] > 0)
+  resolved = weights[np.arange(rows), last] > 1e-5 * weights.sum(1)  # above float32 rounding
+  np.testing.assert_array_equal(top[resolved], last[resolved])
+  u = rng.uniform(0.01, 0.99, (rows, 1)).astype(np.float32)
+  got = np.asarray(draw(jnp.asarray(weights), jnp.asarray(u)))
+  cdf = np.cumsum(weights.astype(np.float64), axis=1)
+  target = u.astype(np.float64) * cdf[:, -1:]
+  want = np.sum(cdf < target, axis=1)  # the first i with CDF_i ≥ target
+  lo = np.take_along_axis(cdf, np.maximum(want - 1, 0)[:, None], axis=1)
+  clear = (target - lo)[:, 0] > 1e-5 * cdf[:, -1]  # not decided by float32 rounding
+  assert np.all(weights[np.arange(rows), got] > 0) and np.mean(clear) > 0.9
+  np.testing.assert_array_equal(got[clear], want[clear])
