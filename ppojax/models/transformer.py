@@ -93,13 +93,12 @@ def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
 
 def rope_table(positions: Array, inv_freq: np.ndarray) -> tuple[Array, Array]:
   """cos(pθ) and sin(pθ) [B, T, 1, D] in float32 for positions [B, T], θ repeated over both
-  halves of the head (rotate-half layout). Computed once per forward pass and shared by every
-  layer and head: evaluated inside each layer's q and k fusions, the transcendentals cost a
-  batch-64 prefill more than its attention products (130 ms of 2 s on this project's CPU)."""
+  halves of the head (rotate-half layout). Computed once per forward pass and passed to every
+  layer: with scanned layers a loop invariant, not work in every layer's body, forward and
+  backward."""
   angles = positions[..., None].astype(jnp.float32) * inv_freq  # [B, T, D/2]
   angles = jnp.concatenate([angles, angles], axis=-1)[:, :, None, :]
-  # the barrier keeps XLA from fusing cos and sin back into every layer's consumers
-  return jax.lax.optimization_barrier((jnp.cos(angles), jnp.sin(angles)))
+  return jnp.cos(angles), jnp.sin(angles)
 
 
 def apply_rope(x: Array, rope: tuple[Array, Array]) -> Array:
