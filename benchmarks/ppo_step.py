@@ -34,7 +34,10 @@ T = P + R.
     generation = B·[2·N_body·P + 2·N_lm·1 + Σ_{i<P} attn(i + 1)]         prefill (ppojax runs
                                                                           the LM head on the
                                                                           last prompt slot only)
-               + Σ_{t<R} B·[2·(N_body + N_lm) + attn(P + t + 1)]           R decode steps
+               + Σ_{t<R−1} B·[2·(N_body + N_lm) + attn(P + t + 1)]         R − 1 decode steps
+                                                                          (the prefill gives
+                                                                          token 0; the last
+                                                                          token is not fed)
     policy     = full(N_lm, R)      old log-probs, reference log-probs, and the update's forward
                                     (ppojax's scoring passes run the LM head on the R response
                                     positions only)
@@ -44,14 +47,14 @@ T = P + R.
                                                                          forward)
 
 The issue's reference figure, about 2.9 TFLOP for 16 × (44 + 32) tokens, is this count without
-the LM head (2 × non-embedding parameters per token, the Kaplan convention): 2.88 TFLOP. The LM
+the LM head (2 × non-embedding parameters per token, the Kaplan convention): 2.87 TFLOP. The LM
 head (d·V = 28 M of SmolLM2's 135 M matmul parameters) adds 0.17 TFLOP where ppojax runs it (the
 prefill's last slot, the decode steps, the R response positions of five policy passes): 3.05
-TFLOP; on every position, as a plain Hugging Face forward, it would be 3.29 TFLOP.
+TFLOP; on every position, as a plain Hugging Face forward, it would be 3.28 TFLOP.
 
 With --remat the backward recomputes each layer's forward: more work for the hardware, the same
-model FLOPs. Decode attention in ppojax reads all P + R cache slots (masked), and elementwise work
-(norms, softmax, RoPE, sampling, losses, Adam) is not counted.
+model FLOPs. Decode attention in ppojax reads all P + R − 1 cache slots (masked), and elementwise
+work (norms, softmax, RoPE, sampling, losses, Adam) is not counted.
 """
 
 from __future__ import annotations
@@ -163,7 +166,8 @@ def model_flops(cfg, batch: int, prompt_len: int, response_len: int, lm_head: st
 
   prefill = batch * (2 * n_body * p + 2 * n_lm * (p if everywhere else 1)
                      + sum(attn(i + 1) for i in range(p)))
-  decode = sum(batch * (2 * (n_body + n_lm) + attn(p + k + 1)) for k in range(r))
+  # decode step k feeds token k (slot p + k) and gives token k + 1; the last token is never fed
+  decode = sum(batch * (2 * (n_body + n_lm) + attn(p + k + 1)) for k in range(r - 1))
   policy, value = full(n_lm, t if everywhere else r), full(n_score, t)
   parts = {
       "generation (prefill)": prefill, "generation (decode)": decode,

@@ -199,20 +199,23 @@ def _dense(cfg: ModelConfig, features: int, bias: bool, name: str) -> nn.Dense:
                   name=name)
 
 
-def attend(q: Array, k_t: Array, v: Array, allowed: Array) -> Array:
-  """softmax(q·kᵀ/√D masked by ``allowed`` [B, T, S])·v, grouped-query: q [B,T,H,D], keys
-  transposed k_t [B,H_kv,D,S], values v [B,H_kv,S,D], with H a multiple of H_kv. Scores and
-  softmax in float32.
+def attend(q: Array, k: Array, v: Array, allowed: Array, keys_transposed: bool = False
+           ) -> Array:
+  """softmax(q·kᵀ/√D masked by ``allowed`` [B, T, S])·v, grouped-query: q [B,T,H,D], keys k
+  [B,H_kv,S,D] (or [B,H_kv,D,S] with ``keys_transposed``: the KV cache's layout), values v
+  [B,H_kv,S,D], with H a multiple of H_kv. Scores and softmax in float32.
 
   The G = H/H_kv query heads of a group and the T positions are folded into one axis, so both
-  products are plain batched matmuls over (B, H_kv) contracting the left operand's minor axis
-  with the right one's major axis; at T = 1 (decode) every transpose here is a free reshape.
+  products are batched matmuls over (B, H_kv); at T = 1 (decode) every transpose here is a free
+  reshape. Without a cache, keys stay [S, D]: the backward's dq = dscores·k is then a plain
+  product too.
   """
   b, t, h, d = q.shape
-  hk = k_t.shape[1]
+  hk = v.shape[1]
   g = h // hk
   q = q.reshape(b, t, hk, g, d).transpose(0, 2, 3, 1, 4).reshape(b, hk, g * t, d)
-  scores = jnp.einsum("bkqd,bkds->bkqs", q, k_t, preferred_element_type=jnp.float32)
+  scores = jnp.einsum("bkqd,bkds->bkqs" if keys_transposed else "bkqd,bksd->bkqs", q, k,
+                      preferred_element_type=jnp.float32)
   scores = scores.reshape(b, hk, g, t, -1)
   scores = jnp.where(allowed[:, None, None], scores / math.sqrt(d), jnp.finfo(jnp.float32).min)
   probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype).reshape(b, hk, g * t, -1)
@@ -257,16 +260,18 @@ class Attention(nn.Module):
     if rope is not None:  # Llama family; GPT-2 adds learned positions to the embeddings
       q, k = apply_rope(q, rope), apply_rope(k, rope)
 
-    k_t, v = k.transpose(0, 2, 3, 1), v.transpose(0, 2, 1, 3)  # [B, H_kv, D, T], [B, H_kv, T, D]
+    v = v.transpose(0, 2, 1, 3)  # [B, H_kv, T, D]
     if cache is None:
+      k = k.transpose(0, 2, 1, 3)  # [B, H_kv, T, D]
       q_slots = kv_slots = jnp.arange(t)
     else:  # write the new keys/values of this layer in place, then attend over all its slots
-      cache, k_t, v = _update_cache(cache, layer, cache_index, k_t, v)
+      cache, k, v = _update_cache(cache, layer, cache_index, k.transpose(0, 2, 3, 1), v)
       q_slots, kv_slots = cache_index + jnp.arange(t), jnp.arange(v.shape[2])
     allowed = kv_slots[None, :] <= q_slots[:, None]  # causal, over cache slots
     allowed &= (window == 0) | (kv_slots[None, :] > q_slots[:, None] - window)  # sliding window
     allowed = allowed[None] & kv_mask[:, None, :].astype(jnp.bool_)
-    out = attend(q, k_t.astype(q.dtype), v.astype(q.dtype), allowed)
+    out = attend(q, k.astype(q.dtype), v.astype(q.dtype), allowed,
+                 keys_transposed=cache is not None)
     return _dense(cfg, cfg.hidden_size, cfg.out_bias, "o")(out.reshape(b, t, h * d)), cache
 
 
