@@ -24,7 +24,7 @@ import jax.numpy as jnp
 
 from ppojax import ops
 from ppojax.models.transformer import (fuse_projections, init_cache, positions_from_mask,
-                                       unstack_layers)
+                                       rope_inv_freq, rope_table, unstack_layers)
 
 Array = jax.Array
 
@@ -248,12 +248,20 @@ def generate(module: nn.Module, params, prompts: Array, prompt_mask: Array, key:
         sampling_logp=write(s.sampling_logp, slogp),
         done=s.done | jnp.any(tok[:, None] == stop_ids, axis=-1))
 
+  # RoPE angles of every decode step, once: cos/sin evaluated in the loop body would be
+  # recomputed inside each layer's fusions
+  decode_positions = first_position[:, None] + jnp.arange(max(length - 1, 1), dtype=jnp.int32)
+  decode_rope = None if module.cfg.is_gpt2 else rope_table(decode_positions,
+                                                            rope_inv_freq(module.cfg))
+
   def body(s: _LoopState) -> _LoopState:
     """Feed token t − 1 (slot P + t − 1), then sample token t."""
     slot = prompt_len + s.t - 1
     kv_mask = jax.lax.dynamic_update_slice(s.kv_mask, jnp.ones((batch, 1), jnp.bool_), (0, slot))
-    logits, cache = apply(s.last[:, None], (first_position + s.t - 1)[:, None], kv_mask,
-                          s.cache, slot)
+    rope = jax.tree.map(lambda x: jax.lax.dynamic_slice_in_dim(x, s.t - 1, 1, axis=1),
+                        decode_rope)
+    logits, cache = apply(s.last[:, None], decode_positions[:, s.t - 1, None], kv_mask,
+                          s.cache, slot, rope=rope)
     return pick(s.t, logits[:, -1], s._replace(cache=cache, kv_mask=kv_mask))
 
   def cond(s: _LoopState) -> Array:

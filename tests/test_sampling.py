@@ -83,8 +83,10 @@ class ForcedStop(CausalLM):
 
   force_from: int = FORCE_FROM
 
-  def __call__(self, tokens, positions, kv_mask, cache=None, cache_index=0, last_only=False):
-    logits, cache = super().__call__(tokens, positions, kv_mask, cache, cache_index, last_only)
+  def __call__(self, tokens, positions, kv_mask, cache=None, cache_index=0, last_only=False,
+               rope=None):
+    logits, cache = super().__call__(tokens, positions, kv_mask, cache, cache_index, last_only,
+                                     rope)
     jax.debug.callback(_count_call)
     positions = positions[:, -1:] if last_only else positions
     forced = jnp.where(jnp.arange(VOCAB) == FORCED_STOP, 50.0, 0.0).astype(logits.dtype)
