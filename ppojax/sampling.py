@@ -23,8 +23,8 @@ import jax
 import jax.numpy as jnp
 
 from ppojax import ops
-from ppojax.models.transformer import (fuse_projections, init_cache, positions_from_mask,
-                                       rope_inv_freq, rope_table, unstack_layers)
+from ppojax.models.transformer import (fuse_projections, init_cache, model_rope,
+                                       positions_from_mask, unstack_layers)
 
 Array = jax.Array
 
@@ -251,8 +251,7 @@ def generate(module: nn.Module, params, prompts: Array, prompt_mask: Array, key:
   # RoPE angles of every decode step, once: cos/sin evaluated in the loop body would be
   # recomputed inside each layer's fusions
   decode_positions = first_position[:, None] + jnp.arange(max(length - 1, 1), dtype=jnp.int32)
-  decode_rope = None if module.cfg.is_gpt2 else rope_table(decode_positions,
-                                                            rope_inv_freq(module.cfg))
+  decode_rope = model_rope(module.cfg, decode_positions)
 
   def body(s: _LoopState) -> _LoopState:
     """Feed token t − 1 (slot P + t − 1), then sample token t."""

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import functools
 import pathlib
+
 import jax
 import jax.numpy as jnp
 import ml_collections

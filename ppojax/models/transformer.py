@@ -101,6 +101,11 @@ def rope_table(positions: Array, inv_freq: np.ndarray) -> tuple[Array, Array]:
   return jnp.cos(angles), jnp.sin(angles)
 
 
+def model_rope(cfg: ModelConfig, positions: Array) -> tuple[Array, Array] | None:
+  """``rope_table`` for this model's frequencies, or None for GPT-2 (learned positions)."""
+  return None if cfg.is_gpt2 else rope_table(positions, rope_inv_freq(cfg))
+
+
 def apply_rope(x: Array, rope: tuple[Array, Array]) -> Array:
   """x·cos(pθ) + rotate_half(x)·sin(pθ) on [B, T, H, D], with ``rope`` from ``rope_table``;
   in float32, returned in x's dtype."""
@@ -356,14 +361,14 @@ class Decoder(nn.Module):
     self.final_norm = _norm(cfg, "final_norm")
 
   def __call__(self, tokens, positions, kv_mask, cache=None, cache_index=0, rope=None):
-    """``rope``: ``rope_table(positions, rope_inv_freq(cfg))`` when the caller already has it
-    (a decode loop computes it once for all its steps; computed here, XLA:CPU evaluates the
-    cos and sin again inside every layer's q and k fusions, 3% of a batch-64 decode step)."""
+    """``rope``: ``model_rope(cfg, positions)`` when the caller already has it (a decode loop
+    computes it once for all its steps; computed here, XLA:CPU evaluates the cos and sin again
+    inside every layer's q and k fusions, 3% of a batch-64 decode step)."""
     x = self.embed(tokens)
     if self.cfg.is_gpt2:
       x, rope = x + self.wpe(positions), None
     elif rope is None:
-      rope = rope_table(positions, rope_inv_freq(self.cfg))
+      rope = model_rope(self.cfg, positions)
     windows = self.cfg.layer_windows or (0,) * self.cfg.num_layers
     cache_index = jnp.asarray(cache_index, jnp.int32)
     if self.cfg.scan_layers:
