@@ -224,11 +224,13 @@ def generate(module: nn.Module, params, prompts: Array, prompt_mask: Array, key:
   apply = functools.partial(module.apply, {"params": params})
 
   # the last token is sampled but never fed back: P + R − 1 cache slots
-  kv_mask = jnp.zeros((batch, prompt_len + length - 1), jnp.bool_).at[:, :prompt_len].set(
-      prompt_mask)
-  cache = init_cache(module.cfg, batch, prompt_len + length - 1)
-  logits, cache = apply(prompts, positions_from_mask(prompt_mask), kv_mask, cache, 0,
-                        last_only=True)
+  slots = prompt_len + length - 1
+  kv_mask = jnp.zeros((batch, slots), jnp.bool_).at[:, :prompt_len].set(prompt_mask)
+  cache = init_cache(module.cfg, batch, slots)
+  # RoPE from a table of the cache's positions (every position here is below ``slots``)
+  prompt_positions = positions_from_mask(prompt_mask)
+  logits, cache = apply(prompts, prompt_positions, kv_mask, cache, 0, last_only=True,
+                        rope=model_rope(module.cfg, prompt_positions, slots))
   first_position = jnp.sum(prompt_mask, axis=1, dtype=jnp.int32)  # of the first new token
   stop_ids = jnp.asarray(config.stop_ids, jnp.int32)
   is_stop_id = jnp.isin(jnp.arange(logits.shape[-1]), stop_ids)  # [V]
@@ -248,10 +250,10 @@ def generate(module: nn.Module, params, prompts: Array, prompt_mask: Array, key:
         sampling_logp=write(s.sampling_logp, slogp),
         done=s.done | jnp.any(tok[:, None] == stop_ids, axis=-1))
 
-  # RoPE angles of every decode step, once: cos/sin evaluated in the loop body would be
-  # recomputed inside each layer's fusions
+  # RoPE of every decode step, once, outside the loop: in the loop body they would be gathered
+  # again inside each layer's fusions
   decode_positions = first_position[:, None] + jnp.arange(max(length - 1, 1), dtype=jnp.int32)
-  decode_rope = model_rope(module.cfg, decode_positions)
+  decode_rope = model_rope(module.cfg, decode_positions, slots)
 
   def body(s: _LoopState) -> _LoopState:
     """Feed token t − 1 (slot P + t − 1), then sample token t."""

@@ -311,6 +311,51 @@ def test_cached_decoding_matches_full_forward(name):
   assert _max_diff(cached, full, full_mask) <= 1e-5
 
 
+@pytest.mark.parametrize("name", ["llama", "mistral-window", "gpt2"])
+def test_prefill_from_slot_zero_reads_no_other_slot(name):
+  """With unrolled layers and cache_index a Python 0, the prompt attends over its own keys and
+  never reads the cache's other slots: NaN left there changes nothing. It writes the same slots
+  as the general path (cache_index traced), and decoding after it matches the full forward."""
+  cfg = CACHE_CONFIGS[name].replace(scan_layers=False)
+  params, tokens, full_pos, full_mask, full = _decode_setup(CACHE_CONFIGS[name])
+  params = T.unstack_layers(params)
+  model = T.CausalLM(cfg)
+  slots = P + N_NEW + EXTRA
+  kv_mask = np.zeros((B, slots), bool)
+  kv_mask[:, :P] = full_mask[:, :P]
+  nan_cache = jax.tree.map(lambda x: jnp.full_like(x, np.nan), T.init_cache(cfg, B, slots))
+  static = jax.jit(lambda p, c: model.apply({"params": p}, tokens[:, :P], full_pos[:, :P],
+                                            kv_mask, c, 0))
+  traced = jax.jit(lambda p, c, i: model.apply({"params": p}, tokens[:, :P], full_pos[:, :P],
+                                               kv_mask, c, i))
+  logits, cache = static(params, nan_cache)
+  np.testing.assert_allclose(np.asarray(logits)[full_mask[:, :P]],
+                             full[:, :P][full_mask[:, :P]], atol=1e-5)
+  _, reference = traced(params, T.init_cache(cfg, B, slots), jnp.int32(0))
+  for is_values, (ours, theirs) in enumerate(zip(cache, reference)):  # K [B,H,D,S], V [B,H,S,D]
+    for mine, ref in zip(ours, theirs):  # per layer
+      mine, ref = (np.asarray(x) if is_values else np.swapaxes(np.asarray(x), -1, -2)
+                   for x in (mine, ref))  # [B, H_kv, S, D]
+      real = kv_mask[:, None, :, None] & np.ones_like(mine, bool)  # slots of real tokens
+      np.testing.assert_allclose(mine[real], ref[real], atol=1e-5)
+      assert np.isnan(mine[:, :, P:]).all()  # the other slots: left as they were
+  _assert_decodes_like_full(cfg, params, tokens, full_pos, full_mask, full)
+
+
+def test_rope_table_of_a_bounded_range_matches_the_computed_one():
+  """rope_table(..., size) gathers from a NumPy table: the same cos/sin (within float32
+  rounding) as computed in the graph, and NaN for a position outside the table."""
+  inv_freq = T.rope_inv_freq(_tiny_config("llama", rope_theta=500.0))
+  positions = jnp.asarray(np.random.RandomState(0).randint(0, 300, (3, 9)), jnp.int32)
+  for table, computed in zip(T.rope_table(positions, inv_freq, 300),
+                             T.rope_table(positions, inv_freq)):
+    assert table.shape == computed.shape == (3, 9, 1, inv_freq.size * 2)
+    np.testing.assert_allclose(table, computed, rtol=0, atol=3e-7)
+  cos, sin = T.rope_table(jnp.asarray([[0, 299, 300]]), inv_freq, 300)
+  assert np.isfinite(cos[0, :2]).all() and np.isnan(cos[0, 2]).all() and np.isnan(sin[0, 2]).all()
+  np.testing.assert_array_equal(cos[0, 0], 1.0)
+
+
 def test_sliding_window_changes_the_result():
   """Guards the window tests above against a window that is silently ignored."""
   cfg = CACHE_CONFIGS["mistral-window"]
