@@ -354,6 +354,10 @@ def test_rope_table_of_a_bounded_range_matches_the_computed_one():
   cos, sin = T.rope_table(jnp.asarray([[0, 299, 300]]), inv_freq, 300)
   assert np.isfinite(cos[0, :2]).all() and np.isnan(cos[0, 2]).all() and np.isnan(sin[0, 2]).all()
   np.testing.assert_array_equal(cos[0, 0], 1.0)
+  # beyond ROPE_TABLE_MAX entries the table is not embedded: computed, so no NaN past the bound
+  big = T.ROPE_TABLE_MAX // inv_freq.size
+  cos, _ = T.rope_table(jnp.asarray([[big + 5]]), inv_freq, big)
+  assert np.isfinite(cos).all()
 
 
 def test_sliding_window_changes_the_result():

@@ -91,6 +91,9 @@ def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
   return inv.astype(np.float32)
 
 
+ROPE_TABLE_MAX = 1 << 20  # entries of one cos or sin table (4 MB in float32)
+
+
 def rope_table(positions: Array, inv_freq: np.ndarray, size: int | None = None
                ) -> tuple[Array, Array]:
   """cos(pθ) and sin(pθ) [B, T, 1, D] in float32 for positions [B, T], θ repeated over both
@@ -102,10 +105,12 @@ def rope_table(positions: Array, inv_freq: np.ndarray, size: int | None = None
   The values then come from a [size, D] table made in NumPy (angles pθ rounded to float32 as
   below, cosine and sine in float64, then rounded) and are gathered by position. Computed in
   the graph instead, XLA:CPU fuses cos and sin into every consumer and evaluates them again per
-  head in each layer's q and k fusions (unrolled layers: 11% of a batch-64 prefill); a gather
-  fuses as one indexed load. A position outside the table reads NaN, never a clamped row.
+  head in each layer's q and k fusions (unrolled layers: about a tenth of a batch-64 prefill);
+  a gather fuses as one indexed load. A position outside the table reads NaN, never a clamped row.
+  Tables of more than ``ROPE_TABLE_MAX`` entries (very long caches) are not embedded in the
+  program: those are computed.
   """
-  if size is None:
+  if size is None or size * inv_freq.size * 2 > ROPE_TABLE_MAX:
     angles = positions[..., None].astype(jnp.float32) * inv_freq  # [B, T, D/2]
     angles = jnp.concatenate([angles, angles], axis=-1)[:, :, None, :]
     return jnp.cos(angles), jnp.sin(angles)
