@@ -8,6 +8,12 @@ so both produce exactly batch × 64 tokens. Run side by side in one process:
 
 Prints both figures, their ratio and ppojax's compile time per batch size; the last line is a
 JSON object (figures of the largest batch, plus all rows). ``--dtype`` applies to both sides.
+
+ppojax runs twice per batch: on the prompts as given (``ppojax_tokens_per_s``, the like-for-like
+figure), and with the chat template's system header that every prompt begins with split off by
+``split_shared_prefix`` and passed as ``generate(..., prefix=...)``: prefilled once for the
+batch and attended with one matmul over all rows (``ppojax_shared_prefix_tokens_per_s``).
+transformers' ``generate`` has no such option; it always runs the prompts as given.
 Like the CLI, the script restarts itself once with glibc's huge-page tunable (both libraries
 then run on it; ``PPOJAX_HUGE_PAGES=0``: off).
 """
@@ -26,7 +32,7 @@ import numpy as np
 
 from ppojax import hostmem
 from ppojax.models import hf, load_model
-from ppojax.sampling import SamplingConfig, generate
+from ppojax.sampling import SamplingConfig, generate, split_shared_prefix
 
 QUESTIONS = [
     "What is 17 + 25? Explain your steps briefly.",
@@ -49,13 +55,16 @@ def make_prompts(tokenizer, batch: int):
   return tokens, mask
 
 
-def bench_ppojax(model, tokens, mask, new_tokens, repeats):
+def bench_ppojax(model, tokens, mask, new_tokens, repeats, prefix=None):
+  """(median seconds per ``generate``, compile seconds); ``prefix``: shared by every row."""
   config = SamplingConfig(max_new_tokens=new_tokens, min_new_tokens=new_tokens,
                           stop_ids=(model.tokenizer.eos_token_id,),
                           pad_id=model.tokenizer.pad_token_id)
   prompts, prompt_mask = jnp.asarray(tokens), jnp.asarray(mask)
-  run = lambda seed: jax.block_until_ready(  # noqa: E731
-      generate(model.module, model.params, prompts, prompt_mask, jax.random.key(seed), config))
+  prefix = None if prefix is None else jnp.asarray(prefix)
+  run = lambda seed: jax.block_until_ready(generate(  # noqa: E731
+      model.module, model.params, prompts, prompt_mask, jax.random.key(seed), config,
+      prefix=prefix))
   t0 = time.perf_counter()
   out = run(0)
   first = time.perf_counter() - t0
@@ -108,20 +117,24 @@ def main():
   print(f"device: {jax.devices()[0].device_kind} ({jax.default_backend()}), {os.cpu_count()} "
         f"CPUs; {args.model}, {args.new_tokens} new tokens, {args.dtype}; "
         f"huge_pages={hostmem.huge_pages_active()}")
-  print(f"{'batch':>6}{'prompt':>8}{'ppojax tok/s':>14}{'transformers tok/s':>20}{'ratio':>8}"
-        f"{'compile s':>11}")
+  print(f"{'batch':>6}{'prompt':>8}{'shared':>8}{'ppojax tok/s':>14}{'(shared prefix)':>17}"
+        f"{'transformers tok/s':>20}{'ratio':>8}{'(shared)':>10}{'compile s':>11}")
   rows = []
   for batch in args.batches:
     tokens, mask = make_prompts(model.tokenizer, batch)
+    prefix, rest, rest_mask = split_shared_prefix(tokens, mask)
     n = batch * args.new_tokens
     ours, compile_s = bench_ppojax(model, tokens, mask, args.new_tokens, args.repeats)
+    shared, _ = bench_ppojax(model, rest, rest_mask, args.new_tokens, args.repeats, prefix)
     theirs = bench_transformers(model, tokens, mask, args.new_tokens, args.repeats, args.dtype)
-    row = {"batch": batch, "prompt_len": int(tokens.shape[1]),
-           "ppojax_tokens_per_s": n / ours, "transformers_tokens_per_s": n / theirs,
-           "ratio": theirs / ours, "ppojax_compile_s": compile_s}
+    row = {"batch": batch, "prompt_len": int(tokens.shape[1]), "shared_prefix_len": prefix.size,
+           "ppojax_tokens_per_s": n / ours, "ppojax_shared_prefix_tokens_per_s": n / shared,
+           "transformers_tokens_per_s": n / theirs, "ratio": theirs / ours,
+           "ratio_shared_prefix": theirs / shared, "ppojax_compile_s": compile_s}
     rows.append(row)
-    print(f"{batch:>6}{tokens.shape[1]:>8}{n / ours:>14.0f}{n / theirs:>20.0f}"
-          f"{theirs / ours:>8.2f}{compile_s:>11.1f}", flush=True)
+    print(f"{batch:>6}{tokens.shape[1]:>8}{prefix.size:>8}{n / ours:>14.0f}{n / shared:>17.0f}"
+          f"{n / theirs:>20.0f}{theirs / ours:>8.2f}{theirs / shared:>10.2f}{compile_s:>11.1f}",
+          flush=True)
   largest = max(rows, key=lambda r: r["batch"])
   print(json.dumps({**largest, "new_tokens": args.new_tokens, "dtype": args.dtype,
                     "huge_pages": hostmem.huge_pages_active(),

@@ -4,6 +4,12 @@ soon as every row has stopped. No Python runs per token; static shapes compile o
 
     out = generate(CausalLM(cfg), params, prompts, prompt_mask, key, SamplingConfig(...))
 
+Prompts that all begin with the same tokens (a chat template's system header) can share that
+prefix's prefill: ``prefix, rest, rest_mask = split_shared_prefix(tokens, mask)`` on the host,
+then ``generate(..., rest, rest_mask, key, config, prefix=prefix)`` runs the prefix through the
+model once, for one row, and the batch's prefill over the rest only. The sample distribution is
+the same; only float rounding differs.
+
 Log-probs: ``out.logprobs`` is log π_T(token) under softmax(logits / temperature) — the
 distribution PPO's ratio uses (``ops.selective_log_softmax(logits, tokens, temperature)``
 recomputes exactly it). ``out.sampling_logprobs`` is under the distribution the token was actually
@@ -21,10 +27,11 @@ from typing import NamedTuple
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from ppojax import ops
-from ppojax.models.transformer import (fuse_projections, init_cache, model_rope,
-                                       positions_from_mask, unstack_layers)
+from ppojax.models.transformer import (KVCache, fuse_projections, init_cache, model_rope,
+                                       positions_from_mask, unstack_layers, with_shared_prefix)
 
 Array = jax.Array
 
@@ -193,9 +200,48 @@ class _LoopState(NamedTuple):
   done: Array
 
 
+def split_shared_prefix(tokens, mask, max_prefix: int | None = None):
+  """(prefix [C], rest [B, W], rest_mask [B, W]) for left-padded host prompts [B, P]: the
+  longest run of leading real tokens that every row shares, and each row's remaining tokens,
+  still left-padded (W = the longest remainder: the last W columns of ``tokens``; the tokens
+  under ``~rest_mask`` are left as they were). Every row keeps at least one token of its own, so
+  the prefill of ``rest`` ends on each row's last prompt token. ``max_prefix`` caps C (a fixed C
+  keeps one compiled program across batches)."""
+  tokens, mask = np.asarray(tokens), np.asarray(mask, bool)
+  if tokens.ndim != 2 or tokens.shape != mask.shape:
+    raise ValueError(f"tokens and mask must both be [B, P]; got {tokens.shape}, {mask.shape}")
+  lengths = mask.sum(axis=1)
+  if not lengths.all():
+    raise ValueError(f"rows {np.flatnonzero(lengths == 0).tolist()} have no prompt token")
+  if (np.diff(mask.astype(np.int8), axis=1) < 0).any():
+    raise ValueError("prompts must be left-padded: in each row, no pad after a real token")
+  limit = int(lengths.min()) - 1
+  if max_prefix is not None:
+    limit = max(0, min(limit, max_prefix))
+  starts = tokens.shape[1] - lengths  # each row's first real token
+  heads = np.take_along_axis(tokens, starts[:, None] + np.arange(limit)[None, :], axis=1)
+  same = (heads == heads[:1]).all(axis=0)
+  shared = limit if same.all() else int(np.argmin(same))
+  width = int(lengths.max()) - shared
+  rest_mask = np.arange(width)[None, :] >= (width - (lengths - shared))[:, None]
+  return heads[0, :shared].copy(), tokens[:, tokens.shape[1] - width:].copy(), rest_mask
+
+
+def _shared_prefix_cache(apply, cfg, prefix: Array, cache: KVCache, size: int) -> KVCache:
+  """``cache`` with the keys and values of ``prefix`` [C] (positions 0 … C − 1) shared by all
+  its rows: one prefill of one row. ``size`` bounds every position the caller will use (the
+  RoPE table's length)."""
+  length = prefix.shape[0]
+  positions = jnp.arange(length, dtype=jnp.int32)[None]
+  _, prefix_cache = apply(prefix[None], positions, jnp.ones((1, length), jnp.bool_),
+                          init_cache(cfg, 1, length), 0, last_only=True,
+                          rope=model_rope(cfg, positions, size))
+  return with_shared_prefix(cache, prefix_cache)
+
+
 @functools.partial(jax.jit, static_argnames=("module", "config"))
 def generate(module: nn.Module, params, prompts: Array, prompt_mask: Array, key: Array,
-             config: SamplingConfig) -> Generation:
+             config: SamplingConfig, prefix: Array | None = None) -> Generation:
   """Sample up to ``config.max_new_tokens`` tokens after left-padded ``prompts`` [B, P].
 
   Args:
@@ -204,14 +250,20 @@ def generate(module: nn.Module, params, prompts: Array, prompt_mask: Array, key:
       step copies every weight out of the stacked arrays and ran 2.2x slower on CPU. It also
       runs with ``fused_projections`` (q/k/v and gate/up joined in that same copy).
     params: its parameters (may be sharded; the batch too).
-    prompts, prompt_mask: [B, P], left-padded (real tokens at the end of each row).
+    prompts, prompt_mask: [B, P], left-padded (real tokens at the end of each row; at least one
+      per row).
     key: PRNG key; the same key gives the same sample. Step t draws with ``fold_in(key, t)``.
+    prefix: [C] tokens that precede every row's prompt (see ``split_shared_prefix``): each row
+      is then the sequence prefix + prompt. The prefix's keys and values are computed once, for
+      one row, kept once for the batch (``KVCache.prefix_k``), and every decode step scores
+      them with one matmul over all rows. Not for models with sliding attention windows.
 
   The prefill's logits give token 0; each loop step feeds token t − 1 and samples token t, so
   the last token costs no forward pass.
   """
   batch, prompt_len = prompts.shape
   length = config.max_new_tokens
+  shared = 0 if prefix is None else prefix.shape[0]
   prompt_mask = prompt_mask.astype(jnp.bool_)
   if module.cfg.scan_layers:  # decode with unrolled layers: they read their weights in place
     params = unstack_layers(params)
@@ -227,11 +279,14 @@ def generate(module: nn.Module, params, prompts: Array, prompt_mask: Array, key:
   slots = prompt_len + length - 1
   kv_mask = jnp.zeros((batch, slots), jnp.bool_).at[:, :prompt_len].set(prompt_mask)
   cache = init_cache(module.cfg, batch, slots)
-  # RoPE from a table of the cache's positions (every position here is below ``slots``)
-  prompt_positions = positions_from_mask(prompt_mask)
+  if shared:
+    cache = _shared_prefix_cache(apply, module.cfg, prefix.astype(jnp.int32), cache,
+                                 shared + slots)
+  # RoPE from a table of the cache's positions (every position here is below C + ``slots``)
+  prompt_positions = shared + positions_from_mask(prompt_mask)
   logits, cache = apply(prompts, prompt_positions, kv_mask, cache, 0, last_only=True,
-                        rope=model_rope(module.cfg, prompt_positions, slots))
-  first_position = jnp.sum(prompt_mask, axis=1, dtype=jnp.int32)  # of the first new token
+                        rope=model_rope(module.cfg, prompt_positions, shared + slots))
+  first_position = shared + jnp.sum(prompt_mask, axis=1, dtype=jnp.int32)  # first new token
   stop_ids = jnp.asarray(config.stop_ids, jnp.int32)
   is_stop_id = jnp.isin(jnp.arange(logits.shape[-1]), stop_ids)  # [V]
 
@@ -253,7 +308,7 @@ def generate(module: nn.Module, params, prompts: Array, prompt_mask: Array, key:
   # RoPE of every decode step, once, outside the loop: in the loop body they would be gathered
   # again inside each layer's fusions
   decode_positions = first_position[:, None] + jnp.arange(max(length - 1, 1), dtype=jnp.int32)
-  decode_rope = model_rope(module.cfg, decode_positions, slots)
+  decode_rope = model_rope(module.cfg, decode_positions, shared + slots)
 
   def body(s: _LoopState) -> _LoopState:
     """Feed token t − 1 (slot P + t − 1), then sample token t."""

@@ -342,6 +342,68 @@ def test_prefill_from_slot_zero_reads_no_other_slot(name):
   _assert_decodes_like_full(cfg, params, tokens, full_pos, full_mask, full)
 
 
+@pytest.mark.parametrize("name", ["llama", "gpt2"])
+@pytest.mark.parametrize("prefill_index", ["static", "traced"])
+def test_shared_prefix_cache_matches_full_forward(name, prefill_index):
+  """A prefix held once for the batch (``with_shared_prefix``): prefilling each row's own
+  tokens after it, then decoding, gives the full forward's logits over prefix + row, on the
+  prefill's fast path (cache_index a Python 0) and on the general one (traced)."""
+  cfg = CACHE_CONFIGS[name].replace(scan_layers=False)
+  params = T.unstack_layers(_random_params(CACHE_CONFIGS[name]))
+  model = T.CausalLM(cfg)
+  prefix_len, new = 3, 4
+  tokens, _, full_mask = _batch(left_pad=(0, 1, 3), length=P + new, seed=4)
+  starts = np.argmax(full_mask, axis=1)
+  prefix = tokens[0, :prefix_len].copy()
+  for row, start in enumerate(starts):  # every row begins with the prefix
+    tokens[row, start:start + prefix_len] = prefix
+  full_pos = np.asarray(T.positions_from_mask(jnp.asarray(full_mask)))
+  full = _ours(CACHE_CONFIGS[name], _random_params(CACHE_CONFIGS[name]), tokens, full_pos,
+               full_mask)
+
+  own = full_mask.copy()  # each row's tokens after the prefix
+  for row, start in enumerate(starts):
+    own[row, start:start + prefix_len] = False
+  apply = jax.jit(lambda p, tok, pos, m, c, i: model.apply({"params": p}, tok, pos, m, c, i))
+  _, prefix_cache = apply(params, prefix[None], np.arange(prefix_len)[None],
+                          np.ones((1, prefix_len), bool), T.init_cache(cfg, 1, prefix_len),
+                          jnp.int32(0))
+  slots = P + new
+  cache = T.with_shared_prefix(T.init_cache(cfg, B, slots), prefix_cache)
+  assert cache.prefix_k[0].shape == (cfg.num_kv_heads, cfg.head_dim, prefix_len)
+  kv_mask = np.zeros((B, slots), bool)
+  kv_mask[:, :P] = own[:, :P]
+  positions = prefix_len + np.asarray(T.positions_from_mask(jnp.asarray(own)))
+  if prefill_index == "static":
+    prefill = jax.jit(lambda p, c: model.apply({"params": p}, tokens[:, :P], positions[:, :P],
+                                               kv_mask, c, 0))
+    logits, cache = prefill(params, cache)
+  else:
+    logits, cache = apply(params, tokens[:, :P], positions[:, :P], kv_mask, cache, jnp.int32(0))
+  outs = [np.asarray(logits)]
+  for t in range(P, P + new):
+    kv_mask[:, t] = True
+    logits, cache = apply(params, tokens[:, t:t + 1], positions[:, t:t + 1], kv_mask.copy(),
+                          cache, jnp.int32(t))
+    outs.append(np.asarray(logits))
+  decoded = np.concatenate(outs, axis=1)
+  assert own.sum() > B * new  # the rows' own prompt tokens are checked too
+  np.testing.assert_allclose(decoded[own], full[own], atol=1e-5)
+
+
+def test_shared_prefix_needs_unrolled_layers_and_no_window():
+  scanned = T.init_cache(CACHE_CONFIGS["llama"], 1, 3)
+  with pytest.raises(ValueError, match="unrolled layers"):
+    T.with_shared_prefix(scanned, scanned)
+  cfg = CACHE_CONFIGS["mistral-window"].replace(scan_layers=False)
+  params = T.unstack_layers(_random_params(CACHE_CONFIGS["mistral-window"]))
+  one = T.init_cache(cfg, 1, 2)
+  cache = T.with_shared_prefix(T.init_cache(cfg, 1, 4), one)
+  with pytest.raises(ValueError, match="sliding attention window"):
+    T.CausalLM(cfg).apply({"params": params}, jnp.ones((1, 2), jnp.int32),
+                          jnp.arange(2)[None] + 2, jnp.ones((1, 4), bool), cache, 0)
+
+
 def test_rope_table_of_a_bounded_range_matches_the_computed_one():
   """rope_table(..., size) gathers from a NumPy table: the same cos/sin (within float32
   rounding) as computed in the graph, and NaN for a position outside the table."""

@@ -295,6 +295,14 @@ def test_greedy_matches_transformers_generate_on_smollm2(smollm2_path):
   ref_tokens = np.pad(ref_tokens, ((0, 0), (0, SMOL_NEW - ref_tokens.shape[1])),
                       constant_values=eos)  # transformers stops early when every row is done
   np.testing.assert_array_equal(np.asarray(out.tokens), ref_tokens)
+  # The chat template's system header, shared by every row, prefilled once for the batch.
+  prefix, rest, rest_mask = sampling.split_shared_prefix(tokens, mask)
+  assert prefix.size >= 20, prefix.size
+  shared = jax.device_get(generate(model.module, model.params, jnp.asarray(rest),
+                                   jnp.asarray(rest_mask), jax.random.key(0), config,
+                                   prefix=jnp.asarray(prefix)))
+  np.testing.assert_array_equal(np.asarray(shared.tokens), ref_tokens)
+  np.testing.assert_allclose(shared.logprobs, out.logprobs, atol=1e-4)
 
   # log π(token) at temperature 1 against transformers' per-step logits (which differ from ours
   # by ~1e-4 after 30 layers, see test_smollm2.py).
@@ -561,6 +569,21 @@ SHARDED_SCRIPT = textwrap.dedent("""
       np.testing.assert_array_equal(out.lengths, ref.lengths, err_msg=str(shape))
       for a, b in ((out.logprobs, ref.logprobs), (out.sampling_logprobs, ref.sampling_logprobs)):
         np.testing.assert_allclose(a, b, atol=1e-5, err_msg=str(shape))
+    # a prefix shared by every row: the same tokens as with it prepended to each prompt
+    prefix = jnp.asarray([5, 9, 13], jnp.int32)
+    lengths = mask.sum(1)
+    full = jnp.full((rows, width + 3), 2, jnp.int32)
+    for i in range(rows):
+      row = jnp.concatenate([prefix, prompts[i, width - int(lengths[i]):]])
+      full = full.at[i, width + 3 - row.size:].set(row)
+    full_mask = jnp.arange(width + 3)[None] >= (width - lengths)[:, None]
+    want = jax.device_get(generate(module, params, full, full_mask, key, config))
+    mesh = sharding.make_mesh((2, 2, 2))
+    placed = jax.device_put(params, sharding.param_shardings(params, mesh, partition_rules()))
+    batch = jax.device_put((prompts, mask), sharding.batch_sharding(mesh))
+    out = jax.device_get(generate(module, placed, *batch, key, config, prefix=prefix))
+    np.testing.assert_array_equal(out.tokens, want.tokens)
+    np.testing.assert_allclose(out.logprobs, want.logprobs, atol=1e-5)
     print("OK", ref.lengths.tolist())
 """)
 
@@ -660,3 +683,75 @@ def test_inverse_cdf_lands_on_positive_weights_at_both_ends():
   clear = (target - lo)[:, 0] > 1e-5 * cdf[:, -1]  # not decided by float32 rounding
   assert np.all(weights[np.arange(rows), got] > 0) and np.mean(clear) > 0.9
   np.testing.assert_array_equal(got[clear], want[clear])
+
+
+# ---------------------------------------------------------------------------------------------
+# 8. A prompt prefix shared by every row (a chat template's header): prefilled once
+# ---------------------------------------------------------------------------------------------
+
+SHARED_PREFIX = np.array([7, 4, 19, 11], np.int32)
+
+
+@pytest.fixture(scope="module")
+def prefixed_batch(ragged_batch):
+  """The ragged batch with SHARED_PREFIX before every row's own prompt, left-padded."""
+  prompts, mask, _ = ragged_batch
+  width = RAGGED_PROMPT + SHARED_PREFIX.size
+  tokens = np.zeros((RAGGED_ROWS, width), np.int32)
+  full_mask = np.zeros((RAGGED_ROWS, width), bool)
+  for i, (row, keep) in enumerate(zip(np.asarray(prompts), np.asarray(mask))):
+    full = np.concatenate([SHARED_PREFIX, row[keep]])
+    tokens[i, width - full.size:], full_mask[i, width - full.size:] = full, True
+  return tokens, full_mask
+
+
+def test_split_shared_prefix_recovers_the_prefix_and_each_rows_rest(prefixed_batch):
+  tokens, mask = prefixed_batch
+  prefix, rest, rest_mask = sampling.split_shared_prefix(tokens, mask)
+  np.testing.assert_array_equal(prefix, SHARED_PREFIX)
+  assert rest.shape == rest_mask.shape == (RAGGED_ROWS, RAGGED_PROMPT)
+  assert not (np.diff(rest_mask.astype(int), axis=1) < 0).any()  # still left-padded
+  for i in range(RAGGED_ROWS):
+    np.testing.assert_array_equal(np.concatenate([prefix, rest[i][rest_mask[i]]]),
+                                  tokens[i][mask[i]])
+  capped, rest2, mask2 = sampling.split_shared_prefix(tokens, mask, max_prefix=2)
+  np.testing.assert_array_equal(capped, SHARED_PREFIX[:2])
+  assert mask2.sum() == mask.sum() - 2 * RAGGED_ROWS and rest2.shape[1] == RAGGED_PROMPT + 2
+  # identical rows: each keeps its last token, so the prefill still ends on it
+  same = np.tile(np.array([[4, 5, 6]]), (3, 1))
+  prefix, rest, rest_mask = sampling.split_shared_prefix(same, np.ones_like(same, bool))
+  np.testing.assert_array_equal(prefix, [4, 5])
+  np.testing.assert_array_equal(rest, [[6]] * 3)
+  # nothing shared: an empty prefix, the prompts unchanged
+  prefix, rest, rest_mask = sampling.split_shared_prefix([[1, 2], [3, 4]], [[1, 1], [1, 1]])
+  assert prefix.size == 0 and rest.tolist() == [[1, 2], [3, 4]] and rest_mask.all()
+
+
+@pytest.mark.parametrize("tokens, mask, match", [
+    ([[1, 2], [3, 4]], [[1, 1], [0, 0]], "rows \\[1\\] have no prompt token"),
+    ([[1, 2], [3, 4]], [[1, 1], [1, 0]], "left-padded"),
+    ([1, 2], [1, 1], "both be \\[B, P\\]"),
+])
+def test_split_shared_prefix_rejects_bad_prompts(tokens, mask, match):
+  with pytest.raises(ValueError, match=match):
+    sampling.split_shared_prefix(tokens, mask)
+
+
+@pytest.mark.parametrize("config", [GREEDY, STOP_CONFIGS["pad_is_stop"], MIN_NEW],
+                         ids=["greedy", "sampled-top_p", "min_new_tokens"])
+def test_shared_prefix_generation_equals_the_full_prompts(tiny_params, prefixed_batch, config):
+  """The prefix prefilled once for the batch gives the tokens and log-probs of the prompts
+  with the prefix prepended (the same key: the same uniforms, and log-probs equal to ~1e-6)."""
+  tokens, mask = prefixed_batch
+  key = jax.random.key(7)
+  want = jax.device_get(generate(MODEL, tiny_params, jnp.asarray(tokens), jnp.asarray(mask),
+                                 key, config))
+  prefix, rest, rest_mask = sampling.split_shared_prefix(tokens, mask)
+  got = jax.device_get(generate(MODEL, tiny_params, jnp.asarray(rest), jnp.asarray(rest_mask),
+                                key, config, prefix=jnp.asarray(prefix)))
+  check_conventions(got, config)
+  assert np.asarray(got.mask).sum() > 3 * RAGGED_ROWS  # several tokens per row compared
+  np.testing.assert_array_equal(got.tokens, want.tokens)
+  np.testing.assert_array_equal(got.lengths, want.lengths)
+  for a, b in ((got.logprobs, want.logprobs), (got.sampling_logprobs, want.sampling_logprobs)):
+    np.testing.assert_allclose(a, b, atol=1e-5)

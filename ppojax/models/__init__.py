@@ -21,14 +21,14 @@ from ppojax.models import hf
 from ppojax.models.config import ModelConfig
 from ppojax.models.transformer import (CausalLM, KVCache, ValueModel, fuse_projections,
                                        init_cache, partition_rules, positions_from_mask,
-                                       stack_layers, unstack_layers)
+                                       stack_layers, unstack_layers, with_shared_prefix)
 
 SMOLLM2_NAMES = ("smollm2", "smollm2-135m-instruct", "huggingfacetb/smollm2-135m-instruct")
 
 __all__ = ["CausalLM", "KVCache", "LoadedModel", "ModelConfig", "ValueModel",
            "fuse_projections", "init_cache",
            "load_model", "partition_rules", "positions_from_mask", "save_model", "stack_layers",
-           "unstack_layers"]
+           "unstack_layers", "with_shared_prefix"]
 
 
 class LoadedModel(NamedTuple):

@@ -44,10 +44,17 @@ class KVCache(NamedTuple):
   [B, H_kv, D, S] / [B, H_kv, S, D] arrays (unrolled layers, ``scan_layers=False``: each layer
   updates and reads its own buffer, with no slice copied out of a stacked one). With keys stored
   [.., S, D], q·kᵀ contracted both operands' minor axis: XLA:CPU ran that decode product at a
-  fifth of the speed of probs·v over the same bytes."""
+  fifth of the speed of probs·v over the same bytes.
+
+  ``prefix_k`` / ``prefix_v`` (unrolled layers only; ``with_shared_prefix``): the keys and
+  values of C tokens that precede every row, one copy for the whole batch, tuples of L
+  [H_kv, D, C] / [H_kv, C, D]. Every query attends to all of them before its row's slots; their
+  scores are one [B·G·T, D]·[D, C] matmul per KV head instead of B matrix-vector products."""
 
   k: Array | tuple[Array, ...]  # [(L,) B, H_kv, D, S]
   v: Array | tuple[Array, ...]  # [(L,) B, H_kv, S, D]
+  prefix_k: tuple[Array, ...] | None = None  # L × [H_kv, D, C]
+  prefix_v: tuple[Array, ...] | None = None  # L × [H_kv, C, D]
 
 
 def init_cache(cfg: ModelConfig, batch: int, max_length: int, dtype=None) -> KVCache:
@@ -62,6 +69,19 @@ def init_cache(cfg: ModelConfig, batch: int, max_length: int, dtype=None) -> KVC
   per_layer = lambda shape: tuple(  # noqa: E731
       jnp.zeros(shape, dtype) for _ in range(cfg.num_layers))
   return KVCache(per_layer(k_shape), per_layer(v_shape))
+
+
+def with_shared_prefix(cache: KVCache, prefix_cache: KVCache) -> KVCache:
+  """``cache`` (unrolled layers) extended by the keys and values of a prefix shared by all of
+  its rows: ``prefix_cache`` holds them for one row (its C slots all real tokens, positions
+  0 … C − 1, e.g. a prefill of the prefix alone). The rows' own tokens then take positions
+  C, C + 1, …, and their slots are numbered from 0 as without a prefix."""
+  if not isinstance(cache.k, tuple) or not isinstance(prefix_cache.k, tuple):
+    raise ValueError("a shared prefix needs unrolled layers (scan_layers=False) in both caches")
+  if prefix_cache.k[0].shape[0] != 1:
+    raise ValueError(f"prefix_cache must hold one row, got {prefix_cache.k[0].shape[0]}")
+  return cache._replace(prefix_k=tuple(k[0] for k in prefix_cache.k),
+                        prefix_v=tuple(v[0] for v in prefix_cache.v))
 
 
 def positions_from_mask(mask: Array) -> Array:
@@ -227,11 +247,14 @@ def _dense(cfg: ModelConfig, features: int, bias: bool, name: str) -> nn.Dense:
                   name=name)
 
 
-def attend(q: Array, k: Array, v: Array, allowed: Array, keys_transposed: bool = False
-           ) -> Array:
+def attend(q: Array, k: Array, v: Array, allowed: Array, keys_transposed: bool = False,
+           shared: tuple[Array, Array] | None = None) -> Array:
   """softmax(q·kᵀ/√D masked by ``allowed`` [B, T, S])·v, grouped-query: q [B,T,H,D], keys k
   [B,H_kv,S,D] (or [B,H_kv,D,S] with ``keys_transposed``: the KV cache's layout), values v
   [B,H_kv,S,D], with H a multiple of H_kv. Scores and softmax in float32.
+
+  ``shared``: keys [H_kv,D,C] and values [H_kv,C,D] that every row and query also sees (a
+  shared prefix); the softmax then runs over the C + S scores [q·k_sharedᵀ | q·kᵀ].
 
   The G = H/H_kv query heads of a group and the T positions are folded into one axis, so both
   products are batched matmuls over (B, H_kv); at T = 1 (decode) every transpose here is a free
@@ -244,10 +267,22 @@ def attend(q: Array, k: Array, v: Array, allowed: Array, keys_transposed: bool =
   q = q.reshape(b, t, hk, g, d).transpose(0, 2, 3, 1, 4).reshape(b, hk, g * t, d)
   scores = jnp.einsum("bkqd,bkds->bkqs" if keys_transposed else "bkqd,bksd->bkqs", q, k,
                       preferred_element_type=jnp.float32)
+  if shared is not None:
+    shared_scores = jnp.einsum("bkqd,kdc->bkqc", q, shared[0].astype(q.dtype),
+                               preferred_element_type=jnp.float32)
+    scores = jnp.concatenate([shared_scores, scores], axis=-1)
+    allowed = jnp.concatenate(
+        [jnp.ones(allowed.shape[:-1] + (shared[0].shape[-1],), jnp.bool_), allowed], axis=-1)
   scores = scores.reshape(b, hk, g, t, -1)
   scores = jnp.where(allowed[:, None, None], scores / math.sqrt(d), jnp.finfo(jnp.float32).min)
   probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype).reshape(b, hk, g * t, -1)
-  out = jnp.einsum("bkqs,bksd->bkqd", probs, v, preferred_element_type=jnp.float32)
+  if shared is not None:
+    size = shared[1].shape[1]
+    out = jnp.einsum("bkqs,bksd->bkqd", probs[..., size:], v, preferred_element_type=jnp.float32)
+    out += jnp.einsum("bkqc,kcd->bkqd", probs[..., :size], shared[1].astype(v.dtype),
+                      preferred_element_type=jnp.float32)
+  else:
+    out = jnp.einsum("bkqs,bksd->bkqd", probs, v, preferred_element_type=jnp.float32)
   out = out.astype(v.dtype).reshape(b, hk, g, t, d)
   return out.transpose(0, 3, 1, 2, 4).reshape(b, t, h, d)
 
@@ -262,11 +297,11 @@ def _update_cache(cache: KVCache, layer, cache_index, k_t: Array, v: Array):
       buffers[layer] = jax.lax.dynamic_update_slice(
           buffers[layer], new.astype(buffers[layer].dtype), start)
       return tuple(buffers)
-    cache = KVCache(write(cache.k, k_t, k_start), write(cache.v, v, v_start))
+    cache = cache._replace(k=write(cache.k, k_t, k_start), v=write(cache.v, v, v_start))
     return cache, cache.k[layer], cache.v[layer]
   cache = KVCache(*(jax.lax.dynamic_update_slice(c, new[None].astype(c.dtype), (layer,) + start)
-                    for c, new, start in zip(cache, (k_t, v), (k_start, v_start))))
-  k_t, v = (jax.lax.dynamic_index_in_dim(c, layer, 0, keepdims=False) for c in cache)
+                    for c, new, start in zip(cache[:2], (k_t, v), (k_start, v_start))))
+  k_t, v = (jax.lax.dynamic_index_in_dim(c, layer, 0, keepdims=False) for c in cache[:2])
   return cache, k_t, v
 
 
@@ -309,7 +344,15 @@ class Attention(nn.Module):
     allowed = kv_slots[None, :] <= q_slots[:, None]  # causal, over cache slots
     allowed &= (window == 0) | (kv_slots[None, :] > q_slots[:, None] - window)  # sliding window
     allowed = allowed[None] & kv_mask[:, None, :].astype(jnp.bool_)
-    out = attend(q, k.astype(q.dtype), v.astype(q.dtype), allowed, keys_transposed)
+    shared = None
+    if cache is not None and cache.prefix_k is not None:  # a prefix every row attends to
+      if not isinstance(layer, int):
+        raise ValueError("a shared prefix needs unrolled layers (scan_layers=False)")
+      if window:
+        raise ValueError("a shared prefix cannot be used with a sliding attention window: "
+                         "prepend it to every prompt instead")
+      shared = cache.prefix_k[layer], cache.prefix_v[layer]
+    out = attend(q, k.astype(q.dtype), v.astype(q.dtype), allowed, keys_transposed, shared)
     return _dense(cfg, cfg.hidden_size, cfg.out_bias, "o")(out.reshape(b, t, h * d)), cache
 
 
