@@ -20,6 +20,9 @@ Calling convention (``CausalLM`` and ``ValueModel`` alike)::
   slot), decode ``T=1``. The cache travels through the layer scan as part of the carry, so a
   decode step writes only its new slot in place (as scanned inputs/outputs the whole cache
   would be copied every step).
+* a prefix shared by every row (``with_shared_prefix``, unrolled layers): its keys and values
+  are held once for the batch and every query attends to them; the rows' own tokens take
+  positions C, C + 1, … and slots 0, 1, … as before.
 """
 
 from __future__ import annotations
