@@ -13,7 +13,8 @@ ppojax runs twice per batch: on the prompts as given (``ppojax_tokens_per_s``, t
 figure), and with the chat template's system header that every prompt begins with split off by
 ``split_shared_prefix`` and passed as ``generate(..., prefix=...)``: prefilled once for the
 batch and attended with one matmul over all rows (``ppojax_shared_prefix_tokens_per_s``).
-transformers' ``generate`` has no such option; it always runs the prompts as given.
+transformers' ``generate`` has no such option; it always runs the prompts as given. Both ppojax
+runs use params converted once by ``decode_layout`` (as transformers' module is built once).
 Like the CLI, the script restarts itself once with glibc's huge-page tunable (both libraries
 then run on it; ``PPOJAX_HUGE_PAGES=0``: off).
 """
@@ -32,7 +33,7 @@ import numpy as np
 
 from ppojax import hostmem
 from ppojax.models import hf, load_model
-from ppojax.sampling import SamplingConfig, generate, split_shared_prefix
+from ppojax.sampling import SamplingConfig, decode_layout, generate, split_shared_prefix
 
 QUESTIONS = [
     "What is 17 + 25? Explain your steps briefly.",
@@ -56,15 +57,17 @@ def make_prompts(tokenizer, batch: int):
 
 
 def bench_ppojax(model, tokens, mask, new_tokens, repeats, prefix=None):
-  """(median seconds per ``generate``, compile seconds); ``prefix``: shared by every row."""
+  """(median seconds per ``generate``, compile seconds); ``prefix``: shared by every row. The
+  params are put in ``decode_layout`` once, as transformers' module is built once: otherwise
+  every call copies every weight first (stacked → unrolled layers, fused projections)."""
+  module, params = decode_layout(model.module, model.params)
   config = SamplingConfig(max_new_tokens=new_tokens, min_new_tokens=new_tokens,
                           stop_ids=(model.tokenizer.eos_token_id,),
                           pad_id=model.tokenizer.pad_token_id)
   prompts, prompt_mask = jnp.asarray(tokens), jnp.asarray(mask)
   prefix = None if prefix is None else jnp.asarray(prefix)
   run = lambda seed: jax.block_until_ready(generate(  # noqa: E731
-      model.module, model.params, prompts, prompt_mask, jax.random.key(seed), config,
-      prefix=prefix))
+      module, params, prompts, prompt_mask, jax.random.key(seed), config, prefix=prefix))
   t0 = time.perf_counter()
   out = run(0)
   first = time.perf_counter() - t0

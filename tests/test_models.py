@@ -332,7 +332,7 @@ def test_prefill_from_slot_zero_reads_no_other_slot(name):
   np.testing.assert_allclose(np.asarray(logits)[full_mask[:, :P]],
                              full[:, :P][full_mask[:, :P]], atol=1e-5)
   _, reference = traced(params, T.init_cache(cfg, B, slots), jnp.int32(0))
-  for is_values, (ours, theirs) in enumerate(zip(cache, reference)):  # K [B,H,D,S], V [B,H,S,D]
+  for is_values, (ours, theirs) in enumerate(zip((cache.k, cache.v), (reference.k, reference.v))):
     for mine, ref in zip(ours, theirs):  # per layer
       mine, ref = (np.asarray(x) if is_values else np.swapaxes(np.asarray(x), -1, -2)
                    for x in (mine, ref))  # [B, H_kv, S, D]

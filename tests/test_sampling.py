@@ -755,3 +755,20 @@ def test_shared_prefix_generation_equals_the_full_prompts(tiny_params, prefixed_
   np.testing.assert_array_equal(got.lengths, want.lengths)
   for a, b in ((got.logprobs, want.logprobs), (got.sampling_logprobs, want.sampling_logprobs)):
     np.testing.assert_allclose(a, b, atol=1e-5)
+
+
+def test_decode_layout_converted_once_gives_the_same_generation(tiny_params, ragged_batch):
+  """Params put in ``decode_layout`` once (unrolled, fused, what ``generate`` converts to on
+  every call) give the same tokens and log-probs, and converting again changes nothing."""
+  prompts, mask, _ = ragged_batch
+  config = STOP_CONFIGS["pad_is_stop"]
+  want = jax.device_get(generate(MODEL, tiny_params, prompts, mask, jax.random.key(4), config))
+  module, params = sampling.decode_layout(MODEL, tiny_params)
+  assert not module.cfg.scan_layers and module.cfg.fused_projections
+  assert "layers_0" in params["model"] and "qkv" in params["model"]["layers_0"]["attn"]
+  again_module, again = sampling.decode_layout(module, params)
+  assert again_module.cfg == module.cfg
+  jax.tree.map(np.testing.assert_array_equal, again, params)
+  got = jax.device_get(generate(module, params, prompts, mask, jax.random.key(4), config))
+  np.testing.assert_array_equal(got.tokens, want.tokens)
+  np.testing.assert_allclose(got.logprobs, want.logprobs, atol=1e-6)
