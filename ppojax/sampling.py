@@ -280,6 +280,8 @@ def generate(module: nn.Module, params, prompts: Array, prompt_mask: Array, key:
   """
   batch, prompt_len = prompts.shape
   length = config.max_new_tokens
+  if prefix is not None and prefix.ndim != 1:
+    raise ValueError(f"prefix must be one row of token ids [C], got shape {prefix.shape}")
   shared = 0 if prefix is None else prefix.shape[0]
   prompt_mask = prompt_mask.astype(jnp.bool_)
   module, params = decode_layout(module, params)

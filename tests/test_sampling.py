@@ -755,6 +755,10 @@ def test_shared_prefix_generation_equals_the_full_prompts(tiny_params, prefixed_
   np.testing.assert_array_equal(got.lengths, want.lengths)
   for a, b in ((got.logprobs, want.logprobs), (got.sampling_logprobs, want.sampling_logprobs)):
     np.testing.assert_allclose(a, b, atol=1e-5)
+  if config is GREEDY:  # a prefix given as a batch of rows is refused, not broadcast
+    with pytest.raises(ValueError, match="one row of token ids"):
+      generate(MODEL, tiny_params, jnp.asarray(rest), jnp.asarray(rest_mask), key, config,
+               prefix=jnp.asarray(prefix)[None])
 
 
 def test_decode_layout_converted_once_gives_the_same_generation(tiny_params, ragged_batch):
