@@ -276,14 +276,16 @@ def _decode_setup(cfg):
   return params, tokens, full_pos, full_mask, full
 
 
-def _decode(cfg, params, tokens, full_pos, full_mask, prefill_fn, step_fn):
-  """Prefill the prompt, then feed tokens P..P+N_NEW-1 one at a time; logits [B, P+N_NEW, V]."""
-  cache = T.init_cache(cfg, B, P + N_NEW + EXTRA)
-  kv_mask = np.zeros((B, P + N_NEW + EXTRA), bool)
+def _decode(cfg, params, tokens, full_pos, full_mask, prefill_fn, step_fn, cache=None):
+  """Prefill the prompt (its first P tokens), then feed the others one at a time into ``cache``
+  (default: an empty one of P + new + EXTRA slots); logits [B, T, V]."""
+  slots = tokens.shape[1] + EXTRA
+  cache = T.init_cache(cfg, B, slots) if cache is None else cache
+  kv_mask = np.zeros((B, slots), bool)
   kv_mask[:, :P] = full_mask[:, :P]
   logits, cache = prefill_fn(params, tokens[:, :P], full_pos[:, :P], kv_mask, cache)
   out = [np.asarray(logits)]
-  for t in range(P, P + N_NEW):
+  for t in range(P, tokens.shape[1]):
     kv_mask[:, t] = True
     logits, cache = step_fn(params, tokens[:, t:t + 1], full_pos[:, t:t + 1], kv_mask.copy(),
                             cache, jnp.int32(t))
@@ -368,25 +370,14 @@ def test_shared_prefix_cache_matches_full_forward(name, prefill_index):
   _, prefix_cache = apply(params, prefix[None], np.arange(prefix_len)[None],
                           np.ones((1, prefix_len), bool), T.init_cache(cfg, 1, prefix_len),
                           jnp.int32(0))
-  slots = P + new
-  cache = T.with_shared_prefix(T.init_cache(cfg, B, slots), prefix_cache)
+  cache = T.with_shared_prefix(T.init_cache(cfg, B, P + new + EXTRA), prefix_cache)
   assert cache.prefix_k[0].shape == (cfg.num_kv_heads, cfg.head_dim, prefix_len)
-  kv_mask = np.zeros((B, slots), bool)
-  kv_mask[:, :P] = own[:, :P]
   positions = prefix_len + np.asarray(T.positions_from_mask(jnp.asarray(own)))
   if prefill_index == "static":
-    prefill = jax.jit(lambda p, c: model.apply({"params": p}, tokens[:, :P], positions[:, :P],
-                                               kv_mask, c, 0))
-    logits, cache = prefill(params, cache)
+    prefill = jax.jit(lambda p, tok, pos, m, c: model.apply({"params": p}, tok, pos, m, c, 0))
   else:
-    logits, cache = apply(params, tokens[:, :P], positions[:, :P], kv_mask, cache, jnp.int32(0))
-  outs = [np.asarray(logits)]
-  for t in range(P, P + new):
-    kv_mask[:, t] = True
-    logits, cache = apply(params, tokens[:, t:t + 1], positions[:, t:t + 1], kv_mask.copy(),
-                          cache, jnp.int32(t))
-    outs.append(np.asarray(logits))
-  decoded = np.concatenate(outs, axis=1)
+    prefill = lambda p, tok, pos, m, c: apply(p, tok, pos, m, c, jnp.int32(0))  # noqa: E731
+  decoded = _decode(cfg, params, tokens, positions, own, prefill, apply, cache)
   assert own.sum() > B * new  # the rows' own prompt tokens are checked too
   np.testing.assert_allclose(decoded[own], full[own], atol=1e-5)
 

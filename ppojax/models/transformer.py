@@ -279,13 +279,11 @@ def attend(q: Array, k: Array, v: Array, allowed: Array, keys_transposed: bool =
   scores = scores.reshape(b, hk, g, t, -1)
   scores = jnp.where(allowed[:, None, None], scores / math.sqrt(d), jnp.finfo(jnp.float32).min)
   probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype).reshape(b, hk, g * t, -1)
+  size = 0 if shared is None else shared[1].shape[1]  # the shared scores come first
+  out = jnp.einsum("bkqs,bksd->bkqd", probs[..., size:], v, preferred_element_type=jnp.float32)
   if shared is not None:
-    size = shared[1].shape[1]
-    out = jnp.einsum("bkqs,bksd->bkqd", probs[..., size:], v, preferred_element_type=jnp.float32)
     out += jnp.einsum("bkqc,kcd->bkqd", probs[..., :size], shared[1].astype(v.dtype),
                       preferred_element_type=jnp.float32)
-  else:
-    out = jnp.einsum("bkqs,bksd->bkqd", probs, v, preferred_element_type=jnp.float32)
   out = out.astype(v.dtype).reshape(b, hk, g, t, d)
   return out.transpose(0, 3, 1, 2, 4).reshape(b, t, h, d)
 
