@@ -13,9 +13,12 @@ Prints the compile time (first iteration minus the steady median), the median se
 iteration of the fused step (one compiled function), a median over the phase-timed path
 (sampling / scoring / update, three compiled functions, warmed up first), peak host memory
 (ru_maxrss), the model FLOPs of one iteration, the achieved GFLOP/s against the matmul peak (a
-4096² float32 ``jnp.dot``, sampled between the timed iterations of the same run), and trl's figure
-for comparison. The last line is a JSON object. Like the CLI, the script restarts itself once
-with glibc's huge-page tunable (``ppojax.hostmem``; ``PPOJAX_HUGE_PAGES=0``: off).
+4096² float32 ``jnp.dot``, sampled between the timed iterations of the same run), and trl 0.17's
+``PPOTrainer`` on the same models, prompts and settings, timed in the same run (before ppojax's
+step, in a subprocess: ``benchmarks/trl_ppo.py``, in a virtual environment of its own that the
+first ``--trl`` run creates under ``~/.cache/ppojax``; ``--no-trl`` skips it). The last line is a
+JSON object. Like the CLI, the script restarts itself once with glibc's huge-page tunable
+(``ppojax.hostmem``; ``PPOJAX_HUGE_PAGES=0``: off).
 
 Model FLOPs (multiply-add = 2 FLOPs), from the model config: d = hidden_size, f =
 intermediate_size, L = num_layers, H / H_kv = num_heads / num_kv_heads, D = head_dim, V =
@@ -67,6 +70,8 @@ import os
 import pathlib
 import resource
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 
@@ -78,6 +83,9 @@ from ppojax import hostmem, runner
 from ppojax.experience import Prompts
 from ppojax.models import load_model, save_model
 
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+import trl_ppo  # noqa: E402  pylint: disable=wrong-import-position
+
 CONFIGS = pathlib.Path(__file__).resolve().parents[1] / "configs"
 # Chat prompts whose templated length is exactly 44 SmolLM2 tokens (default system prompt
 # included); shorter ones would be left-padded.
@@ -87,9 +95,6 @@ QUESTIONS = [
     "Write a haiku about autumn leaves falling on a very quiet lake.",
     "How do bees make honey? Answer in two or three short sentences.",
 ]
-TRL_SECONDS = 27.8
-TRL_PROVENANCE = ("trl 0.17 PPOTrainer, same models and settings, measured on the reference "
-                  "2-core machine: 27.8 s/iteration")
 REFERENCE_TFLOP = 2.9  # the issue's figure for 16 × (44 + 32) tokens
 
 
@@ -209,6 +214,24 @@ def matmul_peak(dtype, n: int, repeats: int = 3) -> float:
   return 2 * n**3 / statistics.median(times) / 1e9
 
 
+def run_trl(python: pathlib.Path, policy_dir: str, reward_dir: str, prompts: Prompts,
+            response_length: int, iterations: int) -> dict:
+  """trl's seconds per iteration on the same models and prompts (``trl_ppo.py`` in its own
+  environment, one warm-up iteration): the JSON object it prints last."""
+  with tempfile.NamedTemporaryFile("w", suffix=".json") as f:
+    json.dump(np.asarray(prompts.tokens).tolist(), f)
+    f.flush()
+    cmd = [str(python), str(pathlib.Path(trl_ppo.__file__)), "--policy", policy_dir,
+           "--reward", reward_dir, "--prompts", f.name, "--response-length",
+           str(response_length), "--iterations", str(iterations), "--warmup", "1"]
+    # the same environment as ppojax's side (the huge-page tunable included)
+    proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
+  if proc.returncode:
+    raise RuntimeError(f"trl's PPOTrainer failed (rc={proc.returncode}); its last output:\n"
+                       f"{proc.stderr[-3000:]}\n(--no-trl skips the comparison)")
+  return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
 def peak_rss_mb() -> float:
   return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
 
@@ -224,11 +247,34 @@ def main():
   parser.add_argument("--remat", action="store_true")
   parser.add_argument("--unrolled", action="store_true", help="model.scan_layers=False")
   parser.add_argument("--matmul-size", type=int, default=4096)
+  parser.add_argument("--trl", action=argparse.BooleanOptionalAction, default=True,
+                      help="time trl's PPOTrainer on the same task in this run (default)")
+  parser.add_argument("--trl-env", type=pathlib.Path, default=None,
+                      help=f"its virtual environment (default {trl_ppo.default_env_dir()})")
   args = parser.parse_args()
   b, r_len = args.batch, args.response_length
 
-  with tempfile.TemporaryDirectory() as reward_dir:
+  with tempfile.TemporaryDirectory() as tmp:
+    reward_dir, policy_dir = f"{tmp}/reward", f"{tmp}/policy"
     save_model(reward_dir, load_model("smollm2", head="value"))  # zero score head
+    trl = None
+    if args.trl:  # first, while this process holds no compiled step or TrainState
+      python = trl_ppo.ensure_env(args.trl_env)
+      policy = load_model("smollm2")
+      save_model(policy_dir, policy)
+      trl_peaks = [matmul_peak(jnp.float32, args.matmul_size)]
+      print(f"trl: {args.iterations} iterations after one warm-up ...", flush=True)
+      trl = run_trl(python, policy_dir, reward_dir,
+                    make_prompts(policy.tokenizer, b, args.prompt_length), r_len,
+                    args.iterations)
+      trl_peaks.append(matmul_peak(jnp.float32, args.matmul_size))
+      trl["matmul_peak_samples"] = trl_peaks
+      del policy
+      print(f"trl {trl['trl']} (transformers {trl['transformers']}, torch {trl['torch']}, "
+            f"{trl['threads']} threads): {trl['seconds_per_iteration']:.2f} s/iteration (median "
+            f"of {', '.join(f'{x:.2f}' for x in trl['iterations'])}; warm-up "
+            f"{trl['warmup_seconds'][0]:.1f} s); float32 peak before / after: "
+            f"{trl_peaks[0]:.0f} / {trl_peaks[1]:.0f} GFLOP/s", flush=True)
     config = make_config(args, reward_dir)
     t0 = time.perf_counter()
     run = runner.build(config)
@@ -338,9 +384,12 @@ def main():
            if args.dtype != "float32" else ""))
   print(f"peak host memory (ru_maxrss): {rss:.0f} MB ({build_rss:.0f} MB already after loading "
         f"the models and building the state)")
-  print(f"\ntrl reference (cross-run constant, not measured side by side): {TRL_PROVENANCE}")
-  print(f"  ratio trl / ppojax fused = {TRL_SECONDS:.1f} / {seconds:.2f} = "
-        f"{TRL_SECONDS / seconds:.2f}x (cross-run: different runs, same machine class)")
+  trl_ratio = None
+  if trl is not None:
+    trl_ratio = trl["seconds_per_iteration"] / seconds
+    print(f"\ntrl {trl['trl']} PPOTrainer, same models, prompts and settings, this run: "
+          f"{trl['seconds_per_iteration']:.2f} s/iteration; trl / ppojax fused = "
+          f"{trl['seconds_per_iteration']:.2f} / {seconds:.2f} = {trl_ratio:.2f}x")
 
   print(json.dumps({
       "seconds_per_iteration": seconds, "iterations": fused, "compile_seconds": compile_s,
@@ -354,8 +403,9 @@ def main():
       "dtype": args.dtype, "remat": args.remat, "unrolled": args.unrolled,
       "huge_pages": hostmem.huge_pages_active(),
       "batch": b, "prompt_length": args.prompt_length,
-      "response_length": r_len, "trl_seconds_per_iteration": TRL_SECONDS,
-      "trl_ratio_cross_run": TRL_SECONDS / seconds,
+      "response_length": r_len,
+      "trl_seconds_per_iteration": None if trl is None else trl["seconds_per_iteration"],
+      "trl_ratio": trl_ratio, "trl": trl,
       "device": jax.devices()[0].device_kind, "cpus": os.cpu_count()}))
 
 

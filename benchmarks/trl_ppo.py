@@ -1,0 +1,143 @@
+"""Seconds per PPO iteration of trl's ``PPOTrainer``: the other side of ``ppo_step.py --trl``.
+
+It runs in an environment of its own, because trl 0.17 needs a transformers 4.x and ppojax
+installs 5.x (``ppo_step.py --trl`` makes that environment with ``ensure_env`` and runs this
+script in it, in the same benchmark run as ppojax's step):
+
+    python benchmarks/trl_ppo.py --policy DIR --reward DIR --prompts FILE.json \\
+        [--response-length 32] [--iterations 3] [--warmup 1]
+
+DIR are Hugging Face directories (the policy as ``*ForCausalLM``, the reward model as
+``*ForSequenceClassification`` with one label; the critic starts from the reward model, trl's
+default recipe and ppojax's ``critic_init = "reward"``). FILE holds the prompts as lists of token
+ids, all of one length (so no padding differs from ppojax's side). The settings mirror
+``ppo_step.py``: float32 on the CPU, every core; one epoch, one minibatch, no gradient
+accumulation; the batch is the number of prompts; no stop token (trl then samples exactly
+``--response-length`` tokens, as ppojax does with min_new_tokens = max_new_tokens); no sample
+generations, no logging integrations, no checkpoints.
+
+An iteration is the time between two of trl's ``on_step_end`` callbacks: rollout, scoring,
+update, and trl's own bookkeeping of that iteration. The first ``--warmup`` iterations are not
+counted. The last line printed is a JSON object with ``seconds_per_iteration`` (the median) and
+the versions used.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import venv
+from pathlib import Path
+
+# What ``ensure_env`` installs: trl 0.17 (the version the issue's reference figure was taken
+# with), the newest transformers 4.x it runs with, and the project's CPU build of torch.
+TRL_REQUIREMENTS = ("torch==2.13.0", "trl==0.17.0", "transformers==4.51.3", "accelerate==1.15.0",
+                    "datasets>=3")
+
+
+def default_env_dir() -> Path:
+  cache = Path(os.environ.get("PPOJAX_CACHE", Path.home() / ".cache" / "ppojax"))
+  return cache / "trl-0.17-venv"
+
+
+def ensure_env(directory: Path | None = None) -> Path:
+  """The Python of a virtual environment with ``TRL_REQUIREMENTS``, created on first use (about
+  a minute of downloads); a marker file records a complete install."""
+  directory = Path(directory or default_env_dir())
+  python = directory / "bin" / "python"
+  marker = directory / "ppojax-requirements.txt"
+  wanted = "\n".join(TRL_REQUIREMENTS)
+  if python.exists() and marker.exists() and marker.read_text() == wanted:
+    return python
+  print(f"creating a trl environment in {directory}: {' '.join(TRL_REQUIREMENTS)}", flush=True)
+  venv.create(directory, with_pip=True, clear=True)
+  subprocess.run([str(python), "-m", "pip", "install", "--quiet", *TRL_REQUIREMENTS],
+                 check=True)
+  marker.write_text(wanted)
+  return python
+
+
+def main():
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--policy", required=True)
+  parser.add_argument("--reward", required=True)
+  parser.add_argument("--prompts", required=True, help="JSON list of token-id lists")
+  parser.add_argument("--response-length", type=int, default=32)
+  parser.add_argument("--iterations", type=int, default=3)
+  parser.add_argument("--warmup", type=int, default=1)
+  parser.add_argument("--lr", type=float, default=3e-6)
+  args = parser.parse_args()
+
+  # pylint: disable=import-outside-toplevel
+  import torch
+  import transformers
+  import trl
+  from datasets import Dataset
+  from transformers import (AutoModelForCausalLM, AutoModelForSequenceClassification,
+                            PreTrainedTokenizerFast, TrainerCallback)
+  from trl import PPOConfig, PPOTrainer
+
+  torch.set_num_threads(os.cpu_count())
+  prompts = json.loads(Path(args.prompts).read_text())
+  if len({len(p) for p in prompts}) != 1:
+    raise ValueError("every prompt must have the same number of tokens")
+  batch = len(prompts)
+  n_iterations = args.warmup + args.iterations
+
+  # tokenizer.json itself: ppojax writes it with transformers 5, whose tokenizer_config.json
+  # names a class that transformers 4 does not have
+  model_config = json.loads((Path(args.policy) / "config.json").read_text())
+  tokenizer = PreTrainedTokenizerFast(tokenizer_file=str(Path(args.policy) / "tokenizer.json"),
+                                      padding_side="left")
+  tokenizer.pad_token = tokenizer.convert_ids_to_tokens(model_config["pad_token_id"])
+  tokenizer.eos_token = tokenizer.convert_ids_to_tokens(model_config["eos_token_id"])
+  load = lambda cls, path, **kw: cls.from_pretrained(  # noqa: E731
+      path, torch_dtype=torch.float32, **kw)
+  policy = load(AutoModelForCausalLM, args.policy)
+  ref_policy = load(AutoModelForCausalLM, args.policy)
+  reward = load(AutoModelForSequenceClassification, args.reward, num_labels=1)
+  value = load(AutoModelForSequenceClassification, args.reward, num_labels=1)
+  data = Dataset.from_dict({"input_ids": prompts * n_iterations})
+
+  class Clock(TrainerCallback):
+    def __init__(self):
+      self.marks = [time.perf_counter()]
+
+    def on_step_end(self, *_, **__):
+      self.marks.append(time.perf_counter())
+
+  clock = Clock()
+  with tempfile.TemporaryDirectory() as out:
+    config = PPOConfig(
+        output_dir=out, per_device_train_batch_size=batch, gradient_accumulation_steps=1,
+        num_mini_batches=1, num_ppo_epochs=1, response_length=args.response_length,
+        local_rollout_forward_batch_size=batch, total_episodes=batch * n_iterations,
+        num_sample_generations=0, stop_token=None, missing_eos_penalty=None,
+        learning_rate=args.lr, report_to="none", save_strategy="no", logging_steps=10**6,
+        disable_tqdm=True, use_cpu=True, bf16=False, fp16=False, seed=0)
+    trainer = PPOTrainer(args=config, processing_class=tokenizer, model=policy,
+                         ref_model=ref_policy, reward_model=reward, value_model=value,
+                         train_dataset=data, eval_dataset=data.select(range(batch)),
+                         callbacks=[clock])
+    trainer.train()
+
+  steps = [b - a for a, b in zip(clock.marks, clock.marks[1:])]
+  if len(steps) != n_iterations:
+    raise RuntimeError(f"trl ran {len(steps)} iterations, expected {n_iterations}")
+  timed = steps[args.warmup:]
+  print(json.dumps({
+      "seconds_per_iteration": statistics.median(timed), "iterations": timed,
+      "warmup_seconds": steps[:args.warmup], "batch": batch,
+      "prompt_length": len(prompts[0]), "response_length": args.response_length,
+      "trl": trl.__version__, "transformers": transformers.__version__,
+      "torch": torch.__version__, "threads": torch.get_num_threads()}))
+
+
+if __name__ == "__main__":
+  sys.exit(main())
