@@ -105,6 +105,11 @@ def defaults() -> ml_collections.ConfigDict:
   c.ppo.whiten_rewards = False
   c.ppo.whiten_advantages = True
   c.ppo.aggregation = "token_mean"
+  # Where log π_old(token) comes from: "recompute" (a forward pass of the actor over prompt +
+  # response after sampling) or "sampler" (the log-probs generate() computed while sampling:
+  # the same params and temperature, as trl's PPOTrainer does; one policy forward pass fewer
+  # per iteration, equal to "recompute" up to float rounding of the KV-cache decode)
+  c.ppo.old_logprobs = "recompute"
   # An iteration whose scores, advantages, losses or gradient norms hold a NaN or Inf is
   # skipped (no update; counted in skipped/nonfinite); after this many in a row the run saves
   # its last good state and stops with runner.NonFiniteError (0: never stop, only skip)
@@ -185,6 +190,7 @@ CHOICES = {
     "data.task": ("count", "arith", "file"),
     "data.truncate": ("left", "error"),
     "ppo.aggregation": ("token_mean", "seq_mean"),
+    "ppo.old_logprobs": ("recompute", "sampler"),
     "ppo.kl_estimator": ("k1", "kl", "k2", "mse", "k3", "abs", "clamp"),
     "model.dtype": ("float32", "bfloat16", "float16"),
     "optim.actor.decay": ("constant", "linear", "cosine"),

@@ -104,15 +104,22 @@ def model_scores(module: nn.Module, params, prompts, prompt_mask, responses, res
 
 
 def rollout(policy: nn.Module, critic: nn.Module, actor, ref_actor, critic_params,
-            prompts: Prompts, key: Array, sampling: SamplingConfig) -> Rollout:
-  """Sample responses from the actor, then score them with actor, reference and critic."""
+            prompts: Prompts, key: Array, sampling: SamplingConfig,
+            recompute_old_logp: bool = True) -> Rollout:
+  """Sample responses from the actor, then score them with actor, reference and critic.
+
+  ``recompute_old_logp=False`` takes log π_old from the sampler (``Generation.logprobs``:
+  log softmax(logits / T) at the sampled token, under the same actor params) instead of a
+  forward pass over prompt + response; the two differ only by float rounding (the KV-cache
+  decode sums in another order than the full forward)."""
   gen = generate(policy, actor, prompts.tokens, prompts.mask, key, sampling)
   args = (prompts.tokens, prompts.mask, gen.tokens, gen.mask)
   logp = lambda params: response_logprobs(policy, params, *args, sampling.temperature)  # noqa
+  old_logp = logp(actor) if recompute_old_logp else gen.logprobs  # both 0 off the mask
   return Rollout(
       prompts=prompts.tokens, prompt_mask=prompts.mask, responses=gen.tokens, mask=gen.mask,
       has_stop=ops.has_stop_token(gen.tokens, sampling.stop_ids),
-      old_logp=jax.lax.stop_gradient(logp(actor)), ref_logp=jax.lax.stop_gradient(logp(ref_actor)),
+      old_logp=jax.lax.stop_gradient(old_logp), ref_logp=jax.lax.stop_gradient(logp(ref_actor)),
       old_values=jax.lax.stop_gradient(response_values(critic, critic_params, *args)))
 
 

@@ -261,7 +261,8 @@ def make_ppo_step(models: Models, actor_tx, critic_tx, actor_schedule: optax.Sch
   def do_rollout(state: TrainState, frozen: Frozen, prompts: Prompts) -> Rollout:
     _, k_sample, _ = _keys(state)
     return rollout(models.policy, models.critic, state.actor, frozen.ref_actor, state.critic,
-                   prompts, k_sample, sampling)
+                   prompts, k_sample, sampling,
+                   recompute_old_logp=cfg.get("old_logprobs", "recompute") == "recompute")
 
   def do_score(frozen: Frozen, r: Rollout) -> Array:
     args = (r.prompts, r.prompt_mask, r.responses, r.mask)
