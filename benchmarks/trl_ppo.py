@@ -57,9 +57,13 @@ def ensure_env(directory: Path | None = None) -> Path:
     return python
   print(f"creating a trl environment in {directory}: {' '.join(TRL_REQUIREMENTS)}", flush=True)
   venv.create(directory, with_pip=True, clear=True)
-  subprocess.run([str(python), "-m", "pip", "install", "--quiet", *TRL_REQUIREMENTS],
-                 check=True)
-  marker.write_text(wanted)
+  pip = subprocess.run([str(python), "-m", "pip", "install", "--quiet", *TRL_REQUIREMENTS],
+                       check=False)
+  if pip.returncode:
+    raise RuntimeError(f"could not install {' '.join(TRL_REQUIREMENTS)} into {directory} "
+                       f"(pip exit code {pip.returncode}; PyPI must be reachable once); "
+                       "ppo_step.py --no-trl runs without trl")
+  marker.write_text(wanted)  # only after a complete install: a failed one is redone
   return python
 
 
