@@ -10,7 +10,8 @@ chat prompts, 64 new tokens), a generation does at least these matmuls:
     decode   R − 1 steps, each B rows through every layer's projections and the LM head
 
 This script times exactly those products, nothing else (no attention, norms, sampling or
-cache writes), in JAX (XLA:CPU, as ppojax runs them: fused q/k/v and gate/up, float32) and in
+cache writes), in JAX (XLA:CPU, float32, fused q/k/v and gate/up as ppojax decodes; every
+weight, the LM head's included, as x·W with W [in, out]) and in
 PyTorch (``F.linear``, as transformers runs them), takes the faster of the two per shape, and
 adds them up to a floor on the seconds per ``generate`` call. Then it runs transformers'
 ``generate`` as ``sampling.py`` does and prints
@@ -33,6 +34,7 @@ import sys
 import time
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from ppojax import hostmem
@@ -62,7 +64,6 @@ def layer_shapes(cfg) -> list[tuple[int, int]]:
 def time_jax(rows: int, shapes: list[tuple[int, int]], copies: int, repeats: int) -> float:
   """Seconds for ``rows`` × every (in, out) product, ``copies`` distinct weights of each (the
   layers: distinct weights stream from memory as in a real step)."""
-  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
   rng = np.random.default_rng(0)
   xs = [jnp.asarray(rng.standard_normal((rows, k), np.float32)) for k, _ in shapes]
   ws = [[jnp.asarray(rng.standard_normal((k, n), np.float32)) for _ in range(copies)]
@@ -100,7 +101,7 @@ def main():
   print(f"{'batch':>6}{'part':>9}{'rows':>7}{'jax s':>9}{'torch s':>9}{'GFLOP/s':>9}")
   rows_out = []
   for batch in args.batches:
-    tokens, _ = sampling_bench.make_prompts(model.tokenizer, batch)
+    tokens, mask = sampling_bench.make_prompts(model.tokenizer, batch)
     prompt_len = tokens.shape[1]
     parts = {  # name: (rows, shapes, copies, how many times per generate call)
         "prefill": (batch * prompt_len, body, cfg.num_layers, 1),
@@ -117,8 +118,8 @@ def main():
       print(f"{batch:>6}{name:>9}{rows:>7}{t_jax:>9.4f}{t_torch:>9.4f}{flop / best / 1e9:>9.0f}",
             flush=True)
     n = batch * args.new_tokens
-    theirs = sampling_bench.bench_transformers(model, *sampling_bench.make_prompts(
-        model.tokenizer, batch), args.new_tokens, args.repeats, "float32")
+    theirs = sampling_bench.bench_transformers(model, tokens, mask, args.new_tokens, args.repeats,
+                                               "float32")
     row = {"batch": batch, "prompt_len": int(prompt_len), "floor_seconds": floor,
            "floor_tokens_per_s": n / floor, "transformers_tokens_per_s": n / theirs,
            "ceiling_ratio": theirs / floor}
