@@ -55,9 +55,13 @@ head (d·V = 28 M of SmolLM2's 135 M matmul parameters) adds 0.17 TFLOP where pp
 prefill's last slot, the decode steps, the R response positions of five policy passes): 3.05
 TFLOP; on every position, as a plain Hugging Face forward, it would be 3.28 TFLOP.
 
+The rollout terms are what ``--no-reuse-update-forward`` runs (``ppo.reuse_update_forward =
+False``). By default the benchmark's 1 epoch × 1 minibatch update is a single pass
+(``step.single_pass``): its own forward gives the old values and the old log-probs, and the
+rollout runs neither the critic nor the policy forward (1·policy + 1·value fewer: 2.50 TFLOP).
 With --old-logprobs sampler (``ppo.old_logprobs = "sampler"``) log π_old comes from the
-sampler, as in trl's PPOTrainer, and the rollout has one policy forward fewer (1·policy instead
-of 2·policy above: 2.76 TFLOP).
+sampler, as in trl's PPOTrainer, so the rollout has no policy forward either way (two-pass:
+2.76 TFLOP; single-pass: 2.50).
 
 With --remat the backward recomputes each layer's forward: more work for the hardware, the same
 model FLOPs. Decode attention in ppojax reads all P + R − 1 cache slots (masked), and elementwise
@@ -84,6 +88,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ppojax import hostmem, runner
+from ppojax import step as step_lib
 from ppojax.experience import Prompts
 from ppojax.models import load_model, save_model
 
@@ -130,6 +135,7 @@ def make_config(args, reward_dir: str):
   c.ppo.num_minibatches = 1
   c.ppo.grad_accum = 1
   c.ppo.old_logprobs = args.old_logprobs
+  c.ppo.reuse_update_forward = args.reuse_update_forward
   for name in ("actor", "critic"):  # a realistic fine-tuning lr: the weights stay finite
     c.optim[name].lr = 3e-6
     c.optim[name].warmup_steps = 0
@@ -157,7 +163,7 @@ def make_prompts(tokenizer, batch: int, length: int) -> Prompts:
 
 
 def model_flops(cfg, batch: int, prompt_len: int, response_len: int, lm_head: str = "ppojax",
-                recompute_old_logp: bool = True) -> dict[str, float]:
+                old_logp_fwd: bool = True, critic_fwd: bool = True) -> dict[str, float]:
   """Model FLOPs of one iteration by part (see the module docstring). ``lm_head``: where the
   policy's LM head runs — "ppojax" (the last prompt slot in the prefill, the R response
   positions in scoring passes), "all" (every position, as a plain Hugging Face forward) or
@@ -181,9 +187,9 @@ def model_flops(cfg, batch: int, prompt_len: int, response_len: int, lm_head: st
   policy, value = full(n_lm, t if everywhere else r), full(n_score, t)
   parts = {
       "generation (prefill)": prefill, "generation (decode)": decode,
-      "old log-probs (policy fwd)": policy if recompute_old_logp else 0,
+      "old log-probs (policy fwd)": policy if old_logp_fwd else 0,
       "reference log-probs (fwd)": policy,
-      "critic values (fwd)": value, "reward model (fwd)": value,
+      "critic values (fwd)": value if critic_fwd else 0, "reward model (fwd)": value,
       "policy fwd+bwd": 3 * policy, "critic fwd+bwd": 3 * value,
   }
   return {k: float(v) for k, v in parts.items()}
@@ -254,6 +260,9 @@ def main():
   parser.add_argument("--unrolled", action="store_true", help="model.scan_layers=False")
   parser.add_argument("--old-logprobs", default="recompute", choices=["recompute", "sampler"],
                       help="ppo.old_logprobs (sampler: no policy forward for log π_old)")
+  parser.add_argument("--reuse-update-forward", action=argparse.BooleanOptionalAction,
+                      default=True, help="ppo.reuse_update_forward (default): the single-pass "
+                      "update gives the old values and log-probs; --no-…: rollout forwards")
   parser.add_argument("--matmul-size", type=int, default=4096)
   parser.add_argument("--trl", action=argparse.BooleanOptionalAction, default=True,
                       help="time trl's PPOTrainer on the same task in this run (default)")
@@ -295,6 +304,7 @@ def main():
         f"CPUs, jax {jax.__version__}; SmolLM2-135M-Instruct as policy, reference, reward and "
         f"critic; {args.dtype}{', remat' if args.remat else ''}"
         f"{', unrolled layers' if args.unrolled else ''}; old log-probs: {args.old_logprobs}; "
+        f"reuse_update_forward={args.reuse_update_forward}; "
         f"huge_pages={hostmem.huge_pages_active()}")
   print(f"batch {b}, prompts {args.prompt_length} slots ({real / b:.1f} real tokens per row), "
         f"responses exactly {r_len} tokens; 1 epoch × 1 minibatch; build {build_s:.1f} s",
@@ -342,7 +352,9 @@ def main():
   rss = peak_rss_mb()
 
   recompute = args.old_logprobs == "recompute"
-  flops = model_flops(cfg, b, args.prompt_length, r_len, recompute_old_logp=recompute)
+  single = step_lib.single_pass(config.ppo)  # the benchmark's 1 × 1 × 1 update
+  runs = {"old_logp_fwd": recompute and not single, "critic_fwd": not single}
+  flops = model_flops(cfg, b, args.prompt_length, r_len, **runs)
   total = sum(flops.values())
   phase_s = {k: statistics.median(m[f"time/{k}"] for m in rows) for k in PHASE_PARTS}
   phased_total = statistics.median(m["time/iteration"] for m in rows)
@@ -371,14 +383,14 @@ def main():
   print(f"\nmodel FLOPs of one iteration ({b} × ({args.prompt_length} + {r_len}) tokens):")
   for name, fl in flops.items():
     print(f"  {name:<30}{fl / 1e12:>8.3f} TFLOP")
-  other = {k: sum(model_flops(cfg, b, args.prompt_length, r_len, k, recompute).values()) / 1e12
+  other = {k: sum(model_flops(cfg, b, args.prompt_length, r_len, k, **runs).values()) / 1e12
            for k in ("all", "none")}
   print(f"  {'total':<30}{total / 1e12:>8.3f} TFLOP  (the issue's reference: about "
         f"{REFERENCE_TFLOP} TFLOP for 16 × (44 + 32))")
   print(f"  the same count with the LM head on every position (a plain HF forward): "
         f"{other['all']:.3f} TFLOP; without any LM head (2 × non-embedding parameters per "
         f"token + attention): {other['none']:.3f} TFLOP")
-  if b == 16 and args.prompt_length == 44 and r_len == 32 and recompute and not (
+  if b == 16 and args.prompt_length == 44 and r_len == 32 and all(runs.values()) and not (
       0.8 < total / 1e12 / REFERENCE_TFLOP < 1.25):
     print(f"  WARNING: {total / 1e12:.2f} TFLOP is not in the ballpark of {REFERENCE_TFLOP}")
 
@@ -410,7 +422,8 @@ def main():
       "fraction_of_peak": achieved / peak, "peak_rss_mb": rss,
       "peak_rss_after_build_mb": build_rss, "phases": phases,
       "dtype": args.dtype, "remat": args.remat, "unrolled": args.unrolled,
-      "old_logprobs": args.old_logprobs,
+      "old_logprobs": args.old_logprobs, "reuse_update_forward": args.reuse_update_forward,
+      "single_pass": single,
       "huge_pages": hostmem.huge_pages_active(),
       "batch": b, "prompt_length": args.prompt_length,
       "response_length": r_len,

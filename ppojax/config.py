@@ -110,6 +110,13 @@ def defaults() -> ml_collections.ConfigDict:
   # the same params and temperature, as trl's PPOTrainer does; one policy forward pass fewer
   # per iteration, equal to "recompute" up to float rounding of the KV-cache decode)
   c.ppo.old_logprobs = "recompute"
+  # With 1 epoch × 1 minibatch × 1 micro-batch the update's one gradient step runs at the
+  # rollout's params, so its forward pass gives the old values (and, with "recompute", the old
+  # log-probs) that a rollout forward would: take them from there (one critic forward and one
+  # policy forward pass fewer per iteration; the same iteration up to float rounding). False:
+  # always run the rollout's forward passes. No effect with more epochs, minibatches or
+  # micro-batches.
+  c.ppo.reuse_update_forward = True
   # An iteration whose scores, advantages, losses or gradient norms hold a NaN or Inf is
   # skipped (no update; counted in skipped/nonfinite); after this many in a row the run saves
   # its last good state and stops with runner.NonFiniteError (0: never stop, only skip)

@@ -47,9 +47,9 @@ class Rollout(NamedTuple):
   responses: Array  # int32, pad_id after the first stop token
   mask: Array  # bool response mask (the stop token included)
   has_stop: Array  # [B] bool: ended by a stop token, not by the length limit
-  old_logp: Array  # log π_old(token), temperature-scaled
+  old_logp: Array | None  # log π_old(token), temperature-scaled (None: the update computes it)
   ref_logp: Array  # log π_ref(token), same temperature
-  old_values: Array  # V_old(s_t)
+  old_values: Array | None  # V_old(s_t) (None: the update computes it)
 
 
 class Experience(NamedTuple):
@@ -105,22 +105,32 @@ def model_scores(module: nn.Module, params, prompts, prompt_mask, responses, res
 
 def rollout(policy: nn.Module, critic: nn.Module, actor, ref_actor, critic_params,
             prompts: Prompts, key: Array, sampling: SamplingConfig,
-            recompute_old_logp: bool = True) -> Rollout:
+            old_logp: str = "recompute", old_values: bool = True) -> Rollout:
   """Sample responses from the actor, then score them with actor, reference and critic.
 
-  ``recompute_old_logp=False`` takes log π_old from the sampler (``Generation.logprobs``:
-  log softmax(logits / T) at the sampled token, under the same actor params) instead of a
-  forward pass over prompt + response; the two differ only by float rounding (the KV-cache
-  decode sums in another order than the full forward)."""
+  ``old_logp`` says where log π_old comes from:
+
+  * "recompute": a forward pass of the actor over prompt + response;
+  * "sampler": ``Generation.logprobs``, i.e. log softmax(logits / T) at the sampled token under
+    the same actor params (the two differ only by float rounding: the KV-cache decode sums in
+    another order than the full forward);
+  * "update": not here (``Rollout.old_logp`` is None); a single-pass update takes it from its
+    own forward pass at the same params (``step.single_pass_update``).
+
+  ``old_values=False`` leaves ``Rollout.old_values`` None for the same reason."""
+  if old_logp not in ("recompute", "sampler", "update"):
+    raise ValueError(f"old_logp must be 'recompute', 'sampler' or 'update', got {old_logp!r}")
   gen = generate(policy, actor, prompts.tokens, prompts.mask, key, sampling)
   args = (prompts.tokens, prompts.mask, gen.tokens, gen.mask)
   logp = lambda params: response_logprobs(policy, params, *args, sampling.temperature)  # noqa
-  old_logp = logp(actor) if recompute_old_logp else gen.logprobs  # both 0 off the mask
+  old = {"recompute": lambda: logp(actor), "sampler": lambda: gen.logprobs,  # both 0 off mask
+         "update": lambda: None}[old_logp]()
+  values = response_values(critic, critic_params, *args) if old_values else None
   return Rollout(
       prompts=prompts.tokens, prompt_mask=prompts.mask, responses=gen.tokens, mask=gen.mask,
       has_stop=ops.has_stop_token(gen.tokens, sampling.stop_ids),
-      old_logp=jax.lax.stop_gradient(old_logp), ref_logp=jax.lax.stop_gradient(logp(ref_actor)),
-      old_values=jax.lax.stop_gradient(response_values(critic, critic_params, *args)))
+      old_logp=jax.lax.stop_gradient(old), ref_logp=jax.lax.stop_gradient(logp(ref_actor)),
+      old_values=jax.lax.stop_gradient(values))
 
 
 def make_experience(r: Rollout, scores: Array, beta: Array, cfg) -> tuple[Experience, dict]:

@@ -6,6 +6,8 @@
     experience = −β·KL_t shaping (+ score on the last token), GAE     (experience.make_experience)
     update     = E epochs × M shuffled minibatches (lax.scan), each the sum of K micro-batch
                  gradients (lax.scan), clipped by global norm, Adam with warmup + decay
+                 (E·M·K = 1: one step at the rollout's params, whose forward pass also gives
+                 the old values and log-probs: ``single_pass``)
     β          = KL controller update
     guard      = all finite (scores, advantages, losses, gradient norms)? the new state : the old
                  one with only the key advanced (``skipped/nonfinite`` = 1)
@@ -127,22 +129,55 @@ def _micro_weight(micro_mask: Array, minibatch_mask: Array, aggregation: str) ->
   return ops.masked_count(micro_mask) / jnp.maximum(ops.masked_count(minibatch_mask), 1)
 
 
-def ppo_loss_on(params, models: Models, exp: Experience, cfg, temperature: float
-                ) -> tuple[Array, dict]:
-  """The clipped PPO loss of actor and critic on (a slice of) the experience; log-probs and
-  entropy at the sampling ``temperature``."""
+def update_forward(params, models: Models, r: Rollout, temperature: float, ent_coef: float
+                   ) -> tuple[Array, Array, Array]:
+  """The update's forward pass over prompt + response: (log π_T(response_t), entropy_t,
+  V(s_t)), each [B, R], log-probs and entropy at the sampling ``temperature``. The entropy
+  carries a gradient only when ``ent_coef`` is non-zero (otherwise it is a metric)."""
   actor, critic = params
-  r = exp.rollout
   logits = response_logits(models.policy, actor, r.prompts, r.prompt_mask, r.responses, r.mask)
   logp = ops.selective_log_softmax(logits, r.responses, temperature)
   entropy = ops.entropy_from_logits(logits, temperature)
-  if not cfg.ent_coef:  # a metric only: no gradient through it
+  if not ent_coef:
     entropy = jax.lax.stop_gradient(entropy)
   values = response_values(models.critic, critic, r.prompts, r.prompt_mask, r.responses, r.mask)
+  return logp, entropy, values
+
+
+def _clipped_loss(logp, entropy, values, exp: Experience, cfg) -> tuple[Array, dict]:
+  r = exp.rollout
   return losses.ppo_loss(
       logp, r.old_logp, exp.advantages, values, r.old_values, exp.returns, r.mask, entropy,
       vf_coef=cfg.vf_coef, ent_coef=cfg.ent_coef, clip_eps=cfg.clip_eps,
       dual_clip=cfg.dual_clip, value_clip=cfg.value_clip, aggregation=cfg.aggregation)
+
+
+def ppo_loss_on(params, models: Models, exp: Experience, cfg, temperature: float
+                ) -> tuple[Array, dict]:
+  """The clipped PPO loss of actor and critic on (a slice of) the experience; log-probs and
+  entropy at the sampling ``temperature``."""
+  logp, entropy, values = update_forward(params, models, exp.rollout, temperature, cfg.ent_coef)
+  return _clipped_loss(logp, entropy, values, exp, cfg)
+
+
+def single_pass_loss(params, models: Models, r: Rollout, scores: Array, beta: Array, cfg,
+                     temperature: float) -> tuple[Array, tuple[dict, Experience, dict]]:
+  """The clipped PPO loss when the update is one gradient step at the rollout's own params
+  (``single_pass``): V_old(s_t) — and log π_old where ``r.old_logp`` is None — are this
+  forward's outputs under stop_gradient, then rewards, GAE and the loss follow as usual.
+
+      V_old = sg(V_θ),  log π_old = sg(log π_θ),  (A, R) = GAE(sg(·)),  L = L_PPO(θ; A, R)
+
+  The value and the gradient equal those of a separate rollout forward followed by the update
+  (same params, so the same numbers up to float rounding): everything the rollout would have
+  given is a constant of θ here too. Aux: (loss metrics, experience, experience metrics)."""
+  logp, entropy, values = update_forward(params, models, r, temperature, cfg.ent_coef)
+  old_logp = r.old_logp if r.old_logp is not None else jnp.where(r.mask, logp, 0.0)
+  r = r._replace(old_logp=jax.lax.stop_gradient(old_logp),
+                 old_values=jax.lax.stop_gradient(values))  # response_values: 0 off the mask
+  exp, exp_metrics = make_experience(r, scores, beta, cfg)
+  loss, metrics = _clipped_loss(logp, entropy, values, exp, cfg)
+  return loss, (metrics, exp, exp_metrics)
 
 
 def _minibatch_grads(params, models: Models, exp: Experience, idx: Array, cfg, temperature):
@@ -166,6 +201,23 @@ def _minibatch_grads(params, models: Models, exp: Experience, idx: Array, cfg, t
   return grads, jax.tree.map(lambda m: jnp.sum(m, axis=0), metrics)
 
 
+def _apply_grads(actor_tx, critic_tx, params_and_opts, grads) -> tuple[tuple, dict]:
+  """One optimizer step of actor and critic: ((actor, critic, actor_opt, critic_opt), the
+  gradient norms before clipping)."""
+  actor, critic, actor_opt, critic_opt = params_and_opts
+  g_actor, g_critic = grads
+  a_upd, actor_opt = actor_tx.update(g_actor, actor_opt, actor)
+  c_upd, critic_opt = critic_tx.update(g_critic, critic_opt, critic)
+  norms = {"policy/grad_norm": optax.tree.norm(g_actor), "val/grad_norm": optax.tree.norm(g_critic)}
+  return (optax.apply_updates(actor, a_upd), optax.apply_updates(critic, c_upd),
+          actor_opt, critic_opt), norms
+
+
+def _with_params(state: TrainState, params_and_opts) -> TrainState:
+  actor, critic, actor_opt, critic_opt = params_and_opts
+  return state._replace(actor=actor, critic=critic, actor_opt=actor_opt, critic_opt=critic_opt)
+
+
 def update(models: Models, actor_tx, critic_tx, state: TrainState, exp: Experience, key: Array,
            cfg, temperature: float) -> tuple[TrainState, dict]:
   """E epochs of M shuffled minibatches, each one optimizer step on the sum of K micro-batch
@@ -176,20 +228,37 @@ def update(models: Models, actor_tx, critic_tx, state: TrainState, exp: Experien
   indices = perms.reshape(e * m, k, batch // (m * k))
 
   def step(carry, idx):
-    actor, critic, actor_opt, critic_opt = carry
-    (g_actor, g_critic), metrics = _minibatch_grads(
-        (actor, critic), models, exp, idx, cfg, temperature)
-    a_upd, actor_opt = actor_tx.update(g_actor, actor_opt, actor)
-    c_upd, critic_opt = critic_tx.update(g_critic, critic_opt, critic)
-    metrics["policy/grad_norm"] = optax.tree.norm(g_actor)
-    metrics["val/grad_norm"] = optax.tree.norm(g_critic)
-    return (optax.apply_updates(actor, a_upd), optax.apply_updates(critic, c_upd),
-            actor_opt, critic_opt), metrics
+    actor, critic = carry[:2]
+    grads, metrics = _minibatch_grads((actor, critic), models, exp, idx, cfg, temperature)
+    carry, norms = _apply_grads(actor_tx, critic_tx, carry, grads)
+    return carry, {**metrics, **norms}
 
   carry = (state.actor, state.critic, state.actor_opt, state.critic_opt)
-  (actor, critic, actor_opt, critic_opt), metrics = jax.lax.scan(step, carry, indices)
-  state = state._replace(actor=actor, critic=critic, actor_opt=actor_opt, critic_opt=critic_opt)
-  return state, jax.tree.map(jnp.mean, metrics)
+  carry, metrics = jax.lax.scan(step, carry, indices)
+  return _with_params(state, carry), jax.tree.map(jnp.mean, metrics)
+
+
+def single_pass(cfg) -> bool:
+  """Whether the update is one gradient step on the whole batch at the rollout's params (1
+  epoch × 1 minibatch × 1 micro-batch) and ``ppo.reuse_update_forward`` lets it take the old
+  values (and, with ``ppo.old_logprobs = "recompute"``, the old log-probs) from its own forward
+  pass instead of a rollout forward (``single_pass_loss``): one critic forward pass (and one
+  policy forward pass) fewer per iteration, the same iteration up to float rounding."""
+  return bool(cfg.get("reuse_update_forward", True)) and (
+      cfg.num_epochs * cfg.num_minibatches * cfg.grad_accum == 1)
+
+
+def single_pass_update(models: Models, actor_tx, critic_tx, state: TrainState, r: Rollout,
+                       scores: Array, cfg, temperature: float
+                       ) -> tuple[TrainState, Experience, dict, dict]:
+  """The update of a ``single_pass`` config: one gradient of ``single_pass_loss`` on the whole
+  batch, one optimizer step. Returns (state, experience, experience metrics, update metrics)."""
+  params = (state.actor, state.critic)
+  grads, (metrics, exp, exp_metrics) = jax.grad(single_pass_loss, has_aux=True)(
+      params, models, r, scores, state.kl.beta, cfg, temperature)
+  carry, norms = _apply_grads(actor_tx, critic_tx, params + (state.actor_opt, state.critic_opt),
+                              grads)
+  return _with_params(state, carry), exp, exp_metrics, {**metrics, **norms}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -258,11 +327,15 @@ def make_ppo_step(models: Models, actor_tx, critic_tx, actor_schedule: optax.Sch
     raise ValueError("give exactly one reward: Models.reward (a reward model), Models.reward_fn "
                      "(a JAX rule) or python_reward (a host function)")
 
+  one_pass = single_pass(cfg)
+  old_logp = cfg.get("old_logprobs", "recompute")
+  if one_pass and old_logp == "recompute":
+    old_logp = "update"  # the update's forward pass at the same params
+
   def do_rollout(state: TrainState, frozen: Frozen, prompts: Prompts) -> Rollout:
     _, k_sample, _ = _keys(state)
     return rollout(models.policy, models.critic, state.actor, frozen.ref_actor, state.critic,
-                   prompts, k_sample, sampling,
-                   recompute_old_logp=cfg.get("old_logprobs", "recompute") == "recompute")
+                   prompts, k_sample, sampling, old_logp=old_logp, old_values=not one_pass)
 
   def do_score(frozen: Frozen, r: Rollout) -> Array:
     args = (r.prompts, r.prompt_mask, r.responses, r.mask)
@@ -270,12 +343,18 @@ def make_ppo_step(models: Models, actor_tx, critic_tx, actor_schedule: optax.Sch
       return model_scores(models.reward, frozen.reward, *args)
     return models.reward_fn(*args).astype(jnp.float32)
 
-  def do_learn(state: TrainState, r: Rollout, scores: Array) -> tuple[TrainState, dict]:
+  def learn_with_rollout(state: TrainState, r: Rollout, scores: Array
+                         ) -> tuple[TrainState, dict, Rollout]:
+    """(state, metrics, the rollout with old log-probs and values filled in)."""
     next_key, _, k_update = _keys(state)
-    exp, exp_metrics = make_experience(r, scores, state.kl.beta, cfg)
     lr = actor_schedule(_opt_count(state.actor_opt))
-    new, upd = update(models, actor_tx, critic_tx, state, exp, k_update, cfg,
-                      sampling.temperature)
+    if one_pass:
+      new, exp, exp_metrics, upd = single_pass_update(
+          models, actor_tx, critic_tx, state, r, scores, cfg, sampling.temperature)
+    else:
+      exp, exp_metrics = make_experience(r, scores, state.kl.beta, cfg)
+      new, upd = update(models, actor_tx, critic_tx, state, exp, k_update, cfg,
+                        sampling.temperature)
     metrics = {**exp_metrics, **{_TRL_NAMES.get(k, f"{k}_avg"): v for k, v in upd.items()},
                "objective/kl_coef": state.kl.beta, "lr": lr}
     kl_state = controller.update(state.kl, exp_metrics["objective/kl"], scores.shape[0])
@@ -287,12 +366,15 @@ def make_ppo_step(models: Models, actor_tx, critic_tx, actor_schedule: optax.Sch
     # stays alive until the select: one extra copy of parameters and optimizer states.)
     state = jax.tree.map(lambda a, b: jnp.where(ok, a, b), new._replace(key=None),
                          state._replace(key=None))
-    return state._replace(key=next_key), metrics
+    return state._replace(key=next_key), metrics, exp.rollout
+
+  def do_learn(state: TrainState, r: Rollout, scores: Array) -> tuple[TrainState, dict]:
+    return learn_with_rollout(state, r, scores)[:2]
 
   def fused(state, frozen, prompts):
     r = do_rollout(state, frozen, prompts)
     scores = do_score(frozen, r)
-    state, metrics = do_learn(state, r, scores)
+    state, metrics, r = learn_with_rollout(state, r, scores)
     return state, metrics, r, scores
 
   out = None if state_shardings is None else (state_shardings, None)

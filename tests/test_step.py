@@ -97,6 +97,50 @@ def test_sampler_old_logprobs_equal_a_recompute(fused_run):
     _assert_close(a, b, rtol=1e-3, atol=1e-4)
 
 
+def _iterate(run, n, phases=False):
+  """n iterations from run.state: (state, metric rows without timings, rollouts)."""
+  state, rows, rollouts = jax.tree.map(jnp.copy, run.state), [], []  # the state is donated
+  for it in range(n):
+    state, metrics, r, _ = runner.iteration(run, state, run.source.batch(it).prompts,
+                                            phase_timing=phases)
+    rows.append({k: v for k, v in metrics.items() if not k.startswith("time/")})
+    rollouts.append(jax.device_get(r))
+  return jax.device_get(state), rows, rollouts
+
+
+@pytest.mark.parametrize("old_logprobs", ["recompute", "sampler"])
+def test_single_pass_update_equals_a_rollout_forward(old_logprobs):
+  """With 1 epoch × 1 minibatch × 1 micro-batch the update takes the old values (and recomputed
+  old log-probs) from its own forward pass (ppo.reuse_update_forward): the rollout skips those
+  passes, and the fused step and its three phases give the iterations of the two-pass step
+  (reuse_update_forward=False), the fused step's rollout filled in as before. No warmup, so
+  that every iteration moves the params and the critic's values are far from 0 by the third."""
+  one = {"ppo.num_epochs": 1, "ppo.num_minibatches": 1, "ppo.old_logprobs": old_logprobs,
+         "optim.actor.warmup_steps": 0, "optim.critic.warmup_steps": 0}
+  single, double = (runner.build(toy_config(**one, **{"ppo.reuse_update_forward": reuse}))
+                    for reuse in (True, False))
+  r = single.step.rollout(single.state, single.frozen, single.source.batch(0).prompts)
+  assert r.old_values is None and (r.old_logp is None) == (old_logprobs == "recompute")
+  state_d, rows_d, rollouts_d = _iterate(double, 3)
+  last = rollouts_d[-1]
+  assert np.abs(last.old_values[last.mask]).mean() > 1e-2  # the critic has learnt something
+  assert last.mask.any() and not last.mask.all()  # padding to check
+  fused_rollouts = None
+  for phases in (False, True):
+    state, rows, rollouts = _iterate(single, 3, phases)
+    fused_rollouts = fused_rollouts or rollouts
+    _assert_close(_params(state), _params(state_d), rtol=1e-4, atol=1e-5)
+    for a, b in zip(rows, rows_d):
+      assert a.keys() == b.keys()
+      _assert_close(a, b, rtol=1e-4, atol=1e-6)
+  for r, r_d in zip(fused_rollouts, rollouts_d):
+    np.testing.assert_array_equal(r.responses, r_d.responses)
+    for name in ("old_logp", "old_values", "ref_logp"):
+      np.testing.assert_allclose(getattr(r, name), getattr(r_d, name), rtol=0, atol=2e-5,
+                                 err_msg=name)
+      assert not np.any(getattr(r, name)[~r.mask])
+
+
 def test_python_reward_equals_the_jax_rule(fused_run):
   state, rows = fused_run
   config = toy_config(**{"reward.kind": "python", "reward.fn": "ppojax.tasks:count_reward_numpy"})
