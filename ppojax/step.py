@@ -208,7 +208,8 @@ def _apply_grads(actor_tx, critic_tx, params_and_opts, grads) -> tuple[tuple, di
   g_actor, g_critic = grads
   a_upd, actor_opt = actor_tx.update(g_actor, actor_opt, actor)
   c_upd, critic_opt = critic_tx.update(g_critic, critic_opt, critic)
-  norms = {"policy/grad_norm": optax.tree.norm(g_actor), "val/grad_norm": optax.tree.norm(g_critic)}
+  norms = {"policy/grad_norm": optax.tree.norm(g_actor),
+           "val/grad_norm": optax.tree.norm(g_critic)}
   return (optax.apply_updates(actor, a_upd), optax.apply_updates(critic, c_upd),
           actor_opt, critic_opt), norms
 
