@@ -23,12 +23,18 @@ def toy_config(**changes):
 
 
 def _run_steps(config, n=2, phases=False):
-  r = runner.build(config)
-  state, rows = r.state, []
+  return _iterate(runner.build(config), n, phases)[:2]
+
+
+def _iterate(run, n, phases=False):
+  """n iterations from run.state: (state, metric rows without timings, rollouts)."""
+  state, rows, rollouts = jax.tree.map(jnp.copy, run.state), [], []  # the state is donated
   for it in range(n):
-    state, metrics, _, _ = runner.iteration(r, state, r.source.batch(it).prompts, phase_timing=phases)
+    state, metrics, r, _ = runner.iteration(run, state, run.source.batch(it).prompts,
+                                            phase_timing=phases)
     rows.append({k: v for k, v in metrics.items() if not k.startswith("time/")})
-  return jax.device_get(state), rows
+    rollouts.append(jax.device_get(r))
+  return jax.device_get(state), rows, rollouts
 
 
 def _assert_close(a, b, rtol=1e-5, atol=1e-6):
@@ -95,17 +101,6 @@ def test_sampler_old_logprobs_equal_a_recompute(fused_run):
   for a, b in zip(rows, fused_run[1]):
     assert a.keys() == b.keys()
     _assert_close(a, b, rtol=1e-3, atol=1e-4)
-
-
-def _iterate(run, n, phases=False):
-  """n iterations from run.state: (state, metric rows without timings, rollouts)."""
-  state, rows, rollouts = jax.tree.map(jnp.copy, run.state), [], []  # the state is donated
-  for it in range(n):
-    state, metrics, r, _ = runner.iteration(run, state, run.source.batch(it).prompts,
-                                            phase_timing=phases)
-    rows.append({k: v for k, v in metrics.items() if not k.startswith("time/")})
-    rollouts.append(jax.device_get(r))
-  return jax.device_get(state), rows, rollouts
 
 
 @pytest.mark.parametrize("old_logprobs", ["recompute", "sampler"])
