@@ -10,11 +10,12 @@ chat prompts, 64 new tokens), a generation does at least these matmuls:
     decode   R − 1 steps, each B rows through every layer's projections and the LM head
 
 This script times exactly those products, nothing else (no attention, norms, sampling or
-cache writes), in JAX (XLA:CPU, float32, fused q/k/v and gate/up as ppojax decodes; every
-weight, the LM head's included, as x·W with W [in, out]) and in
-PyTorch (``F.linear``, as transformers runs them), takes the faster of the two per shape, and
-adds them up to a floor on the seconds per ``generate`` call. Then it runs transformers'
-``generate`` as ``sampling.py`` does and prints
+cache writes), in JAX (XLA:CPU, float32, fused q/k/v and gate/up as ppojax decodes) in two
+forms — every weight, the LM head's included, as x·W with W [in, out]; and as ppojax decodes,
+``weight_matmul(x, W, 1)`` with W [out, in], which on CPU takes ``columns_matmul`` (W·xᵀ)ᵀ for
+at most ``FEW_ROWS`` rows — and in PyTorch (``F.linear``, as transformers runs them), takes the
+fastest per shape, and adds them up to a floor on the seconds per ``generate`` call. Then it
+runs transformers' ``generate`` as ``sampling.py`` does and prints
 
     ceiling = (B·R / floor seconds) / transformers' tokens/s
 
@@ -39,6 +40,7 @@ import numpy as np
 
 from ppojax import hostmem
 from ppojax.models import load_model
+from ppojax.models.transformer import weight_matmul
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 import sampling as sampling_bench  # noqa: E402  pylint: disable=wrong-import-position
@@ -61,14 +63,17 @@ def layer_shapes(cfg) -> list[tuple[int, int]]:
           (f, d)]
 
 
-def time_jax(rows: int, shapes: list[tuple[int, int]], copies: int, repeats: int) -> float:
+def time_jax(rows: int, shapes: list[tuple[int, int]], copies: int, repeats: int,
+             transposed: bool = False) -> float:
   """Seconds for ``rows`` × every (in, out) product, ``copies`` distinct weights of each (the
-  layers: distinct weights stream from memory as in a real step)."""
+  layers: distinct weights stream from memory as in a real step). ``transposed``: weights
+  [out, in], multiplied as ppojax's decode layout does (``weight_matmul(x, W, 1)``); else x·W."""
   rng = np.random.default_rng(0)
   xs = [jnp.asarray(rng.standard_normal((rows, k), np.float32)) for k, _ in shapes]
-  ws = [[jnp.asarray(rng.standard_normal((k, n), np.float32)) for _ in range(copies)]
-        for k, n in shapes]
-  f = jax.jit(lambda xs, ws: [[x @ w for w in group] for x, group in zip(xs, ws)])
+  ws = [[jnp.asarray(rng.standard_normal((n, k) if transposed else (k, n), np.float32))
+         for _ in range(copies)] for k, n in shapes]
+  product = (lambda x, w: weight_matmul(x, w, 1)) if transposed else jnp.matmul
+  f = jax.jit(lambda xs, ws: [[product(x, w) for w in group] for x, group in zip(xs, ws)])
   return median_seconds(lambda: jax.block_until_ready(f(xs, ws)), repeats)
 
 
@@ -98,7 +103,8 @@ def main():
   body, head = layer_shapes(cfg), [(cfg.hidden_size, cfg.vocab_size)]
   print(f"device: {jax.devices()[0].device_kind}, {os.cpu_count()} CPUs; SmolLM2-135M, "
         f"float32, {args.new_tokens} new tokens; huge_pages={hostmem.huge_pages_active()}")
-  print(f"{'batch':>6}{'part':>9}{'rows':>7}{'jax s':>9}{'torch s':>9}{'GFLOP/s':>9}")
+  print(f"{'batch':>6}{'part':>9}{'rows':>7}{'jax x·W s':>11}{'jax ppojax s':>14}{'torch s':>9}"
+        f"{'GFLOP/s':>9}")
   rows_out = []
   for batch in args.batches:
     tokens, mask = sampling_bench.make_prompts(model.tokenizer, batch)
@@ -111,12 +117,13 @@ def main():
     floor = 0.0
     for name, (rows, shapes, copies, times) in parts.items():
       t_jax = time_jax(rows, shapes, copies, args.repeats)
+      t_ours = time_jax(rows, shapes, copies, args.repeats, transposed=True)
       t_torch = time_torch(rows, shapes, copies, args.repeats)
       flop = 2 * rows * copies * sum(k * n for k, n in shapes)
-      best = min(t_jax, t_torch)
+      best = min(t_jax, t_ours, t_torch)
       floor += times * best
-      print(f"{batch:>6}{name:>9}{rows:>7}{t_jax:>9.4f}{t_torch:>9.4f}{flop / best / 1e9:>9.0f}",
-            flush=True)
+      print(f"{batch:>6}{name:>9}{rows:>7}{t_jax:>11.4f}{t_ours:>14.4f}{t_torch:>9.4f}"
+            f"{flop / best / 1e9:>9.0f}", flush=True)
     n = batch * args.new_tokens
     theirs = sampling_bench.bench_transformers(model, tokens, mask, args.new_tokens, args.repeats,
                                                "float32")

@@ -31,7 +31,8 @@ import numpy as np
 
 from ppojax import ops
 from ppojax.models.transformer import (KVCache, fuse_projections, init_cache, model_rope,
-                                       positions_from_mask, unstack_layers, with_shared_prefix)
+                                       positions_from_mask, transpose_kernels, unstack_layers,
+                                       with_shared_prefix)
 
 Array = jax.Array
 
@@ -243,17 +244,25 @@ def decode_layout(module: nn.Module, params) -> tuple[nn.Module, dict]:
   """(module, params) as ``generate`` decodes with them: unrolled layers (they read their
   weights in place; a scanned decode step copies every weight out of the stacked arrays, and ran
   2.2x slower on CPU), q/k/v and gate/up joined (``fused_projections``: the split copies the
-  weights anyway), no remat (no gradient flows through sampling), floats in the compute dtype.
+  weights anyway), no remat (no gradient flows through sampling), floats in the compute dtype,
+  and on CPU the kernels stored [out, in] (``transposed_kernels``: a decode step's few rows
+  then take ``columns_matmul``, 1.7–2x faster on this project's CPU).
 
   ``generate`` applies it on every call, which copies every weight (0.2–0.3 s for SmolLM2-135M on
   this CPU). Call it once and pass its result to reuse one set of params across calls
   (evaluation, serving, benchmarks); on params already in this layout it copies nothing."""
-  if module.cfg.scan_layers:
+  cfg = module.cfg
+  transposed = jax.default_backend() == "cpu"
+  if cfg.transposed_kernels and not cfg.fused_projections:  # fuse in the [in, out] layout
+    params, cfg = transpose_kernels(params), cfg.replace(transposed_kernels=False)
+  if cfg.scan_layers:
     params = unstack_layers(params)
-  if not module.cfg.fused_projections:
+  if not cfg.fused_projections:
     params = fuse_projections(params)
-  module = module.clone(cfg=module.cfg.replace(scan_layers=False, remat=False,
-                                               fused_projections=True))
+  if cfg.transposed_kernels != transposed:
+    params = transpose_kernels(params)
+  module = module.clone(cfg=cfg.replace(scan_layers=False, remat=False, fused_projections=True,
+                                        transposed_kernels=transposed))
   return module, _cast_floats(params, module.cfg.compute_dtype)
 
 

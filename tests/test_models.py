@@ -748,6 +748,33 @@ def test_weight_matmul_gradient_equals_autodiff(w_axis, dtype):
                                rtol=1e-6 if dtype == "float32" else 1e-2, atol=1e-5)
 
 
+@pytest.mark.parametrize("rows", [1, 16, T.FEW_ROWS, T.FEW_ROWS + 1])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_weight_matmul_takes_columns_matmul_on_few_rows(rows, dtype):
+  """On CPU, x·Wᵀ over at most FEW_ROWS rows (a decode step) runs as columns_matmul — (W·xᵀ)ᵀ
+  between optimization barriers — and more rows, or an [in, out] kernel, as one plain dot;
+  every form equals NumPy's product, and the gradient is the written-out one either way."""
+  assert jax.default_backend() == "cpu"
+  kx, kw = jax.random.split(jax.random.key(rows))
+  x = jax.random.normal(kx, (1, rows, 24)).astype(dtype)
+  w = jax.random.normal(kw, (40, 24)).astype(dtype)  # [out, in]
+  want = np.asarray(x, np.float64) @ np.asarray(w, np.float64).T
+  tol = dict(rtol=1e-5, atol=1e-5) if dtype == "float32" else dict(rtol=1e-2, atol=2e-2)
+  for w_axis, kernel in ((1, w), (0, w.T)):
+    f = lambda x, k, w_axis=w_axis: T.weight_matmul(x, k, w_axis)  # noqa: E731
+    barriers = str(jax.make_jaxpr(f)(x, kernel)).count("optimization_barrier")
+    assert barriers == (2 if w_axis == 1 and rows <= T.FEW_ROWS else 0), (w_axis, barriers)
+    y = jax.jit(f)(x, kernel)
+    assert y.shape == (1, rows, 40) and y.dtype == x.dtype
+    np.testing.assert_allclose(np.asarray(y, np.float64), want, **tol)
+  dy = jax.random.normal(jax.random.key(9), (1, rows, 40)).astype(dtype)
+  dx, dw = jax.vjp(lambda x, w: T.weight_matmul(x, w, 1), x, w)[1](dy)
+  dy64 = np.asarray(dy, np.float64)
+  np.testing.assert_allclose(np.asarray(dx, np.float64), dy64 @ np.asarray(w, np.float64), **tol)
+  np.testing.assert_allclose(np.asarray(dw, np.float64),
+                             dy64[0].T @ np.asarray(x, np.float64)[0], **tol)
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_swiglu_gradient_equals_autodiff(dtype):
   """The written-out gradient of silu(g)·u equals autodiff's (float32 math for reference),
@@ -838,6 +865,33 @@ def test_unrolled_layers_match_scanned(name):
   q = "['model']['layers']['attn']['q']['kernel']"
   assert tuple(stacked[q]) == (None, "fsdp", "tensor")
   assert tuple(per_layer[q.replace("['layers']", "['layers_0']")]) == ("fsdp", "tensor")
+
+
+@pytest.mark.parametrize("name", ["llama", "gpt2"])
+def test_transposed_kernels_match(name):
+  """transposed_kernels=True (every Linear kernel [out, in], converted by transpose_kernels:
+  generate's decode layout on CPU) computes the same function, without and with a cache, as a
+  causal LM and as a value model; transpose_kernels swaps exactly the Linear kernels' matrix
+  axes (not the embeddings, not the value head) and is its own inverse."""
+  cfg = CACHE_CONFIGS[name]
+  params, tokens, full_pos, full_mask, full = _decode_setup(cfg)
+  t_cfg, t_params = cfg.replace(transposed_kernels=True), T.transpose_kernels(params)
+  q = params["model"]["layers"]["attn"]["q"]["kernel"]  # [L, in, out]
+  np.testing.assert_array_equal(t_params["model"]["layers"]["attn"]["q"]["kernel"],
+                                np.swapaxes(q, 1, 2))
+  np.testing.assert_array_equal(t_params["model"]["embed"]["embedding"],
+                                params["model"]["embed"]["embedding"])
+  jax.tree.map(np.testing.assert_array_equal, T.transpose_kernels(t_params), params)
+  np.testing.assert_allclose(_ours(t_cfg, t_params, tokens, full_pos, full_mask)[full_mask],
+                             full[full_mask], atol=1e-5)
+  _assert_decodes_like_full(t_cfg, t_params, tokens, full_pos, full_mask, full)
+
+  value_params = T.ValueModel(cfg).init(jax.random.key(3), tokens, full_pos, full_mask)["params"]
+  t_value = T.transpose_kernels(value_params)
+  np.testing.assert_array_equal(t_value["score"]["kernel"], value_params["score"]["kernel"])
+  np.testing.assert_allclose(_ours(t_cfg, t_value, tokens, full_pos, full_mask, value=True),
+                             _ours(cfg, value_params, tokens, full_pos, full_mask, value=True),
+                             atol=1e-5)
 
 
 @pytest.mark.parametrize("name", ["llama", "gpt2"])

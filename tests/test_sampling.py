@@ -24,6 +24,7 @@ import pytest
 
 from ppojax import ops
 from ppojax.models import CausalLM, ModelConfig, positions_from_mask
+from ppojax.models.transformer import transpose_kernels
 from ppojax import sampling
 from ppojax.sampling import SamplingConfig, generate
 
@@ -762,17 +763,28 @@ def test_shared_prefix_generation_equals_the_full_prompts(tiny_params, prefixed_
 
 
 def test_decode_layout_converted_once_gives_the_same_generation(tiny_params, ragged_batch):
-  """Params put in ``decode_layout`` once (unrolled, fused, what ``generate`` converts to on
-  every call) give the same tokens and log-probs, and converting again changes nothing."""
+  """Params put in ``decode_layout`` once (unrolled, fused, on CPU with [out, in] kernels: what
+  ``generate`` converts to on every call) give the same tokens and log-probs, and converting
+  again changes nothing."""
   prompts, mask, _ = ragged_batch
   config = STOP_CONFIGS["pad_is_stop"]
   want = jax.device_get(generate(MODEL, tiny_params, prompts, mask, jax.random.key(4), config))
   module, params = sampling.decode_layout(MODEL, tiny_params)
   assert not module.cfg.scan_layers and module.cfg.fused_projections
+  assert module.cfg.transposed_kernels == (jax.default_backend() == "cpu")
   assert "layers_0" in params["model"] and "qkv" in params["model"]["layers_0"]["attn"]
+  cfg = MODEL.cfg
+  assert params["model"]["layers_0"]["mlp"]["down"]["kernel"].shape == (
+      (cfg.hidden_size, cfg.intermediate_size) if module.cfg.transposed_kernels
+      else (cfg.intermediate_size, cfg.hidden_size))
   again_module, again = sampling.decode_layout(module, params)
   assert again_module.cfg == module.cfg
   jax.tree.map(np.testing.assert_array_equal, again, params)
+  # from [out, in] kernels that are not yet fused: the same layout
+  t_module = MODEL.clone(cfg=MODEL.cfg.replace(transposed_kernels=True))
+  t_module, t_params = sampling.decode_layout(t_module, transpose_kernels(tiny_params))
+  assert t_module.cfg == module.cfg
+  jax.tree.map(np.testing.assert_array_equal, t_params, params)
   got = jax.device_get(generate(module, params, prompts, mask, jax.random.key(4), config))
   np.testing.assert_array_equal(got.tokens, want.tokens)
   np.testing.assert_allclose(got.logprobs, want.logprobs, atol=1e-6)

@@ -49,6 +49,9 @@ class ModelConfig:
   # q/k/v as one ``qkv`` matmul and gate/up as one ``gate_up`` (``fuse_projections`` converts
   # the parameters); the decode layout of ``sampling.generate``, never a checkpoint's
   fused_projections: bool = False
+  # every Linear kernel stored [out, in] (PyTorch's layout; ``transpose_kernels`` converts the
+  # parameters): the decode layout of ``sampling.generate`` on CPU, never a checkpoint's
+  transposed_kernels: bool = False
 
   def __post_init__(self):
     if self.model_type not in SUPPORTED:

@@ -224,8 +224,37 @@ def weight_matmul(x: Array, w: Array, w_axis: int, precision=None) -> Array:
   The same products JAX's transpose rule gives, but stated directly: from the rule's
   transposed form, XLA:CPU computed dW with both operands transposed, materialising dyᵀ through
   the elementwise backward that produced dy (10 ms per [1216, 1536] gradient, 10x a plain
-  copy). Written out, a 30-layer MLP's forward + backward ran 27% faster (203 → 277 GFLOP/s)."""
+  copy). Written out, a 30-layer MLP's forward + backward ran 27% faster (203 → 277 GFLOP/s).
+
+  On CPU, x·Wᵀ over at most ``FEW_ROWS`` rows (a decode step) runs as ``columns_matmul``."""
+  if w_axis == 1 and few_rows(x):
+    return columns_matmul(x, w, precision)
   return _dot_f32(x, w, (((x.ndim - 1,), (w_axis,)), ((), ())), precision)
+
+
+FEW_ROWS = 64
+
+
+def few_rows(x: Array) -> bool:
+  """Whether ``weight_matmul`` computes x [..., K]·Wᵀ as ``columns_matmul``: on CPU, with at
+  most ``FEW_ROWS`` rows (decided at trace time)."""
+  return jax.default_backend() == "cpu" and math.prod(x.shape[:-1]) <= FEW_ROWS
+
+
+def columns_matmul(x: Array, w: Array, precision=None) -> Array:
+  """x·Wᵀ for x [..., K] and W [F, K], computed as (W·xᵀ)ᵀ: the F output features become the
+  rows of the product and the few rows of x its columns.
+
+  XLA:CPU's matmul kernels are slow when the left operand has few rows: SmolLM2-135M's decode
+  projections at 16 rows ran at 35–45 GFLOP/s as x·W, 70–92 as (W·xᵀ)ᵀ (30 layers + the LM head,
+  ``benchmarks/decode_floor.py``). The optimization barriers keep the two small transposes
+  where they are: without them XLA folds them back into an x·Wᵀ product (41 GFLOP/s). The
+  kernel must be stored [F, K] (``ModelConfig.transposed_kernels``, or the tied LM head's
+  embedding table): contracting a [K, F] kernel's first axis ran at 16 GFLOP/s."""
+  x2 = x.reshape(-1, x.shape[-1])
+  barrier = jax.lax.optimization_barrier
+  y_t = barrier(_dot_f32(w, barrier(x2.T), (((1,), (0,)), ((), ())), precision))  # [F, N]
+  return y_t.T.reshape(x.shape[:-1] + (w.shape[0],))
 
 
 def _weight_matmul_fwd(x, w, w_axis, precision):
@@ -244,10 +273,32 @@ def _weight_matmul_bwd(w_axis, precision, residuals, dy):
 weight_matmul.defvjp(_weight_matmul_fwd, _weight_matmul_bwd)
 
 
-def _dense(cfg: ModelConfig, features: int, bias: bool, name: str) -> nn.Dense:
-  return nn.Dense(features, use_bias=bias, dtype=cfg.compute_dtype, param_dtype=cfg.param_dtype,
-                  kernel_init=nn.initializers.normal(0.02), dot_general=dot_f32_accumulate,
-                  name=name)
+class Linear(nn.Module):
+  """y = x·W + b with W [in, out] ("kernel") — or stored [out, in] with
+  ``cfg.transposed_kernels``, then y = x·Wᵀ + b; the same function of the same parameters up
+  to the transpose (``transpose_kernels``). Computed in the compute dtype, accumulated in
+  float32 (``weight_matmul``)."""
+
+  cfg: ModelConfig
+  features: int
+  use_bias: bool
+
+  @nn.compact
+  def __call__(self, x):
+    cfg = self.cfg
+    shape = (x.shape[-1], self.features)
+    kernel = self.param("kernel", nn.initializers.normal(0.02),
+                        shape[::-1] if cfg.transposed_kernels else shape, cfg.param_dtype)
+    x, kernel = x.astype(cfg.compute_dtype), kernel.astype(cfg.compute_dtype)
+    y = weight_matmul(x, kernel, 1 if cfg.transposed_kernels else 0)
+    if self.use_bias:
+      bias = self.param("bias", nn.initializers.zeros, (self.features,), cfg.param_dtype)
+      y = y + bias.astype(cfg.compute_dtype)
+    return y
+
+
+def _dense(cfg: ModelConfig, features: int, bias: bool, name: str) -> Linear:
+  return Linear(cfg, features, bias, name=name)
 
 
 def attend(q: Array, k: Array, v: Array, allowed: Array, keys_transposed: bool = False,
@@ -504,6 +555,18 @@ def fuse_projections(params: dict) -> dict:
   model = {name: fuse_layer(sub) if name == "layers" or name.startswith("layers_") else sub
            for name, sub in params["model"].items()}
   return {**params, "model": model}
+
+
+def transpose_kernels(params: dict) -> dict:
+  """Params for ``transposed_kernels=True`` (and back: the map is its own inverse): every
+  ``Linear`` kernel's two matrix axes swapped, [in, out] ↔ [out, in] (the layer axis of stacked
+  params stays first). The embedding tables and a value model's ``score`` head are unchanged."""
+  def swap(path, leaf):
+    names = [getattr(k, "key", None) for k in path]
+    if names[-1] == "kernel" and "score" not in names:
+      return jnp.swapaxes(leaf, -1, -2)
+    return leaf
+  return jax.tree_util.tree_map_with_path(swap, params)
 
 
 class CausalLM(nn.Module):
