@@ -123,8 +123,11 @@ def rollout(policy: nn.Module, critic: nn.Module, actor, ref_actor, critic_param
   gen = generate(policy, actor, prompts.tokens, prompts.mask, key, sampling)
   args = (prompts.tokens, prompts.mask, gen.tokens, gen.mask)
   logp = lambda params: response_logprobs(policy, params, *args, sampling.temperature)  # noqa
-  old = {"recompute": lambda: logp(actor), "sampler": lambda: gen.logprobs,  # both 0 off mask
-         "update": lambda: None}[old_logp]()
+  old = None  # "update"
+  if old_logp == "recompute":
+    old = logp(actor)
+  elif old_logp == "sampler":
+    old = gen.logprobs  # 0 off the mask, like the recomputed log-probs
   values = response_values(critic, critic_params, *args) if old_values else None
   return Rollout(
       prompts=prompts.tokens, prompt_mask=prompts.mask, responses=gen.tokens, mask=gen.mask,

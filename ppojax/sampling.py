@@ -30,9 +30,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from ppojax import ops
-from ppojax.models.transformer import (KVCache, fuse_projections, init_cache, model_rope,
-                                       positions_from_mask, transpose_kernels, unstack_layers,
-                                       with_shared_prefix)
+from ppojax.models.transformer import (KVCache, columns_pay_off, fuse_projections, init_cache,
+                                       model_rope, positions_from_mask, transpose_kernels,
+                                       unstack_layers, with_shared_prefix)
 
 Array = jax.Array
 
@@ -252,7 +252,7 @@ def decode_layout(module: nn.Module, params) -> tuple[nn.Module, dict]:
   this CPU). Call it once and pass its result to reuse one set of params across calls
   (evaluation, serving, benchmarks); on params already in this layout it copies nothing."""
   cfg = module.cfg
-  transposed = jax.default_backend() == "cpu"
+  transposed = columns_pay_off()
   if cfg.transposed_kernels and not cfg.fused_projections:  # fuse in the [in, out] layout
     params, cfg = transpose_kernels(params), cfg.replace(transposed_kernels=False)
   if cfg.scan_layers:

@@ -197,7 +197,7 @@ def dot_f32_accumulate(lhs, rhs, dimension_numbers, precision=None,
   (300–540 GFLOP/s at decode shapes on this project's 2-core CPU) where bf16 → bf16 took a
   generic loop (27–87 GFLOP/s). Gradients are accumulated in float32 too.
 
-  The layer form — activations x [..., K] times a 2-D weight contracted on one axis (a Dense
+  The layer form — activations x [..., K] times a 2-D weight contracted on one axis (a Linear
   kernel, or the tied LM head's Eᵀ) — takes ``weight_matmul``, whose gradient is written out.
   """
   del preferred_element_type  # always float32
@@ -235,10 +235,16 @@ def weight_matmul(x: Array, w: Array, w_axis: int, precision=None) -> Array:
 FEW_ROWS = 64
 
 
+def columns_pay_off() -> bool:
+  """Whether ``columns_matmul`` (and so the [out, in] decode kernels it needs, which
+  ``sampling.decode_layout`` makes) pays off here: on the CPU backend (decided at trace time)."""
+  return jax.default_backend() == "cpu"
+
+
 def few_rows(x: Array) -> bool:
-  """Whether ``weight_matmul`` computes x [..., K]·Wᵀ as ``columns_matmul``: on CPU, with at
-  most ``FEW_ROWS`` rows (decided at trace time)."""
-  return jax.default_backend() == "cpu" and math.prod(x.shape[:-1]) <= FEW_ROWS
+  """Whether ``weight_matmul`` computes x [..., K]·Wᵀ as ``columns_matmul``: where that pays
+  off, with at most ``FEW_ROWS`` rows."""
+  return columns_pay_off() and math.prod(x.shape[:-1]) <= FEW_ROWS
 
 
 def columns_matmul(x: Array, w: Array, precision=None) -> Array:
@@ -295,10 +301,6 @@ class Linear(nn.Module):
       bias = self.param("bias", nn.initializers.zeros, (self.features,), cfg.param_dtype)
       y = y + bias.astype(cfg.compute_dtype)
     return y
-
-
-def _dense(cfg: ModelConfig, features: int, bias: bool, name: str) -> Linear:
-  return Linear(cfg, features, bias, name=name)
 
 
 def attend(q: Array, k: Array, v: Array, allowed: Array, keys_transposed: bool = False,
@@ -373,10 +375,10 @@ class Attention(nn.Module):
     b, t, _ = x.shape
     h, hk, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     if cfg.fused_projections:  # one matmul, split by columns: [q | k | v]
-      qkv = _dense(cfg, (h + 2 * hk) * d, cfg.qkv_bias, "qkv")(x)
+      qkv = Linear(cfg, (h + 2 * hk) * d, cfg.qkv_bias, name="qkv")(x)
       q, k, v = jnp.split(qkv, [h * d, (h + hk) * d], axis=-1)
     else:
-      q, k, v = (_dense(cfg, n * d, cfg.qkv_bias, name)(x)
+      q, k, v = (Linear(cfg, n * d, cfg.qkv_bias, name=name)(x)
                  for n, name in ((h, "q"), (hk, "k"), (hk, "v")))
     q, k, v = q.reshape(b, t, h, d), k.reshape(b, t, hk, d), v.reshape(b, t, hk, d)
     if rope is not None:  # Llama family; GPT-2 adds learned positions to the embeddings
@@ -405,7 +407,7 @@ class Attention(nn.Module):
                          "prepend it to every prompt instead")
       shared = cache.prefix_k[layer], cache.prefix_v[layer]
     out = attend(q, k.astype(q.dtype), v.astype(q.dtype), allowed, keys_transposed, shared)
-    return _dense(cfg, cfg.hidden_size, cfg.out_bias, "o")(out.reshape(b, t, h * d)), cache
+    return Linear(cfg, cfg.hidden_size, cfg.out_bias, name="o")(out.reshape(b, t, h * d)), cache
 
 
 @jax.custom_vjp
@@ -440,14 +442,15 @@ class MLP(nn.Module):
   def __call__(self, x):
     cfg = self.cfg
     if cfg.is_gpt2:  # fc → GELU (tanh approximation, "gelu_new") → proj
-      hidden = nn.gelu(_dense(cfg, cfg.intermediate_size, True, "fc")(x), approximate=True)
-      return _dense(cfg, cfg.hidden_size, True, "proj")(hidden)
+      hidden = nn.gelu(Linear(cfg, cfg.intermediate_size, True, name="fc")(x), approximate=True)
+      return Linear(cfg, cfg.hidden_size, True, name="proj")(hidden)
     if cfg.fused_projections:  # one matmul, split by columns: [gate | up]
-      gate, up = jnp.split(_dense(cfg, 2 * cfg.intermediate_size, False, "gate_up")(x), 2, -1)
+      gate_up = Linear(cfg, 2 * cfg.intermediate_size, False, name="gate_up")(x)
+      gate, up = jnp.split(gate_up, 2, -1)
     else:
-      gate = _dense(cfg, cfg.intermediate_size, False, "gate")(x)
-      up = _dense(cfg, cfg.intermediate_size, False, "up")(x)
-    return _dense(cfg, cfg.hidden_size, False, "down")(swiglu(gate, up))
+      gate = Linear(cfg, cfg.intermediate_size, False, name="gate")(x)
+      up = Linear(cfg, cfg.intermediate_size, False, name="up")(x)
+    return Linear(cfg, cfg.hidden_size, False, name="down")(swiglu(gate, up))
 
 
 class Block(nn.Module):
@@ -577,7 +580,7 @@ class CausalLM(nn.Module):
   def setup(self):
     self.model = Decoder(self.cfg)
     if not self.cfg.tie_word_embeddings:
-      self.lm_head = _dense(self.cfg, self.cfg.vocab_size, False, "lm_head")
+      self.lm_head = Linear(self.cfg, self.cfg.vocab_size, False, name="lm_head")
 
   def __call__(self, tokens, positions, kv_mask, cache=None, cache_index=0, last_only=False,
                rope=None):
