@@ -7,7 +7,7 @@ below template to 44; shorter ones would be left-padded); every response is forc
 ``--response-length`` tokens (min_new_tokens = max_new_tokens), so the FLOP count below is exact:
 
     python benchmarks/ppo_step.py --batch 16 --response-length 32 [--iterations 3]
-        [--dtype float32|bfloat16] [--remat] [--unrolled]
+        [--dtype float32|bfloat16] [--remat] [--unrolled] [--no-shared-prefix]
 
 Prints the compile time (first iteration minus the steady median), the median seconds per
 iteration of the fused step (one compiled function), a median over the phase-timed path
@@ -33,6 +33,18 @@ T = P + R.
                0-based position i of a causal sequence attends to c = i + 1 positions
 
     full(head, n_head) = B·[2·N_body·T + 2·head·n_head + Σ_{i<T} attn(i + 1)]
+
+With a shared prefix of C tokens (the chat template's header and system prompt, 24 of the 44
+prompt tokens here; ``data.shared_prefix``, on by default as in the CLI) every pass runs those C
+tokens once for the batch: B·T token-rows become C + B·(T − C), i.e.
+
+    full(head, n_head) = B·[2·N_body·(T − C) + 2·head·n_head + Σ_{C≤i<T} attn(i + 1)]
+                         + 2·N_body·C + Σ_{i<C} attn(i + 1)
+
+and the prefill likewise (plus the LM head on the prefix's last slot). The JSON's
+``model_tflop_per_iteration`` and ``achieved_gflops`` count what ppojax runs;
+``whole_rows_tflop_per_iteration`` and ``effective_gflops`` the same iteration with every row
+run whole (C = 0, what trl runs): the rate a step without the prefix would need to match ours.
 
     generation = B·[2·N_body·P + 2·N_lm·1 + Σ_{i<P} attn(i + 1)]         prefill (ppojax runs
                                                                           the LM head on the
@@ -89,7 +101,8 @@ import numpy as np
 
 from ppojax import hostmem, runner
 from ppojax import step as step_lib
-from ppojax.experience import Prompts
+from ppojax.data import template_prefix
+from ppojax.experience import Prompts, with_prefix
 from ppojax.models import load_model, save_model
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
@@ -143,7 +156,10 @@ def make_config(args, reward_dir: str):
   return c
 
 
-def make_prompts(tokenizer, batch: int, length: int) -> Prompts:
+def make_prompts(tokenizer, batch: int, length: int, shared_prefix: bool = True) -> Prompts:
+  """The batch's left-padded chat prompts, with the chat template's header as their shared
+  prefix (``Prompts.prefix``) as the CLI's data sources give them, unless ``shared_prefix`` is
+  False."""
   texts = [tokenizer.apply_chat_template(
       [{"role": "user", "content": QUESTIONS[i % len(QUESTIONS)]}], tokenize=False,
       add_generation_prompt=True) for i in range(batch)]
@@ -154,7 +170,12 @@ def make_prompts(tokenizer, batch: int, length: int) -> Prompts:
   mask = np.zeros((batch, length), bool)
   for i, row in enumerate(rows):
     tokens[i, length - len(row):], mask[i, length - len(row):] = row, True
-  return Prompts(jnp.asarray(tokens), jnp.asarray(mask))
+  prompts = Prompts(tokens, mask)
+  if shared_prefix:
+    prompts = with_prefix(prompts, template_prefix(tokenizer))
+    if prompts.prefix is None:
+      raise RuntimeError("the prompts do not all begin with the chat template's header")
+  return prompts
 
 
 # ---------------------------------------------------------------------------------------------
@@ -163,11 +184,13 @@ def make_prompts(tokenizer, batch: int, length: int) -> Prompts:
 
 
 def model_flops(cfg, batch: int, prompt_len: int, response_len: int, lm_head: str = "ppojax",
-                old_logp_fwd: bool = True, critic_fwd: bool = True) -> dict[str, float]:
+                old_logp_fwd: bool = True, critic_fwd: bool = True, shared: int = 0
+                ) -> dict[str, float]:
   """Model FLOPs of one iteration by part (see the module docstring). ``lm_head``: where the
   policy's LM head runs — "ppojax" (the last prompt slot in the prefill, the R response
   positions in scoring passes), "all" (every position, as a plain Hugging Face forward) or
-  "none" (2 × non-embedding parameters per token)."""
+  "none" (2 × non-embedding parameters per token). ``shared``: the length C of a prefix run
+  once for the batch."""
   d, f, n_layers = cfg.hidden_size, cfg.intermediate_size, cfg.num_layers
   h, hk, hd, vocab = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.vocab_size
   n_body = n_layers * (d * h * hd + 2 * d * hk * hd + h * hd * d + 3 * d * f)
@@ -177,14 +200,18 @@ def model_flops(cfg, batch: int, prompt_len: int, response_len: int, lm_head: st
   t = p + r
   everywhere = lm_head == "all"
 
-  def full(head, n_head):
-    return batch * (2 * n_body * t + 2 * head * n_head + sum(attn(i + 1) for i in range(t)))
+  c = shared
+  once = 2 * n_body * c + sum(attn(i + 1) for i in range(c))  # the prefix, for the batch
 
-  prefill = batch * (2 * n_body * p + 2 * n_lm * (p if everywhere else 1)
-                     + sum(attn(i + 1) for i in range(p)))
+  def full(head, n_head):
+    return batch * (2 * n_body * (t - c) + 2 * head * n_head
+                    + sum(attn(i + 1) for i in range(c, t))) + once
+
+  prefill = batch * (2 * n_body * (p - c) + 2 * n_lm * (p if everywhere else 1)
+                     + sum(attn(i + 1) for i in range(c, p))) + once + (2 * n_lm if c else 0)
   # decode step k feeds token k (slot p + k) and gives token k + 1; the last token is never fed
   decode = sum(batch * (2 * (n_body + n_lm) + attn(p + k + 1)) for k in range(r - 1))
-  policy, value = full(n_lm, t if everywhere else r), full(n_score, t)
+  policy, value = full(n_lm, t if everywhere else r), full(n_score, t - c)
   parts = {
       "generation (prefill)": prefill, "generation (decode)": decode,
       "old log-probs (policy fwd)": policy if old_logp_fwd else 0,
@@ -263,6 +290,9 @@ def main():
   parser.add_argument("--reuse-update-forward", action=argparse.BooleanOptionalAction,
                       default=True, help="ppo.reuse_update_forward (default): the single-pass "
                       "update gives the old values and log-probs; --no-…: rollout forwards")
+  parser.add_argument("--shared-prefix", action=argparse.BooleanOptionalAction, default=True,
+                      help="data.shared_prefix (default): the chat template's header runs once "
+                      "per batch; --no-…: every row whole")
   parser.add_argument("--matmul-size", type=int, default=4096)
   parser.add_argument("--trl", action=argparse.BooleanOptionalAction, default=True,
                       help="time trl's PPOTrainer on the same task in this run (default)")
@@ -298,7 +328,8 @@ def main():
     build_s = time.perf_counter() - t0
   build_rss = peak_rss_mb()
   cfg = run.policy.cfg
-  prompts = make_prompts(run.policy.tokenizer, b, args.prompt_length)
+  prompts = make_prompts(run.policy.tokenizer, b, args.prompt_length, args.shared_prefix)
+  shared = 0 if prompts.prefix is None else len(prompts.prefix)
   real = int(np.sum(np.asarray(prompts.mask)))
   print(f"device: {jax.devices()[0].device_kind} ({jax.default_backend()}), {os.cpu_count()} "
         f"CPUs, jax {jax.__version__}; SmolLM2-135M-Instruct as policy, reference, reward and "
@@ -307,7 +338,8 @@ def main():
         f"reuse_update_forward={args.reuse_update_forward}; "
         f"huge_pages={hostmem.huge_pages_active()}")
   print(f"batch {b}, prompts {args.prompt_length} slots ({real / b:.1f} real tokens per row), "
-        f"responses exactly {r_len} tokens; 1 epoch × 1 minibatch; build {build_s:.1f} s",
+        f"responses exactly {r_len} tokens; shared prefix {shared} tokens; 1 epoch × 1 "
+        f"minibatch; build {build_s:.1f} s",
         flush=True)
 
   # The fused step: one compiled function. The first call compiles.
@@ -354,14 +386,15 @@ def main():
   recompute = args.old_logprobs == "recompute"
   single = step_lib.single_pass(config.ppo)  # the benchmark's 1 × 1 × 1 update
   runs = {"old_logp_fwd": recompute and not single, "critic_fwd": not single}
-  flops = model_flops(cfg, b, args.prompt_length, r_len, **runs)
+  flops = model_flops(cfg, b, args.prompt_length, r_len, **runs, shared=shared)
   total = sum(flops.values())
+  whole = sum(model_flops(cfg, b, args.prompt_length, r_len, **runs).values())
   phase_s = {k: statistics.median(m[f"time/{k}"] for m in rows) for k in PHASE_PARTS}
   phased_total = statistics.median(m["time/iteration"] for m in rows)
 
   peaks = {k: statistics.median(v) for k, v in peak_samples.items()}
   peak = peaks[args.dtype]
-  achieved = total / seconds / 1e9
+  achieved, effective = total / seconds / 1e9, whole / seconds / 1e9
 
   print(f"phase-timed path (three compiled functions): warm-up {phase_first_s:.1f} s, then "
         f"{phased_total:.2f} s/iteration (median of {args.iterations}; "
@@ -384,15 +417,17 @@ def main():
   for name, fl in flops.items():
     print(f"  {name:<30}{fl / 1e12:>8.3f} TFLOP")
   other = {k: sum(model_flops(cfg, b, args.prompt_length, r_len, k, **runs).values()) / 1e12
-           for k in ("all", "none")}
-  print(f"  {'total':<30}{total / 1e12:>8.3f} TFLOP  (the issue's reference: about "
-        f"{REFERENCE_TFLOP} TFLOP for 16 × (44 + 32))")
+           for k in ("all", "none")}  # rows whole
+  print(f"  {'total':<30}{total / 1e12:>8.3f} TFLOP"
+        + (f"  ({whole / 1e12:.3f} TFLOP with every row whole: the {shared}-token prefix "
+           f"runs once, not {b} times)" if shared else ""))
+  print(f"  the issue's reference: about {REFERENCE_TFLOP} TFLOP for 16 × (44 + 32), rows whole")
   print(f"  the same count with the LM head on every position (a plain HF forward): "
         f"{other['all']:.3f} TFLOP; without any LM head (2 × non-embedding parameters per "
         f"token + attention): {other['none']:.3f} TFLOP")
   if b == 16 and args.prompt_length == 44 and r_len == 32 and all(runs.values()) and not (
-      0.8 < total / 1e12 / REFERENCE_TFLOP < 1.25):
-    print(f"  WARNING: {total / 1e12:.2f} TFLOP is not in the ballpark of {REFERENCE_TFLOP}")
+      0.8 < whole / 1e12 / REFERENCE_TFLOP < 1.25):
+    print(f"  WARNING: {whole / 1e12:.2f} TFLOP is not in the ballpark of {REFERENCE_TFLOP}")
 
   print(f"\nmatmul peak ({args.matmul_size}² product, float32 accumulation; median of "
         f"{len(peak_samples['float32'])} samples taken between the fused iterations): "
@@ -403,6 +438,9 @@ def main():
         f"{args.dtype} matmul peak"
         + (f" ({achieved / peaks['float32']:.1%} of the float32 peak)"
            if args.dtype != "float32" else ""))
+  if shared:
+    print(f"effective (the FLOPs of whole rows over the same time): {effective:.1f} GFLOP/s = "
+          f"{effective / peak:.1%} of the {args.dtype} matmul peak")
   print(f"peak host memory (ru_maxrss): {rss:.0f} MB ({build_rss:.0f} MB already after loading "
         f"the models and building the state)")
   trl_ratio = None
@@ -417,6 +455,8 @@ def main():
       "first_iteration_seconds": first_s, "phase_timed_warmup_seconds": phase_first_s,
       "phase_timed_seconds_per_iteration": phased_total,
       "model_tflop_per_iteration": total / 1e12, "achieved_gflops": achieved,
+      "shared_prefix_tokens": shared, "whole_rows_tflop_per_iteration": whole / 1e12,
+      "effective_gflops": effective, "effective_fraction_of_peak": effective / peak,
       "matmul_peak_gflops": peaks["float32"], "matmul_peak_samples": peak_samples["float32"],
       **({"matmul_peak_bf16_gflops": peaks["bfloat16"]} if "bfloat16" in peaks else {}),
       "fraction_of_peak": achieved / peak, "peak_rss_mb": rss,

@@ -58,6 +58,9 @@ def defaults() -> ml_collections.ConfigDict:
   c.data.truncate = "left"  # or "error": a too-long prompt stops the run
   c.data.chat_template = True  # render prompts with the tokenizer's chat template
   c.data.system = ""  # a system message for every prompt ("" : the template's default)
+  c.data.shared_prefix = True  # run the tokens every prompt begins with (the chat template's
+  # header) once per batch, not once per row: the same numbers, about 30% fewer FLOPs for
+  # SmolLM2's 24-token header on 44-token prompts
   c.data.eval_per_digits = 64  # task "arith": held-out problems per digit count
 
   c.reward = ml_collections.ConfigDict()

@@ -324,6 +324,26 @@ def prompt_ids(tokenizer, prompt: str | list[dict], *, system: str | None = None
   return _plain_ids(tokenizer(prompt)["input_ids"])
 
 
+# Probe prompts for ``template_prefix``: letters, a digit, a leading space and a leading newline,
+# so that the prefix stops before any token a prompt's first characters could merge into.
+PREFIX_PROBES = ("a", "Z", "1", " a", "\na")
+
+
+def template_prefix(tokenizer, *, system: str | None = None, chat_template: bool = True
+                    ) -> list[int]:
+  """The token ids that every prompt encoded by ``prompt_ids`` with these settings begins with:
+  the chat template's header and system prompt, or the tokenizer's BOS token. It is the common
+  prefix of the ids of a few probe prompts (``PREFIX_PROBES``); a prompt whose first tokens
+  differ anyway (a rare merge across the boundary, or one cut from the left) is caught where
+  the prefix is used (``experience.with_prefix``)."""
+  seqs = [prompt_ids(tokenizer, probe, system=system, chat_template=chat_template)
+          for probe in PREFIX_PROBES]
+  n = 0
+  while all(len(ids) > n for ids in seqs) and len({ids[n] for ids in seqs}) == 1:
+    n += 1
+  return seqs[0][:n]
+
+
 def response_ids(tokenizer, text: str, stop_id: int) -> list[int]:
   """Token ids of a response: the text without special tokens, then the stop token."""
   if not isinstance(text, str):

@@ -11,6 +11,12 @@ A prompt + response sequence is scored in one forward pass over [B, P + R] token
 position P − 1 + t predict response token t, and the critic's output there is V(s_t) (the
 state holding the prompt and t response tokens). Tokens after a response's stop token are
 masked out of attention and out of every statistic.
+
+Prompts that all begin with the same C tokens (a chat template's header and system prompt) can
+carry them as ``Prompts.prefix`` [C] (``with_prefix``): every forward pass then runs those C
+tokens once for the batch instead of once per row (``Decoder``'s ``prefix``), and generation
+prefills them once (``generate(..., prefix=)``). The rows keep their full prompts; the passes
+drop each row's first C real tokens (``without_prefix``). Same numbers up to float rounding.
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ import chex
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from ppojax import advantages as adv_lib
 from ppojax import ops, rewards
@@ -33,10 +40,37 @@ RewardFn = Callable[[Array, Array, Array, Array], Array]
 
 
 class Prompts(NamedTuple):
-  """A batch of left-padded prompts: tokens and mask [B, P]."""
+  """A batch of left-padded prompts: tokens and mask [B, P], and optionally ``prefix`` [C], the
+  first C real tokens of every row (each row has at least one more; ``with_prefix``)."""
 
   tokens: Array
   mask: Array
+  prefix: Array | None = None
+
+
+def with_prefix(prompts: Prompts, prefix) -> Prompts:
+  """``prompts`` (host arrays) with ``prefix`` [C] as their shared prefix when every row begins
+  with those C tokens and has at least one token after them; otherwise without one (the
+  passes then run every row whole: the same numbers, another compiled program)."""
+  prefix = np.asarray(prefix, np.int32).reshape(-1)
+  tokens, mask = np.asarray(prompts.tokens), np.asarray(prompts.mask, bool)
+  c = prefix.size
+  lengths = mask.sum(axis=1)
+  if not c or tokens.shape[1] <= c or (lengths <= c).any():
+    return prompts._replace(prefix=None)
+  starts = tokens.shape[1] - lengths  # left-padded: each row's first real token
+  heads = np.take_along_axis(tokens, starts[:, None] + np.arange(c)[None], axis=1)
+  if (np.diff(mask.astype(np.int8), axis=1) < 0).any() or (heads != prefix).any():
+    return prompts._replace(prefix=None)
+  return prompts._replace(prefix=prefix)
+
+
+def without_prefix(tokens: Array, mask: Array, c: int) -> tuple[Array, Array, Array]:
+  """Left-padded rows [B, T] whose first c real tokens are a shared prefix, without it:
+  (tokens, mask, positions), [B, T − c]: the last T − c columns (every row's tokens after its
+  prefix lie there), the prefix's own tokens masked out, positions counted from c."""
+  positions = positions_from_mask(mask)
+  return tokens[:, c:], mask[:, c:] & (positions[:, c:] >= c), positions[:, c:]
 
 
 class Rollout(NamedTuple):
@@ -50,6 +84,7 @@ class Rollout(NamedTuple):
   old_logp: Array | None  # log π_old(token), temperature-scaled (None: the update computes it)
   ref_logp: Array  # log π_ref(token), same temperature
   old_values: Array | None  # V_old(s_t) (None: the update computes it)
+  prefix: Array | None = None  # [C] the prompts' shared prefix (``Prompts.prefix``)
 
 
 class Experience(NamedTuple):
@@ -60,47 +95,54 @@ class Experience(NamedTuple):
   returns: Array
 
 
-def sequence(prompts: Array, prompt_mask: Array, responses: Array, response_mask: Array
-             ) -> tuple[Array, Array, Array]:
-  """Prompt + response as one left-padded sequence: (tokens, mask, positions), [B, P + R]."""
+def sequence(prompts: Array, prompt_mask: Array, responses: Array, response_mask: Array,
+             prefix: Array | None = None) -> tuple[Array, Array, Array]:
+  """Prompt + response as one left-padded sequence: (tokens, mask, positions), [B, P + R];
+  with a shared ``prefix`` [C], without it (``without_prefix``): [B, P − C + R]. Either way
+  response token t sits at column −R + t."""
   chex.assert_equal_shape_prefix([prompts, prompt_mask, responses, response_mask], 1)
   tokens = jnp.concatenate([prompts, responses], axis=1)
   mask = jnp.concatenate([prompt_mask.astype(jnp.bool_), response_mask.astype(jnp.bool_)], 1)
+  if prefix is not None:
+    return without_prefix(tokens, mask, prefix.shape[0])
   return tokens, mask, positions_from_mask(mask)
 
 
-def response_logits(module: nn.Module, params, prompts, prompt_mask, responses, response_mask
-                    ) -> Array:
-  """Logits [B, R, V] that predict each response token: the LM head at positions P−1 … P+R−2
-  (the head runs on those R positions only)."""
-  tokens, mask, positions = sequence(prompts, prompt_mask, responses, response_mask)
-  hidden, _ = module.apply({"params": params}, tokens, positions, mask, method="hidden")
-  p = prompts.shape[1]
-  return module.apply({"params": params}, hidden[:, p - 1:-1], method="logits")
+def response_logits(module: nn.Module, params, prompts, prompt_mask, responses, response_mask,
+                    prefix: Array | None = None) -> Array:
+  """Logits [B, R, V] that predict each response token: the LM head at the R positions before
+  each (the head runs on those R positions only)."""
+  tokens, mask, positions = sequence(prompts, prompt_mask, responses, response_mask, prefix)
+  hidden, _ = module.apply({"params": params}, tokens, positions, mask, prefix=prefix,
+                           method="hidden")
+  r = responses.shape[1]
+  return module.apply({"params": params}, hidden[:, -r - 1:-1], method="logits")
 
 
 def response_logprobs(module, params, prompts, prompt_mask, responses, response_mask,
-                      temperature: float) -> Array:
+                      temperature: float, prefix: Array | None = None) -> Array:
   """log π_T(response_t | prefix) [B, R], float32, 0 off the mask."""
-  logits = response_logits(module, params, prompts, prompt_mask, responses, response_mask)
+  logits = response_logits(module, params, prompts, prompt_mask, responses, response_mask,
+                           prefix)
   logp = ops.selective_log_softmax(logits, responses, temperature)
   return jnp.where(response_mask, logp, 0.0)
 
 
-def response_values(module: nn.Module, params, prompts, prompt_mask, responses, response_mask
-                    ) -> Array:
+def response_values(module: nn.Module, params, prompts, prompt_mask, responses, response_mask,
+                    prefix: Array | None = None) -> Array:
   """V(s_t) [B, R] from a ``ValueModel``: its output at the position before response token t."""
-  tokens, mask, positions = sequence(prompts, prompt_mask, responses, response_mask)
-  out, _ = module.apply({"params": params}, tokens, positions, mask)
-  return jnp.where(response_mask, out[:, prompts.shape[1] - 1:-1], 0.0)
+  tokens, mask, positions = sequence(prompts, prompt_mask, responses, response_mask, prefix)
+  out, _ = module.apply({"params": params}, tokens, positions, mask, prefix=prefix)
+  r = responses.shape[1]
+  return jnp.where(response_mask, out[:, -r - 1:-1], 0.0)
 
 
-def model_scores(module: nn.Module, params, prompts, prompt_mask, responses, response_mask
-                 ) -> Array:
+def model_scores(module: nn.Module, params, prompts, prompt_mask, responses, response_mask,
+                 prefix: Array | None = None) -> Array:
   """A reward model's score [B]: its output at the last response token."""
-  tokens, mask, positions = sequence(prompts, prompt_mask, responses, response_mask)
-  out, _ = module.apply({"params": params}, tokens, positions, mask)
-  return ops.gather_last(out[:, prompts.shape[1]:], response_mask)
+  tokens, mask, positions = sequence(prompts, prompt_mask, responses, response_mask, prefix)
+  out, _ = module.apply({"params": params}, tokens, positions, mask, prefix=prefix)
+  return ops.gather_last(out[:, -responses.shape[1]:], response_mask)
 
 
 def rollout(policy: nn.Module, critic: nn.Module, actor, ref_actor, critic_params,
@@ -120,20 +162,34 @@ def rollout(policy: nn.Module, critic: nn.Module, actor, ref_actor, critic_param
   ``old_values=False`` leaves ``Rollout.old_values`` None for the same reason."""
   if old_logp not in ("recompute", "sampler", "update"):
     raise ValueError(f"old_logp must be 'recompute', 'sampler' or 'update', got {old_logp!r}")
-  gen = generate(policy, actor, prompts.tokens, prompts.mask, key, sampling)
+  if prompts.prefix is None:
+    gen = generate(policy, actor, prompts.tokens, prompts.mask, key, sampling)
+  else:
+    rest, rest_mask, _ = without_prefix(prompts.tokens, prompts.mask, prompts.prefix.shape[0])
+    gen = generate(policy, actor, rest, rest_mask, key, sampling, prefix=prompts.prefix)
   args = (prompts.tokens, prompts.mask, gen.tokens, gen.mask)
-  logp = lambda params: response_logprobs(policy, params, *args, sampling.temperature)  # noqa
+  logp = lambda params: response_logprobs(  # noqa: E731
+      policy, params, *args, sampling.temperature, prompts.prefix)
   old = None  # "update"
   if old_logp == "recompute":
     old = logp(actor)
   elif old_logp == "sampler":
     old = gen.logprobs  # 0 off the mask, like the recomputed log-probs
-  values = response_values(critic, critic_params, *args) if old_values else None
+  values = (response_values(critic, critic_params, *args, prompts.prefix) if old_values
+            else None)
   return Rollout(
       prompts=prompts.tokens, prompt_mask=prompts.mask, responses=gen.tokens, mask=gen.mask,
       has_stop=ops.has_stop_token(gen.tokens, sampling.stop_ids),
       old_logp=jax.lax.stop_gradient(old), ref_logp=jax.lax.stop_gradient(logp(ref_actor)),
-      old_values=jax.lax.stop_gradient(values))
+      old_values=jax.lax.stop_gradient(values), prefix=prompts.prefix)
+
+
+def take_rows(exp: Experience, idx: Array) -> Experience:
+  """The rows ``idx`` of every per-row array of the experience (a shared prefix [C] belongs to
+  every row: it stays whole)."""
+  prefix = exp.rollout.prefix
+  rows = jax.tree.map(lambda x: x[idx], exp._replace(rollout=exp.rollout._replace(prefix=None)))
+  return rows._replace(rollout=rows.rollout._replace(prefix=prefix))
 
 
 def make_experience(r: Rollout, scores: Array, beta: Array, cfg) -> tuple[Experience, dict]:

@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
 
 from ppojax import config as config_lib
 from ppojax import evaluation, sources, tasks
@@ -213,6 +214,8 @@ def build(config) -> Run:
   critic = reward_model if init in ("reward", "auto") and reward_model else (
       critic_from_policy(policy))
 
+  if source.prefix and any(m.cfg.layer_windows for m in (policy, critic, reward_model) if m):
+    source = sources.make_source(config, policy.tokenizer, shared_prefix=False)  # see Decoder
   models = step_lib.Models(
       policy=CausalLM(policy.cfg), critic=ValueModel(critic.cfg),
       reward=ValueModel(reward_model.cfg) if reward_model else None,
@@ -270,7 +273,8 @@ def _records_required(rollout):
 
 
 def _sample_rows(run: Run, r, scores, n: int) -> list[dict]:
-  r, scores = sharding_lib.to_host(jax.tree.map(lambda x: x[:n], (r, scores)))  # rows shown
+  r, scores = sharding_lib.to_host(  # the rows shown
+      jax.tree.map(lambda x: x[:n], (r._replace(prefix=None), scores)))
   decode = run.source.decode
   return [{"prompt": decode(r.prompts[i], r.prompt_mask[i]),
            "response": decode(r.responses[i], r.mask[i]), "score": float(scores[i])}
@@ -377,7 +381,9 @@ def _run(config, workdir, stop_after, signals: StopSignals) -> Result:
                                     wandb_config=config.to_dict() if wandb else None,
                                     resume_step=start)
   batch = config.ppo.batch_size
-  batch_sharding = sharding_lib.batch_sharding(r.mesh)
+  # rows over the mesh's batch axes; a shared prefix (one row for all) replicated
+  prompt_shardings = Prompts(*(sharding_lib.batch_sharding(r.mesh),) * 2,
+                             NamedSharding(r.mesh, PartitionSpec()))
   if "before" not in evals and start == 0 and r.source.eval_records and not signals.received:
     evals["before"] = _held_out(r, state.actor, "before", workdir, writer, 0)
   progress = reporting.ProgressBar(n, start=start)
@@ -396,7 +402,8 @@ def _run(config, workdir, stop_after, signals: StopSignals) -> Result:
           save(last, state, force=True)
         break
       data = r.source.batch(it - 1)
-      prompts = sharding_lib.place(data.prompts, batch_sharding)
+      prompts = sharding_lib.place(data.prompts, prompt_shardings._replace(
+          prefix=None if data.prompts.prefix is None else prompt_shardings.prefix))
       state, metrics, rollout, scores = iteration(r, state, prompts, data.records,
                                                   config.phase_timing)
       last = it

@@ -3,6 +3,9 @@
 ``make_source(config, tokenizer)`` turns the ``data`` config section into a ``Source``: a pure
 function from the data position (the iteration number) to a batch of left-padded prompts and
 their records, so a resumed run gets exactly the batches the interrupted one would have got.
+With ``data.shared_prefix`` (default) the prompts carry the tokens every one of them begins
+with (the chat template's header: ``data.template_prefix``; BOS for the count task) as
+``Prompts.prefix``, so the step runs them once per batch instead of once per row.
 
     data.task = "count"    the toy token task of ppojax/tasks.py (no tokenizer)
     data.task = "arith"    small-number arithmetic (ppojax/arith.py) through the chat template
@@ -20,7 +23,7 @@ from typing import Callable, NamedTuple
 import numpy as np
 
 from ppojax import arith, data, tasks
-from ppojax.experience import Prompts
+from ppojax.experience import Prompts, with_prefix
 
 
 class Batch(NamedTuple):
@@ -34,14 +37,21 @@ class Source(NamedTuple):
   decode: Callable[[np.ndarray, np.ndarray], str]  # (tokens, mask) → text
   eval_records: list[dict] | None  # held-out prompts for evaluation, if the task has any
   encode: Callable[[list[dict]], data.Encoded] | None  # records → left-padded prompts
+  prefix: list[int] | None = None  # the prompts' shared prefix (None: data.shared_prefix off)
 
 
-def make_source(config, tokenizer) -> Source:
+def make_source(config, tokenizer, shared_prefix: bool | None = None) -> Source:
+  """``shared_prefix`` overrides ``data.shared_prefix``."""
   d, batch_size = config.data, config.ppo.batch_size
+  if shared_prefix is None:
+    shared_prefix = d.get("shared_prefix", True)
+  share = lambda prompts, prefix: (  # noqa: E731
+      with_prefix(prompts, prefix) if shared_prefix else prompts)
   if d.task == "count":
-    return Source(lambda pos: Batch(tasks.count_prompts(config.seed, pos, batch_size,
-                                                        d.prompt_len), None, 0),
-                  tasks.decode_count, None, None)
+    prefix = [tasks.BOS]
+    return Source(lambda pos: Batch(share(tasks.count_prompts(config.seed, pos, batch_size,
+                                                              d.prompt_len), prefix), None, 0),
+                  tasks.decode_count, None, None, prefix if shared_prefix else None)
   if d.task not in ("arith", "file"):
     raise ValueError(f"data.task={d.task!r} is not known; choose count, arith or file")
   if tokenizer is None:
@@ -54,6 +64,8 @@ def make_source(config, tokenizer) -> Source:
                                system=d.system or None, chat_template=d.chat_template,
                                truncate=d.truncate)
 
+  prefix = (data.template_prefix(tokenizer, system=d.system or None,
+                                  chat_template=d.chat_template) if shared_prefix else None)
   if d.task == "arith":
     pick = lambda pos: arith.problems((config.seed, pos), batch_size, "train")  # noqa: E731
     held_out = arith.eval_problems(d.eval_per_digits) if d.eval_per_digits else None
@@ -67,9 +79,10 @@ def make_source(config, tokenizer) -> Source:
   def batch(pos: int) -> Batch:
     records = pick(pos)
     enc = encode(records)
-    return Batch(Prompts(enc.tokens, enc.mask), records, int(enc.truncated.sum()))
+    return Batch(share(Prompts(enc.tokens, enc.mask), prefix), records,
+                 int(enc.truncated.sum()))
 
-  return Source(batch, lambda t, m: decode_text(tokenizer, t, m), held_out, encode)
+  return Source(batch, lambda t, m: decode_text(tokenizer, t, m), held_out, encode, prefix)
 
 
 def decode_text(tokenizer, tokens: np.ndarray, mask: np.ndarray) -> str:

@@ -32,7 +32,8 @@ import optax
 from ppojax import kl as kl_lib
 from ppojax import losses, ops, sharding
 from ppojax.experience import (Experience, Prompts, RewardFn, Rollout, make_experience,
-                               model_scores, response_logits, response_values, rollout)
+                               model_scores, response_logits, response_values, rollout,
+                               take_rows)
 from ppojax.sampling import SamplingConfig
 
 Array = jax.Array
@@ -135,12 +136,13 @@ def update_forward(params, models: Models, r: Rollout, temperature: float, ent_c
   V(s_t)), each [B, R], log-probs and entropy at the sampling ``temperature``. The entropy
   carries a gradient only when ``ent_coef`` is non-zero (otherwise it is a metric)."""
   actor, critic = params
-  logits = response_logits(models.policy, actor, r.prompts, r.prompt_mask, r.responses, r.mask)
+  args = (r.prompts, r.prompt_mask, r.responses, r.mask, r.prefix)
+  logits = response_logits(models.policy, actor, *args)
   logp = ops.selective_log_softmax(logits, r.responses, temperature)
   entropy = ops.entropy_from_logits(logits, temperature)
   if not ent_coef:
     entropy = jax.lax.stop_gradient(entropy)
-  values = response_values(models.critic, critic, r.prompts, r.prompt_mask, r.responses, r.mask)
+  values = response_values(models.critic, critic, *args)
   return logp, entropy, values
 
 
@@ -186,15 +188,14 @@ def _minibatch_grads(params, models: Models, exp: Experience, idx: Array, cfg, t
   grad_fn = jax.grad(ppo_loss_on, has_aux=True)
 
   def micro(grads, micro_idx):
-    part = jax.tree.map(lambda x: x[micro_idx], exp)
+    part = take_rows(exp, micro_idx)
     w = _micro_weight(part.rollout.mask, mb_mask, cfg.aggregation)
     g, metrics = grad_fn(params, models, part, cfg, temperature)
     scale = lambda t: jax.tree.map(lambda x: w * x, t)  # noqa: E731
     return jax.tree.map(jnp.add, grads, scale(g)), scale(metrics)
 
   if idx.shape[0] == 1:  # no accumulation buffer
-    grads, metrics = grad_fn(params, models, jax.tree.map(lambda x: x[idx[0]], exp), cfg,
-                             temperature)
+    grads, metrics = grad_fn(params, models, take_rows(exp, idx[0]), cfg, temperature)
     return grads, metrics
   zeros = jax.tree.map(jnp.zeros_like, params)
   grads, metrics = jax.lax.scan(micro, zeros, idx)
@@ -341,7 +342,7 @@ def make_ppo_step(models: Models, actor_tx, critic_tx, actor_schedule: optax.Sch
   def do_score(frozen: Frozen, r: Rollout) -> Array:
     args = (r.prompts, r.prompt_mask, r.responses, r.mask)
     if models.reward is not None:
-      return model_scores(models.reward, frozen.reward, *args)
+      return model_scores(models.reward, frozen.reward, *args, r.prefix)
     return models.reward_fn(*args).astype(jnp.float32)
 
   def learn_with_rollout(state: TrainState, r: Rollout, scores: Array

@@ -382,6 +382,71 @@ def test_shared_prefix_cache_matches_full_forward(name, prefill_index):
   np.testing.assert_allclose(decoded[own], full[own], atol=1e-5)
 
 
+def _rows_with_prefix(prefix_len, length, seed):
+  """Left-padded rows [B, length] that all begin with the same ``prefix_len`` tokens: (tokens,
+  mask, the prefix [C], each row's mask without its prefix)."""
+  tokens, _, mask = _batch(left_pad=(0, 1, 3), length=length, seed=seed)
+  starts = np.argmax(mask, axis=1)
+  prefix = tokens[0, :prefix_len].copy()
+  own = mask.copy()
+  for row, start in enumerate(starts):
+    tokens[row, start:start + prefix_len] = prefix
+    own[row, start:start + prefix_len] = False
+  return tokens, mask, prefix, own
+
+
+@pytest.mark.parametrize("name,scan,value", [("llama", True, False), ("llama", False, False),
+                                             ("gpt2", True, False), ("llama", True, True)])
+def test_prefix_forward_matches_full_forward(name, scan, value):
+  """``prefix=`` [C] in a cache-free forward pass (the prefix run once for the batch, the rows
+  after it): the outputs at the rows' own tokens and the parameter gradient of a loss on them
+  equal those of the full rows (prefix + own tokens), for the policy and the value model."""
+  cfg = CACHE_CONFIGS[name].replace(scan_layers=scan)
+  params = _random_params(CACHE_CONFIGS[name])
+  model = T.CausalLM(cfg)
+  if value:
+    model = T.ValueModel(cfg)
+    score = jax.random.normal(jax.random.PRNGKey(3), (D, 1)) * 0.3
+    params = {"model": params["model"], "score": {"kernel": score}}
+  if not scan:
+    params = T.unstack_layers(params)
+  prefix_len = 3
+  tokens, mask, prefix, own = _rows_with_prefix(prefix_len, 10, seed=5)
+  positions = np.asarray(T.positions_from_mask(jnp.asarray(mask)))
+  rest = (tokens[:, prefix_len:], positions[:, prefix_len:], own[:, prefix_len:])
+
+  def loss(p, tok, pos, m, sel, prefix=None):
+    """Σ out·cos(out) over the selected positions (a loss whose gradient is not uniform)."""
+    out = model.apply({"params": p}, tok, pos, m, prefix=prefix)[0]
+    return jnp.sum(jnp.where(sel if value else sel[..., None], out * jnp.cos(out), 0.0)), out
+
+  grad = jax.jit(jax.value_and_grad(loss, has_aux=True))
+  (full_loss, full), full_grad = grad(params, tokens, positions, mask, own)
+  (part_loss, part), part_grad = grad(params, *rest, rest[2], prefix=prefix)
+  assert part.shape[1] == tokens.shape[1] - prefix_len
+  sel = own[:, prefix_len:]
+  np.testing.assert_allclose(np.asarray(part)[sel], np.asarray(full)[:, prefix_len:][sel],
+                             atol=2e-5)
+  np.testing.assert_allclose(part_loss, full_loss, rtol=1e-5)
+  for a, b in zip(jax.tree.leaves(part_grad), jax.tree.leaves(full_grad)):
+    np.testing.assert_allclose(a, b, atol=1e-4 * max(1.0, float(np.abs(b).max())), rtol=0)
+
+
+def test_prefix_forward_rejects_a_cache_and_windows():
+  cfg = CACHE_CONFIGS["mistral-window"]
+  params = _random_params(cfg)
+  tok = jnp.ones((1, 2), jnp.int32)
+  with pytest.raises(ValueError, match="sliding attention window"):
+    T.CausalLM(cfg).apply({"params": params}, tok, tok + 2, tok > 0, prefix=jnp.ones(2, jnp.int32))
+  cfg = CACHE_CONFIGS["llama"]
+  with pytest.raises(ValueError, match="without a cache"):
+    T.CausalLM(cfg).apply({"params": _random_params(cfg)}, tok, tok + 2, tok > 0,
+                          T.init_cache(cfg, 1, 4), prefix=jnp.ones(2, jnp.int32))
+  with pytest.raises(ValueError, match=r"one row of token ids \[C\]"):
+    T.CausalLM(cfg).apply({"params": _random_params(cfg)}, tok, tok + 2, tok > 0,
+                          prefix=jnp.ones((1, 2), jnp.int32))
+
+
 def test_shared_prefix_needs_unrolled_layers_and_no_window():
   scanned = T.init_cache(CACHE_CONFIGS["llama"], 1, 3)
   with pytest.raises(ValueError, match="unrolled layers"):

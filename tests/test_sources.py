@@ -18,7 +18,7 @@ import pytest
 import text_reward_fn
 from ppojax import arith, data, evaluation, reporting, runner, sources
 from ppojax.config import defaults
-from ppojax.data import DataError
+from ppojax.data import DataError, template_prefix
 from ppojax.models import CausalLM, LoadedModel, save_model
 from ppojax.sampling import SamplingConfig
 
@@ -114,6 +114,29 @@ def test_too_long_prompts_are_cut_from_the_left_and_counted(char_tokenizer, tmp_
   config.data.truncate = "error"
   with pytest.raises(DataError, match="more than the limit of 5"):
     sources.make_source(config, char_tokenizer).batch(0)
+
+
+def test_prompts_carry_the_chat_templates_header_as_shared_prefix(char_tokenizer, tmp_path):
+  """data.shared_prefix: the tokens every rendered prompt begins with (``template_prefix``) ride
+  along as Prompts.prefix; a batch whose rows do not all begin with them (a prompt cut from the
+  left) runs whole, and data.shared_prefix=False turns it off."""
+  ids = lambda text: char_tokenizer(text, add_special_tokens=False)["input_ids"]  # noqa: E731
+  assert template_prefix(char_tokenizer) == ids("u:")
+  assert template_prefix(char_tokenizer, system="Be brief.") == ids("s:Be brief.\nu:")
+  assert template_prefix(char_tokenizer, chat_template=False) == []  # no BOS, no header
+  config = _config(data__task="arith", data__max_prompt_len=40, data__system="Be brief.")
+  source = sources.make_source(config, char_tokenizer)
+  b = source.batch(0)
+  assert source.prefix == ids("s:Be brief.\nu:")
+  np.testing.assert_array_equal(b.prompts.prefix, source.prefix)
+  config.data.shared_prefix = False
+  off = sources.make_source(config, char_tokenizer)
+  assert off.prefix is None and off.batch(0).prompts.prefix is None and _same(b, off.batch(0))
+  records = [{"prompt": "ab"}, {"prompt": "abcdefgh"}, {"prompt": "x"}, {"prompt": "012"}]
+  config = _config(data__task="file", data__path=_write(tmp_path / "p.jsonl", records),
+                   data__max_prompt_len=8)
+  cut = sources.make_source(config, char_tokenizer).batch(0)
+  assert cut.truncated == 1 and cut.prompts.prefix is None  # "u:abcdefgh\na:" lost its "u:"
 
 
 def test_a_file_without_the_prompt_field_names_it(char_tokenizer, tmp_path):

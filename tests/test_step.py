@@ -83,6 +83,44 @@ def test_unrolled_layers_train_like_scanned_ones():
                 rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize("ppo", [{}, {"ppo.num_minibatches": 2, "ppo.grad_accum": 2}])
+def test_shared_prefix_trains_like_whole_rows(ppo):
+  """Prompts.prefix (the tokens every row begins with, run once per batch) gives the iterations
+  of the same prompts run whole: generation, scoring passes and update, in the single-pass
+  step and in one with minibatches and micro-batches (the prefix stays whole in every slice)."""
+  run = runner.build(toy_config(**{"ppo.num_epochs": 1, **ppo}))
+  states = [jax.tree.map(jnp.copy, run.state) for _ in range(2)]  # the state is donated
+  for it in range(2):
+    prompts = run.source.batch(it).prompts
+    tokens, mask = np.array(prompts.tokens), np.asarray(prompts.mask)
+    starts = np.argmax(mask, axis=1)
+    tokens[np.arange(len(tokens)), starts + 1] = tasks.DIGIT0 + 4  # rows share [BOS, 4]
+    whole = experience.Prompts(tokens, mask)
+    shared = experience.with_prefix(whole, [tasks.BOS, tasks.DIGIT0 + 4])
+    assert shared.prefix is not None and (mask.sum(1) > 2).all()
+    rows = []
+    for i, prompts in enumerate((whole, shared)):
+      states[i], metrics, r, _ = runner.iteration(run, states[i], prompts)
+      rows.append({k: v for k, v in metrics.items() if not k.startswith("time/")})
+    _assert_close(rows[0], rows[1], rtol=1e-4, atol=1e-5)
+  _assert_close(_params(states[0]), _params(states[1]), rtol=1e-4, atol=1e-5)
+
+
+def test_with_prefix_falls_back_to_whole_rows():
+  """with_prefix keeps a prefix only where every row begins with it and has a token more."""
+  tokens = np.array([[0, 5, 6, 7], [5, 6, 7, 8]])
+  mask = tokens > 0
+  prompts = experience.Prompts(tokens, mask)
+  np.testing.assert_array_equal(experience.with_prefix(prompts, [5, 6]).prefix, [5, 6])
+  assert experience.with_prefix(prompts, [5, 6, 7]).prefix is None  # row 0: nothing after it
+  assert experience.with_prefix(prompts, [5, 7]).prefix is None  # not every row's beginning
+  assert experience.with_prefix(prompts, []).prefix is None
+  rest, rest_mask, positions = experience.without_prefix(jnp.asarray(tokens), jnp.asarray(mask), 2)
+  np.testing.assert_array_equal(rest_mask, [[False, True], [True, True]])
+  np.testing.assert_array_equal(np.asarray(positions)[np.asarray(rest_mask)], [2, 2, 3])
+  np.testing.assert_array_equal(np.asarray(rest)[np.asarray(rest_mask)], [7, 7, 8])
+
+
 def test_sampler_old_logprobs_equal_a_recompute(fused_run):
   """ppo.old_logprobs="sampler" takes log π_old from generate() instead of a forward pass: the
   same responses, old log-probs equal to the recomputed ones up to float rounding (0 off the
@@ -241,9 +279,12 @@ def test_reward_model_and_critic_initialised_from_it(tmp_path):
   r = runner.build(config)
   _assert_close(r.state.critic, r.frozen.reward)
   state, metrics, rollout, scores = runner.iteration(r, r.state, r.source.batch(0).prompts)
-  want = experience.model_scores(r.models.reward, r.frozen.reward, rollout.prompts,
-                                 rollout.prompt_mask, rollout.responses, rollout.mask)
+  args = (rollout.prompts, rollout.prompt_mask, rollout.responses, rollout.mask)
+  assert rollout.prefix is not None  # every count prompt begins with BOS
+  want = experience.model_scores(r.models.reward, r.frozen.reward, *args, rollout.prefix)
   np.testing.assert_allclose(np.asarray(scores), np.asarray(want), rtol=1e-6)
+  whole = experience.model_scores(r.models.reward, r.frozen.reward, *args)  # prefix per row
+  np.testing.assert_allclose(np.asarray(scores), np.asarray(whole), rtol=1e-5, atol=1e-6)
   assert np.isfinite(metrics["loss/value_avg"]) and int(state.step) == 1
   with pytest.raises(ValueError, match="critic_init='reward'"):
     runner.build(toy_config(**{"model.critic_init": "reward"}))

@@ -22,7 +22,9 @@ Calling convention (``CausalLM`` and ``ValueModel`` alike)::
   would be copied every step).
 * a prefix shared by every row (``with_shared_prefix``, unrolled layers): its keys and values
   are held once for the batch and every query attends to them; the rows' own tokens take
-  positions C, C + 1, … and slots 0, 1, … as before.
+  positions C, C + 1, … and slots 0, 1, … as before. Without a cache, ``prefix=`` [C] token ids
+  does the same in one forward pass: the prefix runs through every layer once, not once per
+  row.
 """
 
 from __future__ import annotations
@@ -370,21 +372,34 @@ class Attention(nn.Module):
   cfg: ModelConfig
 
   @nn.compact
-  def __call__(self, x, rope, kv_mask, cache, layer, cache_index, window):
+  def __call__(self, x, rope, kv_mask, cache, layer, cache_index, window, prefix=None):
+    """Self-attention of x [B, T, D] → (out [B, T, D], cache, prefix out [1, C, D] or None).
+
+    ``prefix``: (xp [1, C, D], its RoPE) for a cache-free forward pass over rows that all
+    begin with the same C tokens (``Decoder``'s ``prefix``): the prefix attends causally to
+    itself, once, and every row's queries attend to its keys and values before their own."""
     cfg = self.cfg
-    b, t, _ = x.shape
     h, hk, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     if cfg.fused_projections:  # one matmul, split by columns: [q | k | v]
-      qkv = Linear(cfg, (h + 2 * hk) * d, cfg.qkv_bias, name="qkv")(x)
-      q, k, v = jnp.split(qkv, [h * d, (h + hk) * d], axis=-1)
+      qkv = Linear(cfg, (h + 2 * hk) * d, cfg.qkv_bias, name="qkv")
+      project = lambda x: jnp.split(qkv(x), [h * d, (h + hk) * d], axis=-1)  # noqa: E731
     else:
-      q, k, v = (Linear(cfg, n * d, cfg.qkv_bias, name=name)(x)
-                 for n, name in ((h, "q"), (hk, "k"), (hk, "v")))
-    q, k, v = q.reshape(b, t, h, d), k.reshape(b, t, hk, d), v.reshape(b, t, hk, d)
-    if rope is not None:  # Llama family; GPT-2 adds learned positions to the embeddings
-      q, k = apply_rope(q, rope), apply_rope(k, rope)
+      qkv = [Linear(cfg, n * d, cfg.qkv_bias, name=name)
+             for n, name in ((h, "q"), (hk, "k"), (hk, "v"))]
+      project = lambda x: [proj(x) for proj in qkv]  # noqa: E731
+    o_proj = Linear(cfg, cfg.hidden_size, cfg.out_bias, name="o")
 
-    v = v.transpose(0, 2, 1, 3)  # [B, H_kv, T, D]
+    def heads(x, rope):
+      """q [B, T, H, D], k [B, T, H_kv, D] (rotated), v [B, H_kv, T, D]."""
+      b, t, _ = x.shape
+      q, k, v = project(x)
+      q, k, v = q.reshape(b, t, h, d), k.reshape(b, t, hk, d), v.reshape(b, t, hk, d)
+      if rope is not None:  # Llama family; GPT-2 adds learned positions to the embeddings
+        q, k = apply_rope(q, rope), apply_rope(k, rope)
+      return q, k, v.transpose(0, 2, 1, 3)
+
+    b, t, _ = x.shape
+    q, k, v = heads(x, rope)
     keys_transposed = False
     if cache is not None:  # write the new keys/values of this layer in place
       cache, k_all, v_all = _update_cache(cache, layer, cache_index, k.transpose(0, 2, 3, 1), v)
@@ -398,7 +413,7 @@ class Attention(nn.Module):
     allowed = kv_slots[None, :] <= q_slots[:, None]  # causal, over cache slots
     allowed &= (window == 0) | (kv_slots[None, :] > q_slots[:, None] - window)  # sliding window
     allowed = allowed[None] & kv_mask[:, None, :].astype(jnp.bool_)
-    shared = None
+    shared, out_p = None, None
     if cache is not None and cache.prefix_k is not None:  # a prefix every row attends to
       if not isinstance(layer, int):
         raise ValueError("a shared prefix needs unrolled layers (scan_layers=False)")
@@ -406,8 +421,16 @@ class Attention(nn.Module):
         raise ValueError("a shared prefix cannot be used with a sliding attention window: "
                          "prepend it to every prompt instead")
       shared = cache.prefix_k[layer], cache.prefix_v[layer]
+    if prefix is not None:  # the prefix's own causal attention, then its keys for every row
+      xp, rope_p = prefix
+      qp, kp, vp = heads(xp, rope_p)
+      c = xp.shape[1]
+      causal = jnp.tril(jnp.ones((c, c), jnp.bool_))[None]
+      out_p = attend(qp, kp.transpose(0, 2, 1, 3).astype(qp.dtype), vp.astype(qp.dtype), causal)
+      out_p = o_proj(out_p.reshape(1, c, h * d))
+      shared = kp[0].transpose(1, 2, 0), vp[0]  # [H_kv, D, C], [H_kv, C, D]
     out = attend(q, k.astype(q.dtype), v.astype(q.dtype), allowed, keys_transposed, shared)
-    return Linear(cfg, cfg.hidden_size, cfg.out_bias, name="o")(out.reshape(b, t, h * d)), cache
+    return o_proj(out.reshape(b, t, h * d)), cache, out_p
 
 
 @jax.custom_vjp
@@ -454,18 +477,25 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-  """Pre-norm residual block: x + attn(norm(x)), then + mlp(norm(·))."""
+  """Pre-norm residual block: x + attn(norm(x)), then + mlp(norm(·)); the same for the shared
+  prefix's hidden states ``xp`` [1, C, D] (None without one), whose keys every row attends to."""
 
   cfg: ModelConfig
 
   @nn.compact
-  def __call__(self, carry, layer, window, rope, kv_mask, cache_index):
-    x, cache = carry
-    attn, cache = Attention(self.cfg, name="attn")(
-        _norm(self.cfg, "attn_norm")(x), rope, kv_mask, cache, layer, cache_index, window)
+  def __call__(self, carry, layer, window, rope, kv_mask, cache_index, prefix_rope=None):
+    x, cache, xp = carry
+    attn_norm, mlp_norm = _norm(self.cfg, "attn_norm"), _norm(self.cfg, "mlp_norm")
+    mlp = MLP(self.cfg, name="mlp")
+    prefix = None if xp is None else (attn_norm(xp), prefix_rope)
+    attn, cache, attn_p = Attention(self.cfg, name="attn")(
+        attn_norm(x), rope, kv_mask, cache, layer, cache_index, window, prefix)
     x = x + attn
-    x = x + MLP(self.cfg, name="mlp")(_norm(self.cfg, "mlp_norm")(x))
-    return (x, cache), None
+    x = x + mlp(mlp_norm(x))
+    if xp is not None:
+      xp = xp + attn_p
+      xp = xp + mlp(mlp_norm(xp))
+    return (x, cache, xp), None
 
 
 class Decoder(nn.Module):
@@ -485,31 +515,60 @@ class Decoder(nn.Module):
     if cfg.scan_layers:
       self.layers = nn.scan(
           block, variable_axes={"params": 0}, split_rngs={"params": True},
-          in_axes=(0, 0, nn.broadcast, nn.broadcast, nn.broadcast), length=cfg.num_layers,
+          in_axes=(0, 0, nn.broadcast, nn.broadcast, nn.broadcast, nn.broadcast),
+          length=cfg.num_layers,
       )(cfg, name="layers")
     else:
       self.layers = [block(cfg, name=f"layers_{i}") for i in range(cfg.num_layers)]
     self.final_norm = _norm(cfg, "final_norm")
 
-  def __call__(self, tokens, positions, kv_mask, cache=None, cache_index=0, rope=None):
+  def __call__(self, tokens, positions, kv_mask, cache=None, cache_index=0, rope=None,
+               prefix=None):
     """``rope``: ``model_rope(cfg, positions)`` when the caller already has it (a decode loop
     computes it once for all its steps; computed here, XLA:CPU evaluates the cos and sin again
-    inside every layer's q and k fusions, 3% of a batch-64 decode step)."""
+    inside every layer's q and k fusions, 3% of a batch-64 decode step).
+
+    ``prefix``: [C] token ids that precede every row (no cache): they take positions 0 … C − 1
+    and the rows' ``positions`` start at C; the prefix runs through each layer once, for the
+    whole batch, and every row's queries attend to its keys. The rows' outputs are those of
+    the rows with the prefix prepended, up to float rounding."""
+    cfg = self.cfg
     x = self.embed(tokens)
-    if self.cfg.is_gpt2:
+    if cfg.is_gpt2:
       x, rope = x + self.wpe(positions), None
     elif rope is None:
-      rope = model_rope(self.cfg, positions)
-    windows = self.cfg.layer_windows or (0,) * self.cfg.num_layers
-    if self.cfg.scan_layers:
+      rope = model_rope(cfg, positions)
+    windows = cfg.layer_windows or (0,) * cfg.num_layers
+    xp = rope_p = None
+    if prefix is not None:
+      _check_prefix(prefix, cache, windows)
+      positions_p = jnp.arange(prefix.shape[0], dtype=jnp.int32)[None]
+      xp = self.embed(prefix[None].astype(jnp.int32))
+      if cfg.is_gpt2:
+        xp = xp + self.wpe(positions_p)
+      else:
+        rope_p = model_rope(cfg, positions_p)
+    if cfg.scan_layers:
       cache_index = jnp.asarray(cache_index, jnp.int32)
-      layer_ids = jnp.arange(self.cfg.num_layers, dtype=jnp.int32)
-      (x, cache), _ = self.layers((x, cache), layer_ids, jnp.asarray(windows, jnp.int32),
-                                  rope, kv_mask, cache_index)
+      layer_ids = jnp.arange(cfg.num_layers, dtype=jnp.int32)
+      (x, cache, _), _ = self.layers((x, cache, xp), layer_ids, jnp.asarray(windows, jnp.int32),
+                                     rope, kv_mask, cache_index, rope_p)
     else:
       for i, layer in enumerate(self.layers):
-        (x, cache), _ = layer((x, cache), i, windows[i], rope, kv_mask, cache_index)
+        (x, cache, xp), _ = layer((x, cache, xp), i, windows[i], rope, kv_mask, cache_index,
+                                  rope_p)
     return self.final_norm(x), cache
+
+
+def _check_prefix(prefix, cache, windows) -> None:
+  if prefix.ndim != 1:
+    raise ValueError(f"prefix must be one row of token ids [C], got shape {prefix.shape}")
+  if cache is not None:
+    raise ValueError("prefix is for forward passes without a cache; a generation shares a "
+                     "prefix through its cache (with_shared_prefix)")
+  if any(windows):
+    raise ValueError("a shared prefix cannot be used with a sliding attention window: prepend "
+                     "it to every row instead")
 
 
 def stack_layers(params: dict) -> dict:
@@ -583,16 +642,17 @@ class CausalLM(nn.Module):
       self.lm_head = Linear(self.cfg, self.cfg.vocab_size, False, name="lm_head")
 
   def __call__(self, tokens, positions, kv_mask, cache=None, cache_index=0, last_only=False,
-               rope=None):
+               rope=None, prefix=None):
     """``last_only``: logits of the last position only, [B, 1, V] (a generation prefill needs
-    no others, and the LM head over a whole prompt costs as much as several layers). ``rope``:
-    see ``Decoder``."""
-    x, cache = self.hidden(tokens, positions, kv_mask, cache, cache_index, rope)
+    no others, and the LM head over a whole prompt costs as much as several layers). ``rope``,
+    ``prefix``: see ``Decoder``."""
+    x, cache = self.hidden(tokens, positions, kv_mask, cache, cache_index, rope, prefix)
     return self.logits(x[:, -1:] if last_only else x), cache
 
-  def hidden(self, tokens, positions, kv_mask, cache=None, cache_index=0, rope=None):
+  def hidden(self, tokens, positions, kv_mask, cache=None, cache_index=0, rope=None,
+             prefix=None):
     """Final hidden states [B, T, D] and the cache (``apply(..., method="hidden")``)."""
-    return self.model(tokens, positions, kv_mask, cache, cache_index, rope)
+    return self.model(tokens, positions, kv_mask, cache, cache_index, rope, prefix)
 
   def logits(self, x):
     """The LM head on hidden states [..., D] → [..., V] (``apply(..., method="logits")``); tied
@@ -615,8 +675,10 @@ class ValueModel(nn.Module):
   cfg: ModelConfig
 
   @nn.compact
-  def __call__(self, tokens, positions, kv_mask, cache=None, cache_index=0):
-    x, cache = Decoder(self.cfg, name="model")(tokens, positions, kv_mask, cache, cache_index)
+  def __call__(self, tokens, positions, kv_mask, cache=None, cache_index=0, prefix=None):
+    """``prefix``: see ``Decoder``."""
+    x, cache = Decoder(self.cfg, name="model")(tokens, positions, kv_mask, cache, cache_index,
+                                               prefix=prefix)
     head = nn.Dense(1, use_bias=False, dtype=jnp.float32, param_dtype=self.cfg.param_dtype,
                     kernel_init=nn.initializers.normal(1.0 / math.sqrt(self.cfg.hidden_size + 1)),
                     name="score")
