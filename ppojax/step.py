@@ -202,17 +202,24 @@ def _minibatch_grads(params, models: Models, exp: Experience, idx: Array, cfg, t
   return grads, jax.tree.map(lambda m: jnp.sum(m, axis=0), metrics)
 
 
-def _apply_grads(actor_tx, critic_tx, params_and_opts, grads) -> tuple[tuple, dict]:
-  """One optimizer step of actor and critic: ((actor, critic, actor_opt, critic_opt), the
-  gradient norms before clipping)."""
+def _grad_norms(grads) -> dict:
+  """The actor's and the critic's gradient norms (before clipping)."""
+  g_actor, g_critic = grads
+  return {"policy/grad_norm": optax.tree.norm(g_actor), "val/grad_norm": optax.tree.norm(g_critic)}
+
+
+def _apply_grads(actor_tx, critic_tx, params_and_opts, grads) -> tuple:
+  """One optimizer step of actor and critic: (actor, critic, actor_opt, critic_opt)."""
   actor, critic, actor_opt, critic_opt = params_and_opts
   g_actor, g_critic = grads
   a_upd, actor_opt = actor_tx.update(g_actor, actor_opt, actor)
   c_upd, critic_opt = critic_tx.update(g_critic, critic_opt, critic)
-  norms = {"policy/grad_norm": optax.tree.norm(g_actor),
-           "val/grad_norm": optax.tree.norm(g_critic)}
   return (optax.apply_updates(actor, a_upd), optax.apply_updates(critic, c_upd),
-          actor_opt, critic_opt), norms
+          actor_opt, critic_opt)
+
+
+def _params_and_opts(state: TrainState) -> tuple:
+  return state.actor, state.critic, state.actor_opt, state.critic_opt
 
 
 def _with_params(state: TrainState, params_and_opts) -> TrainState:
@@ -232,11 +239,9 @@ def update(models: Models, actor_tx, critic_tx, state: TrainState, exp: Experien
   def step(carry, idx):
     actor, critic = carry[:2]
     grads, metrics = _minibatch_grads((actor, critic), models, exp, idx, cfg, temperature)
-    carry, norms = _apply_grads(actor_tx, critic_tx, carry, grads)
-    return carry, {**metrics, **norms}
+    return _apply_grads(actor_tx, critic_tx, carry, grads), {**metrics, **_grad_norms(grads)}
 
-  carry = (state.actor, state.critic, state.actor_opt, state.critic_opt)
-  carry, metrics = jax.lax.scan(step, carry, indices)
+  carry, metrics = jax.lax.scan(step, _params_and_opts(state), indices)
   return _with_params(state, carry), jax.tree.map(jnp.mean, metrics)
 
 
@@ -254,13 +259,18 @@ def single_pass_update(models: Models, actor_tx, critic_tx, state: TrainState, r
                        scores: Array, cfg, temperature: float
                        ) -> tuple[TrainState, Experience, dict, dict]:
   """The update of a ``single_pass`` config: one gradient of ``single_pass_loss`` on the whole
-  batch, one optimizer step. Returns (state, experience, experience metrics, update metrics)."""
+  batch, one optimizer step, taken only when everything is finite (``finite_checks``, known
+  before the step here: a ``lax.cond``, so the old optimizer states are not copied to survive
+  it). Returns (state, experience, experience metrics, update metrics)."""
   params = (state.actor, state.critic)
   grads, (metrics, exp, exp_metrics) = jax.grad(single_pass_loss, has_aux=True)(
       params, models, r, scores, state.kl.beta, cfg, temperature)
-  carry, norms = _apply_grads(actor_tx, critic_tx, params + (state.actor_opt, state.critic_opt),
-                              grads)
-  return _with_params(state, carry), exp, exp_metrics, {**metrics, **norms}
+  metrics = {**metrics, **_grad_norms(grads)}
+  ok = finite_checks(scores, exp, metrics)[0]
+  state = jax.lax.cond(
+      ok, lambda s: _with_params(s, _apply_grads(actor_tx, critic_tx, _params_and_opts(s), grads)),
+      lambda s: s, state)
+  return state, exp, exp_metrics, metrics
 
 
 # ---------------------------------------------------------------------------------------------
@@ -350,25 +360,24 @@ def make_ppo_step(models: Models, actor_tx, critic_tx, actor_schedule: optax.Sch
     """(state, metrics, the rollout with old log-probs and values filled in)."""
     next_key, _, k_update = _keys(state)
     lr = actor_schedule(_opt_count(state.actor_opt))
-    if one_pass:
+    if one_pass:  # params and optimizer states stepped only where all is finite (a cond)
       new, exp, exp_metrics, upd = single_pass_update(
           models, actor_tx, critic_tx, state, r, scores, cfg, sampling.temperature)
     else:
       exp, exp_metrics = make_experience(r, scores, state.kl.beta, cfg)
       new, upd = update(models, actor_tx, critic_tx, state, exp, k_update, cfg,
                         sampling.temperature)
-    metrics = {**exp_metrics, **{_TRL_NAMES.get(k, f"{k}_avg"): v for k, v in upd.items()},
-               "objective/kl_coef": state.kl.beta, "lr": lr}
-    kl_state = controller.update(state.kl, exp_metrics["objective/kl"], scores.shape[0])
-    new = new._replace(kl=kl_state, step=state.step + 1)
     ok, flags = finite_checks(scores, exp, upd)
-    metrics.update(flags)
     # A non-finite iteration changes nothing but the key: params, optimizer states, KL
-    # controller and step stay as they were; the next iteration samples anew. (The old state
-    # stays alive until the select: one extra copy of parameters and optimizer states.)
-    state = jax.tree.map(lambda a, b: jnp.where(ok, a, b), new._replace(key=None),
-                         state._replace(key=None))
-    return state._replace(key=next_key), metrics, exp.rollout
+    # controller and step stay as they were; the next iteration samples anew.
+    keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(ok, a, b), new, old)  # noqa
+    if not one_pass:  # the old state stays alive until the select: one extra copy of it
+      new = _with_params(state, keep(_params_and_opts(new), _params_and_opts(state)))
+    metrics = {**exp_metrics, **{_TRL_NAMES.get(k, f"{k}_avg"): v for k, v in upd.items()},
+               "objective/kl_coef": state.kl.beta, "lr": lr, **flags}
+    kl_state = controller.update(state.kl, exp_metrics["objective/kl"], scores.shape[0])
+    new = new._replace(kl=keep(kl_state, state.kl), step=keep(state.step + 1, state.step))
+    return new._replace(key=next_key), metrics, exp.rollout
 
   def do_learn(state: TrainState, r: Rollout, scores: Array) -> tuple[TrainState, dict]:
     return learn_with_rollout(state, r, scores)[:2]

@@ -331,10 +331,13 @@ def _same(a, b) -> bool:
   return all(np.array_equal(x, y) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
 
 
-def test_a_nonfinite_step_changes_nothing_but_the_key():
+@pytest.mark.parametrize("single_pass", [False, True])
+def test_a_nonfinite_step_changes_nothing_but_the_key(single_pass):
   """The fused step (a jnp reward that returns Inf): parameters, optimizer states, KL state and
-  step stay; the key moves on; the metrics say what was non-finite."""
-  r = runner.build(toy_config(**{"reward.fn": "test_faults:nan_rule"}))
+  step stay; the key moves on; the metrics say what was non-finite. Both with minibatches (a
+  select after the update) and in the single-pass update (a cond around the optimizer step)."""
+  one = {"ppo.num_epochs": 1, "ppo.num_minibatches": 1} if single_pass else {}
+  r = runner.build(toy_config(**{"reward.fn": "test_faults:nan_rule", **one}))
   before = jax.device_get(r.state)
   state, metrics, _, _ = runner.iteration(r, r.state, r.source.batch(0).prompts)
   after = jax.device_get(state)
