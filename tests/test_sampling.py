@@ -762,6 +762,24 @@ def test_shared_prefix_generation_equals_the_full_prompts(tiny_params, prefixed_
                prefix=jnp.asarray(prefix)[None])
 
 
+def test_shared_prefix_generation_runs_in_bfloat16(tiny_params, prefixed_batch):
+  """In bfloat16 the prefix's products are bf16·bf16 → f32 dots too (XLA:CPU had no kernel for
+  them with the batch axis inside an operand); greedy tokens match the full prompts' in bf16
+  wherever the two agree on the first token."""
+  tokens, mask = prefixed_batch
+  module = MODEL.clone(cfg=MODEL.cfg.replace(dtype="bfloat16"))
+  prefix, rest, rest_mask = sampling.split_shared_prefix(tokens, mask)
+  got = jax.device_get(generate(module, tiny_params, jnp.asarray(rest), jnp.asarray(rest_mask),
+                                jax.random.key(0), GREEDY, prefix=jnp.asarray(prefix)))
+  want = jax.device_get(generate(module, tiny_params, jnp.asarray(tokens), jnp.asarray(mask),
+                                 jax.random.key(0), GREEDY))
+  check_conventions(got, GREEDY)
+  assert np.isfinite(got.logprobs).all()
+  same_start = got.tokens[:, 0] == want.tokens[:, 0]
+  assert same_start.sum() >= RAGGED_ROWS // 2  # bf16 rounding may flip a near-tie
+  np.testing.assert_allclose(got.logprobs[same_start, 0], want.logprobs[same_start, 0], atol=0.1)
+
+
 def test_decode_layout_converted_once_gives_the_same_generation(tiny_params, ragged_batch):
   """Params put in ``decode_layout`` once (unrolled, fused, on CPU with [out, in] kernels: what
   ``generate`` converts to on every call) give the same tokens and log-probs, and converting

@@ -325,9 +325,11 @@ def attend(q: Array, k: Array, v: Array, allowed: Array, keys_transposed: bool =
   q = q.reshape(b, t, hk, g, d).transpose(0, 2, 3, 1, 4).reshape(b, hk, g * t, d)
   scores = jnp.einsum("bkqd,bkds->bkqs" if keys_transposed else "bkqd,bksd->bkqs", q, k,
                       preferred_element_type=jnp.float32)
-  if shared is not None:
-    shared_scores = jnp.einsum("bkqd,kdc->bkqc", q, shared[0].astype(q.dtype),
+  if shared is not None:  # rows folded into the matmul's M: [H_kv, B·G·T, D]·[H_kv, D, C]
+    rows = q.transpose(1, 0, 2, 3).reshape(hk, b * g * t, d)
+    shared_scores = jnp.einsum("kqd,kdc->kqc", rows, shared[0].astype(q.dtype),
                                preferred_element_type=jnp.float32)
+    shared_scores = shared_scores.reshape(hk, b, g * t, -1).transpose(1, 0, 2, 3)
     scores = jnp.concatenate([shared_scores, scores], axis=-1)
     allowed = jnp.concatenate(
         [jnp.ones(allowed.shape[:-1] + (shared[0].shape[-1],), jnp.bool_), allowed], axis=-1)
@@ -336,9 +338,11 @@ def attend(q: Array, k: Array, v: Array, allowed: Array, keys_transposed: bool =
   probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype).reshape(b, hk, g * t, -1)
   size = 0 if shared is None else shared[1].shape[1]  # the shared scores come first
   out = jnp.einsum("bkqs,bksd->bkqd", probs[..., size:], v, preferred_element_type=jnp.float32)
-  if shared is not None:
-    out += jnp.einsum("bkqc,kcd->bkqd", probs[..., :size], shared[1].astype(v.dtype),
-                      preferred_element_type=jnp.float32)
+  if shared is not None:  # batch-leading operands: XLA:CPU has no bf16 → f32 dot otherwise
+    rows = probs[..., :size].transpose(1, 0, 2, 3).reshape(hk, b * g * t, size)
+    shared_out = jnp.einsum("kqc,kcd->kqd", rows, shared[1].astype(v.dtype),
+                            preferred_element_type=jnp.float32)
+    out += shared_out.reshape(hk, b, g * t, d).transpose(1, 0, 2, 3)
   out = out.astype(v.dtype).reshape(b, hk, g, t, d)
   return out.transpose(0, 3, 1, 2, 4).reshape(b, t, h, d)
 
