@@ -34,18 +34,6 @@ T = P + R.
 
     full(head, n_head) = B·[2·N_body·T + 2·head·n_head + Σ_{i<T} attn(i + 1)]
 
-With a shared prefix of C tokens (the chat template's header and system prompt, 24 of the 44
-prompt tokens here; ``data.shared_prefix``, on by default as in the CLI) every pass runs those C
-tokens once for the batch: B·T token-rows become C + B·(T − C), i.e.
-
-    full(head, n_head) = B·[2·N_body·(T − C) + 2·head·n_head + Σ_{C≤i<T} attn(i + 1)]
-                         + 2·N_body·C + Σ_{i<C} attn(i + 1)
-
-and the prefill likewise (plus the LM head on the prefix's last slot). The JSON's
-``model_tflop_per_iteration`` and ``achieved_gflops`` count what ppojax runs;
-``whole_rows_tflop_per_iteration`` and ``effective_gflops`` the same iteration with every row
-run whole (C = 0, what trl runs): the rate a step without the prefix would need to match ours.
-
     generation = B·[2·N_body·P + 2·N_lm·1 + Σ_{i<P} attn(i + 1)]         prefill (ppojax runs
                                                                           the LM head on the
                                                                           last prompt slot only)
@@ -70,10 +58,24 @@ TFLOP; on every position, as a plain Hugging Face forward, it would be 3.28 TFLO
 The rollout terms are what ``--no-reuse-update-forward`` runs (``ppo.reuse_update_forward =
 False``). By default the benchmark's 1 epoch × 1 minibatch update is a single pass
 (``step.single_pass``): its own forward gives the old values and the old log-probs, and the
-rollout runs neither the critic nor the policy forward (1·policy + 1·value fewer: 2.50 TFLOP).
+rollout runs neither the critic nor the policy forward (1·policy + 1·value fewer: 2.49 TFLOP).
 With --old-logprobs sampler (``ppo.old_logprobs = "sampler"``) log π_old comes from the
 sampler, as in trl's PPOTrainer, so the rollout has no policy forward either way (two-pass:
-2.76 TFLOP; single-pass: 2.50).
+2.76 TFLOP; single-pass: 2.49).
+
+With a shared prefix of C tokens (the chat template's header and system prompt, 24 of the 44
+prompt tokens here; ``data.shared_prefix``, on by default as in the CLI) every pass runs those C
+tokens once for the batch: B·T token-rows become C + B·(T − C), i.e.
+
+    full(head, n_head) = B·[2·N_body·(T − C) + 2·head·n_head + Σ_{C≤i<T} attn(i + 1)]
+                         + 2·N_body·C + Σ_{i<C} attn(i + 1)
+
+(value: n_head = T − C) and the prefill likewise (plus the LM head on the prefix's last slot,
+which its separate prefill computes). The JSON's
+``model_tflop_per_iteration`` and ``achieved_gflops`` count what ppojax runs;
+``whole_rows_tflop_per_iteration`` and ``effective_gflops`` the same iteration with every row
+run whole (C = 0, what trl runs): the rate a step without the prefix would need to match ours.
+Here C = 24 takes the default single-pass iteration from 2.49 to 1.80 TFLOP.
 
 With --remat the backward recomputes each layer's forward: more work for the hardware, the same
 model FLOPs. Decode attention in ppojax reads all P + R − 1 cache slots (masked), and elementwise
