@@ -191,17 +191,17 @@ before, rows_before = held_out(run.state.actor)'''),
 
 Each iteration samples a response to every prompt of the batch, scores it with the text reward,
 and takes the PPO update (`runner.iteration`). The batch comes from `run.source.batch(i)` as
-host arrays and goes onto the mesh with `sharding.batch_sharding`. The first iteration compiles
-the step (about a minute on a CPU).'''),
+host arrays and goes onto the mesh with `sharding.place_prompts`: rows over the batch axes, and
+the chat template's header, which every prompt shares and the step runs once per batch,
+replicated. The first iteration compiles the step (about a minute on a CPU).'''),
       code('''\
 from ppojax import reporting
 
 state = run.state  # the step donates it: always keep the returned one
-batch_sharding = sharding.batch_sharding(run.mesh)
 history = []
 for i in range(config.num_iterations):
   batch = run.source.batch(i)
-  prompts = jax.device_put(batch.prompts, batch_sharding)
+  prompts = sharding.place_prompts(batch.prompts, run.mesh)
   state, metrics, rollout, scores = runner.iteration(run, state, prompts, batch.records)
   history.append(metrics)
   print(f"iteration {i + 1:3d}  score {metrics['objective/scores']:.3f}  "

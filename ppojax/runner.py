@@ -17,7 +17,6 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec
 
 from ppojax import config as config_lib
 from ppojax import evaluation, sources, tasks
@@ -381,9 +380,6 @@ def _run(config, workdir, stop_after, signals: StopSignals) -> Result:
                                     wandb_config=config.to_dict() if wandb else None,
                                     resume_step=start)
   batch = config.ppo.batch_size
-  # rows over the mesh's batch axes; a shared prefix (one row for all) replicated
-  prompt_shardings = Prompts(*(sharding_lib.batch_sharding(r.mesh),) * 2,
-                             NamedSharding(r.mesh, PartitionSpec()))
   if "before" not in evals and start == 0 and r.source.eval_records and not signals.received:
     evals["before"] = _held_out(r, state.actor, "before", workdir, writer, 0)
   progress = reporting.ProgressBar(n, start=start)
@@ -402,8 +398,7 @@ def _run(config, workdir, stop_after, signals: StopSignals) -> Result:
           save(last, state, force=True)
         break
       data = r.source.batch(it - 1)
-      prompts = sharding_lib.place(data.prompts, prompt_shardings._replace(
-          prefix=None if data.prompts.prefix is None else prompt_shardings.prefix))
+      prompts = sharding_lib.place_prompts(data.prompts, r.mesh)
       state, metrics, rollout, scores = iteration(r, state, prompts, data.records,
                                                   config.phase_timing)
       last = it

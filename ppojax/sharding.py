@@ -60,6 +60,14 @@ def batch_sharding(mesh: Mesh, ndim: int = 2) -> NamedSharding:
   return NamedSharding(mesh, PartitionSpec(("data", "fsdp"), *([None] * (ndim - 1))))
 
 
+def place_prompts(prompts, mesh: Mesh):
+  """A batch of ``experience.Prompts`` on the mesh: tokens and mask [B, P] over the batch axes
+  (``batch_sharding``), a shared prefix [C] (every row's) replicated."""
+  rows = batch_sharding(mesh)
+  prefix = None if prompts.prefix is None else NamedSharding(mesh, PartitionSpec())
+  return place(prompts, prompts._replace(tokens=rows, mask=rows, prefix=prefix))
+
+
 def to_host(tree):
   """NumPy copies of a pytree's arrays, whole on every process.
 

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from ppojax import experience, runner, tasks
+from ppojax import experience, runner, sharding, tasks
 from ppojax.models import ValueModel, positions_from_mask, stack_layers, unstack_layers
 
 _CONFIGS = pathlib.Path(__file__).parents[1] / "configs"
@@ -27,11 +27,12 @@ def _run_steps(config, n=2, phases=False):
 
 
 def _iterate(run, n, phases=False):
-  """n iterations from run.state: (state, metric rows without timings, rollouts)."""
+  """n iterations from run.state: (state, metric rows without timings, rollouts); the prompts
+  placed on the run's mesh as the training loop places them (a shared prefix replicated)."""
   state, rows, rollouts = jax.tree.map(jnp.copy, run.state), [], []  # the state is donated
   for it in range(n):
-    state, metrics, r, _ = runner.iteration(run, state, run.source.batch(it).prompts,
-                                            phase_timing=phases)
+    prompts = sharding.place_prompts(run.source.batch(it).prompts, run.mesh)
+    state, metrics, r, _ = runner.iteration(run, state, prompts, phase_timing=phases)
     rows.append({k: v for k, v in metrics.items() if not k.startswith("time/")})
     rollouts.append(jax.device_get(r))
   return jax.device_get(state), rows, rollouts
