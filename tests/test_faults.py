@@ -43,7 +43,8 @@ from test_step import toy_config
 
 ROOT = pathlib.Path(__file__).parents[1]
 VOLATILE = ("time/", "eps")  # wall-clock figures differ between runs
-N = 16  # iterations of the CLI runs (ten kills must land before a run reaches N)
+N = 24  # iterations of the CLI runs (ten kills must land before a run reaches N; at 16 a
+# faster step let the run finish after 9 kills in CI)
 CLI = [sys.executable, "-m", "ppojax.train", "--config", str(ROOT / "configs" / "toy.py"),
        f"--config.num_iterations={N}", "--config.save_every=1", "--config.keep=2",
        "--config.ppo.batch_size=16", "--config.log_every=1", "--config.sample_every=0"]
