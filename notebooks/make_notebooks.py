@@ -205,7 +205,7 @@ for i in range(config.num_iterations):
   state, metrics, rollout, scores = runner.iteration(run, state, prompts, batch.records)
   history.append(metrics)
   print(f"iteration {i + 1:3d}  score {metrics['objective/scores']:.3f}  "
-        f"kl {metrics['objective/kl']:.4f}  entropy {metrics['objective/entropy']:.2f}  "
+        f"kl {metrics['objective/kl']:.4f}  entropy {metrics['objective/entropy_masked']:.2f}  "
         f"clipfrac {metrics.get('policy/clipfrac_avg', float('nan')):.3f}  "
         f"{metrics['time/iteration']:.1f} s")
 
@@ -225,13 +225,13 @@ assert all(np.isfinite(m["objective/scores"]) for m in history)'''),
 ## Curves
 
 `objective/scores` is the mean reward of the sampled responses, `objective/kl` the mean KL to the
-reference model per response (summed over tokens) and `objective/entropy` the responses' mean
+reference model per response (summed over tokens) and `objective/entropy_masked` the responses' mean
 negative log-likelihood under the policy (trl's names; the CLI writes the same curves to
 `curves.png`).'''),
       code('''\
 import matplotlib.pyplot as plt
 
-keys = ["objective/scores", "objective/kl", "objective/entropy"]
+keys = ["objective/scores", "objective/kl", "objective/entropy_masked"]
 steps = np.arange(1, len(history) + 1)
 fig, axes = plt.subplots(1, len(keys), figsize=(13, 3.2), layout="constrained")
 for ax, key in zip(axes, keys):

@@ -11,6 +11,7 @@ and changes what its job needs (``configs/*.py``), so every option is documented
 from __future__ import annotations
 
 import difflib
+import importlib.util
 
 import ml_collections
 import numpy as np
@@ -26,7 +27,7 @@ def defaults() -> ml_collections.ConfigDict:
   c.save_every = 50  # checkpoint every N iterations (and at the end), with --workdir
   c.keep = 2  # checkpoints kept
   c.phase_timing = False  # True: run sampling / scoring / update as three timed calls
-  c.wandb_project = ""  # log to Weights & Biases too (needs `pip install wandb`)
+  c.wandb_project = ""  # log to Weights & Biases too (needs `pip install 'ppojax[wandb]'`)
   c.distributed = False  # jax.distributed.initialize() first (multi-host TPU / GPU / CPU)
   # where the cluster is not auto-detected (SLURM, Open MPI, TPU and k8s are): the coordinator
   # "host:port", the number of processes and this one's index (""/0/-1: auto-detect)
@@ -142,7 +143,7 @@ def supervised_defaults() -> ml_collections.ConfigDict:
   ``configs/sft_arith.py`` and ``configs/rm_arith.py`` start from it."""
   c = ml_collections.ConfigDict()
   c.seed = 0  # model init (tiny), data generation and batch order
-  c.wandb_project = ""  # log to Weights & Biases too (needs `pip install wandb`)
+  c.wandb_project = ""  # log to Weights & Biases too (needs `pip install 'ppojax[wandb]'`)
 
   c.model = ml_collections.ConfigDict()
   # "smollm2", a GGUF file, a Hugging Face directory or hub id (for a reward model a policy
@@ -295,6 +296,14 @@ def check_sizes(config: ml_collections.ConfigDict, num_devices: int,
         "data.max_prompt_len or sampling.max_new_tokens")
 
 
+def check_packages(config: ml_collections.ConfigDict) -> None:
+  """Options that need a package outside ppojax's core dependencies: the package is installed."""
+  if config.get("wandb_project") and importlib.util.find_spec("wandb") is None:
+    raise ConfigError(f"wandb_project={config.wandb_project!r} needs the wandb package, which is "
+                      "not installed: pip install 'ppojax[wandb]' (or pip install wandb), or "
+                      "leave wandb_project empty")
+
+
 def _prompt_length(config) -> int:
   return config.data.prompt_len if config.data.task == "count" else config.data.max_prompt_len
 
@@ -305,3 +314,4 @@ def validate(config: ml_collections.ConfigDict, num_devices: int,
   check_names_and_types(config)
   check_choices(config)
   check_sizes(config, num_devices, context_length)
+  check_packages(config)

@@ -26,6 +26,8 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from ppojax import files
+
 _DATASET_SUFFIXES = (".parquet", ".csv", ".arrow")
 _PROMPT_TRUNCATE = ("left", "error")
 _RESPONSE_TRUNCATE = ("right", "error")
@@ -147,8 +149,8 @@ def _import_datasets(path: pathlib.Path):
   try:
     import datasets  # pylint: disable=import-outside-toplevel
   except ImportError as e:
-    raise DataError(f"reading {path} needs the Hugging Face `datasets` package: "
-                    "pip install datasets (or pip install 'ppojax[datasets]')") from e
+    raise DataError(f"reading {path} needs the Hugging Face `datasets` package, a dependency "
+                    "of ppojax that is missing here: pip install datasets") from e
   return datasets
 
 
@@ -242,6 +244,7 @@ def write_jsonl(records: Iterable[dict], path: str | os.PathLike) -> None:
           raise DataError(f"writing {path}: record {i} is not JSON-serialisable: {e}") from e
       f.flush()
       os.fsync(f.fileno())
+    os.chmod(tmp, files.default_mode(is_dir=False))  # mkstemp makes it owner-only
     os.replace(tmp, path)
   except BaseException:
     pathlib.Path(tmp).unlink(missing_ok=True)

@@ -207,10 +207,11 @@ def make_experience(r: Rollout, scores: Array, beta: Array, cfg) -> tuple[Experi
   metrics = {f"objective/{k}": v for k, v in metrics.items()}
   lengths = jnp.sum(r.mask, axis=1)
   metrics.update({
-      # trl's objective/entropy: the sampled responses' mean Σ_t −log π(token)
-      "objective/entropy": jnp.mean(jnp.sum(-r.old_logp, axis=1)),
+      # the sampled responses' mean Σ_t −log π(token) over response tokens (trl's
+      # objective/entropy also counts −1 per padding position: its INVALID_LOGPROB)
+      "objective/entropy_masked": jnp.mean(jnp.sum(-r.old_logp, axis=1)),
       "objective/scores_raw": jnp.mean(scores.astype(jnp.float32)),
-      "val/num_eos_tokens": jnp.sum(r.has_stop),
+      "val/num_stopped": jnp.sum(r.has_stop),  # responses ending on a stop token
       "val/response_length": jnp.mean(lengths),
       "val/values_rollout": ops.masked_mean(r.old_values, r.mask),
   })

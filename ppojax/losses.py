@@ -154,10 +154,13 @@ def ppo_loss(
   """Total PPO loss  L = L_policy + vf_coef·L_value − ent_coef·H.
 
   The defaults are trl's (vf_coef 0.1, no entropy bonus, ε = 0.2 for ratio and value clip).
-  Metric names follow trl (without its ``_avg`` suffix): ``loss/policy``, ``loss/value``,
-  ``loss/total``, ``policy/approxkl``, ``policy/clipfrac``, ``policy/dual_clipfrac``,
-  ``policy/entropy``, ``val/ratio``, ``val/ratio_var``, ``val/clipfrac``, ``val/error``,
-  ``val/values``. ``ent_coef`` other than a Python 0 without ``entropy`` raises ``ValueError``.
+  Metric names follow trl (without its ``_avg`` suffix) where they mean what trl's mean:
+  ``loss/policy``, ``loss/value``, ``loss/total``, ``policy/clipfrac``, ``val/clipfrac``; and
+  ``policy/dual_clipfrac``, ``val/error``, ``val/values``. Those that trl averages over every
+  position, padding included, are masked here and named so: ``policy/approxkl_masked``,
+  ``policy/entropy_masked``, ``val/ratio_masked``; ``val/ratio_token_var`` is the variance of
+  the per-token ratios (trl's ``val/ratio_var`` is that of per-micro-batch mean ratios).
+  ``ent_coef`` other than a Python 0 without ``entropy`` raises ``ValueError``.
   """
   pg_loss, pg = policy_loss(
       logp, old_logp, advantages, mask, clip_eps=clip_eps, clip_eps_low=clip_eps_low,
@@ -168,11 +171,11 @@ def ppo_loss(
   metrics = {
       "loss/policy": pg["loss"],
       "loss/value": vf["loss"],
-      "policy/approxkl": pg["approxkl"],
+      "policy/approxkl_masked": pg["approxkl"],
       "policy/clipfrac": pg["clipfrac"],
       "policy/dual_clipfrac": pg["dual_clipfrac"],
-      "val/ratio": pg["ratio"],
-      "val/ratio_var": pg["ratio_var"],
+      "val/ratio_masked": pg["ratio"],
+      "val/ratio_token_var": pg["ratio_var"],
       "val/clipfrac": vf["clipfrac"],
       "val/error": vf["error"],
       "val/values": vf["values"],
@@ -180,7 +183,7 @@ def ppo_loss(
   if entropy is not None:
     ent = entropy_bonus(entropy, mask, aggregation)
     total = total - ent_coef * ent
-    metrics["policy/entropy"] = jax.lax.stop_gradient(ent)
+    metrics["policy/entropy_masked"] = jax.lax.stop_gradient(ent)
   elif isinstance(ent_coef, jax.Array) or ent_coef != 0:
     raise ValueError(
         "ent_coef needs the per-token entropy: pass entropy=ops.entropy_from_logits(logits), "

@@ -1,6 +1,6 @@
-"""What the training CLI reports: a progress bar, metric logs, sample tables and curve plots.
+"""What the training CLI reports: progress (``tqdm``), metric logs, sample tables and curve plots.
 
-Plain Python and NumPy; the optional back ends (``tensorboardX``, ``wandb``, ``matplotlib``) are
+Plain Python and NumPy; the back ends (``tqdm``, ``tensorboardX``, ``wandb``, ``matplotlib``) are
 imported only when used.
 
 Files written under a run's ``workdir``:
@@ -34,26 +34,7 @@ _NONFINITE = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}
 
 
 # ---------------------------------------------------------------------------------------------
-# Progress bar.
-
-
-def _format_duration(seconds: float) -> str:
-  """``32s``, ``4m32s``, ``1h02m03s``."""
-  s = int(round(seconds))
-  h, rest = divmod(s, 3600)
-  m, s = divmod(rest, 60)
-  if h:
-    return f"{h}h{m:02d}m{s:02d}s"
-  if m:
-    return f"{m}m{s:02d}s"
-  return f"{s}s"
-
-
-def _format_rate(seconds_per_it: float) -> str:
-  """Seconds per iteration to 3 significant digits, trailing zeros kept: 3.10, 0.0123, 123."""
-  if seconds_per_it >= 100:
-    return f"{seconds_per_it:.0f}"
-  return f"{seconds_per_it:#.3g}"
+# Progress.
 
 
 def _short_name(key: str) -> str:
@@ -68,77 +49,70 @@ def _is_tty(stream: Any) -> bool:
     return False
 
 
-class ProgressBar:
-  """A one-line progress bar with time per iteration, ETA and a few metrics.
+# One progress line in a log file: no bar, no carriage return, tqdm's fields.
+LOG_FORMAT = "{n_fmt}/{total_fmt} {percentage:3.0f}% [{elapsed}<{remaining}, {rate_fmt}{postfix}]"
 
-  ``[#########.....]  12/100  12%  3.10 s/it  ETA 4m32s  scores=0.512 kl=0.013``
 
-  Time per iteration is wall time since construction over the steps done since ``start``, so a
-  run resumed at step ``start`` gets a sane ETA. On a TTY the line is redrawn in place with
-  ``"\\r"``; on any other stream (a log file, a CI console) each :meth:`update` writes one line.
+class Progress:
+  """The training loops' progress: ``tqdm``'s bar on a terminal, plain lines elsewhere.
+
+  On a TTY it is a ``tqdm`` bar (redrawn in place) with rate, ETA and the metrics given to
+  :meth:`update`; on any other stream (a log file, a CI console) each :meth:`update` writes one
+  line in tqdm's own format, without a bar or carriage returns::
+
+    12/100  12% [00:37<04:32,  3.10s/it, scores=0.512, kl=0.0131]
+
+  Rate and ETA count only the steps done since ``start`` (tqdm's ``initial``), so a run resumed
+  at step ``start`` gets a sane ETA; they average over all those steps (the first one includes
+  compilation). :meth:`write` prints a message above the bar without breaking it.
   """
 
-  def __init__(self, total: int, start: int = 0, stream: TextIO | None = None, width: int = 30,
-               *, clock: Callable[[], float] = time.monotonic):
+  def __init__(self, total: int, start: int = 0, stream: TextIO | None = None, *,
+               clock: Callable[[], float] = time.monotonic):
     if total <= 0:
-      raise ValueError(f"ProgressBar total must be positive, got total={total}")
-    if width < 1:
-      raise ValueError(f"ProgressBar width must be positive, got width={width}")
-    self.total = int(total)
-    self.start = int(start)
-    self.width = int(width)
+      raise ValueError(f"Progress total must be positive, got total={total}")
+    from tqdm import tqdm  # pylint: disable=import-outside-toplevel
+    self._tqdm = tqdm
+    self.total, self.start = int(total), int(start)
     self.stream = sys.stderr if stream is None else stream
     self._clock = clock
     self._t0 = clock()
-    self._tty = _is_tty(self.stream)
-    self._metrics: dict[str, float] = {}
-    self._last_len = 0
-    self._drawn = False
-    self._closed = False
+    self._postfix = ""
+    self._bar = (tqdm(total=self.total, initial=self.start, file=self.stream, unit="it",
+                      dynamic_ncols=True, smoothing=0.0, mininterval=0.0)
+                 if _is_tty(self.stream) else None)
 
-  def render(self, step: int, metrics: dict[str, float] | None = None) -> str:
-    """The bar's text for ``step`` (no ``"\\r"`` or newline); ``update`` writes it."""
-    frac = min(max(step / self.total, 0.0), 1.0)
-    filled = int(self.width * frac)
-    bar = "#" * filled + "." * (self.width - filled)
-    counter = f"{step:>{len(str(self.total))}}/{self.total}"
-    pct = f"{int(100 * step / self.total):3d}%"
-    done = step - self.start
-    if done > 0:
-      per_it = (self._clock() - self._t0) / done
-      eta = _format_duration(per_it * max(self.total - step, 0))
-      timing = f"{_format_rate(per_it)} s/it  ETA {eta}"
-    else:
-      timing = "? s/it  ETA ?"
-    parts = [f"[{bar}]", counter, pct, timing]
-    shown = self._metrics if metrics is None else metrics
-    if shown:
-      parts.append(" ".join(f"{_short_name(k)}={float(v):.4g}" for k, v in shown.items()))
-    return "  ".join(parts)
+  @staticmethod
+  def _format_metrics(metrics: dict[str, float]) -> str:
+    return ", ".join(f"{_short_name(k)}={float(v):.4g}" for k, v in metrics.items())
 
   def update(self, step: int, metrics: dict[str, float] | None = None) -> None:
-    """Draws the bar at ``step``. Without ``metrics`` the last metrics given are shown again."""
+    """Shows progress at ``step``. Without ``metrics`` the last metrics given are shown again."""
     if metrics is not None:
-      self._metrics = dict(metrics)
-    line = self.render(step)
-    if self._tty:
-      pad = " " * max(self._last_len - len(line), 0)  # Clears the rest of a longer old line.
-      self.stream.write("\r" + line + pad)
-      self._last_len = len(line)
-    else:
-      self.stream.write(line + "\n")
+      self._postfix = self._format_metrics(metrics)
+    if self._bar is not None:
+      self._bar.set_postfix_str(self._postfix, refresh=False)
+      self._bar.update(step - self._bar.n)
+      return
+    line = self._tqdm.format_meter(step, self.total, self._clock() - self._t0,
+                                   initial=self.start, postfix=self._postfix or None, unit="it",
+                                   bar_format=LOG_FORMAT)
+    self.stream.write(line + "\n")
     self.stream.flush()
-    self._drawn = True
-    self._closed = False
+
+  def write(self, text: str) -> None:
+    """Prints ``text`` (to stdout) without breaking the bar."""
+    if self._bar is not None:
+      self._tqdm.write(text, file=sys.stdout)
+    else:
+      print(text, flush=True)
 
   def close(self) -> None:
-    """Ends the bar's line (a newline on a TTY; nothing is needed otherwise). Idempotent."""
-    if self._tty and self._drawn and not self._closed:
-      self.stream.write("\n")
-      self.stream.flush()
-    self._closed = True
+    """Ends the bar's line. Idempotent."""
+    if self._bar is not None:
+      self._bar.close()
 
-  def __enter__(self) -> ProgressBar:
+  def __enter__(self) -> Progress:
     return self
 
   def __exit__(self, *exc) -> None:
@@ -371,11 +345,12 @@ def _is_numeric(value: Any) -> bool:
 # Samples table.
 
 
-def _cell(text: Any, max_chars: int) -> str:
-  """One line of at most ``max_chars``: newlines shown as ⏎, tabs as ⇥, a cut marked by …."""
+def _cell(text: Any, max_chars: int, keep_end: bool = False) -> str:
+  """One line of at most ``max_chars``: newlines shown as ⏎, tabs as ⇥, a cut marked by …
+  (at the end; at the start with ``keep_end``)."""
   s = str(text).replace("\r\n", "⏎").replace("\n", "⏎").replace("\r", "⏎").replace("\t", "⇥")
   if len(s) > max_chars:
-    s = s[:max_chars - 1] + "…"
+    s = "…" + s[len(s) - max_chars + 1:] if keep_end else s[:max_chars - 1] + "…"
   return s
 
 
@@ -391,11 +366,12 @@ def format_samples_table(rows: list[dict], max_chars: int = 80) -> str:
   """A plain-text table of samples with columns ``score | prompt | response``.
 
   Newlines show as ``⏎`` (tabs as ``⇥``), so each sample takes one line; texts longer than
-  ``max_chars`` are cut to ``max_chars`` characters, the last being ``…``.
+  ``max_chars`` are cut to ``max_chars`` characters: a response keeps its beginning (the last
+  character shown is ``…``), a prompt its end, where chat prompts differ (the first is ``…``).
   """
   if max_chars < 1:
     raise ValueError(f"max_chars must be at least 1, got {max_chars}")
-  cells = [(_score_cell(r.get("score")), _cell(r.get("prompt", ""), max_chars),
+  cells = [(_score_cell(r.get("score")), _cell(r.get("prompt", ""), max_chars, keep_end=True),
             _cell(r.get("response", ""), max_chars)) for r in rows]
   header = ("score", "prompt", "response")
   w_score = max([len(header[0])] + [len(c[0]) for c in cells])
@@ -415,7 +391,7 @@ def format_samples_table(rows: list[dict], max_chars: int = 80) -> str:
 
 
 def plot_curves(metrics_path: str, out_path: str,
-                keys: Iterable[str] = ("objective/scores", "objective/kl", "objective/entropy"),
+                keys: Iterable[str] = ("objective/scores", "objective/kl", "objective/entropy_masked"),
                 ) -> list[str]:
   """Plots each of ``keys`` found in a ``metrics.jsonl`` against step, one subplot per key, to
   a PNG at ``out_path`` (written atomically). Returns the keys plotted."""

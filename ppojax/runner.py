@@ -28,7 +28,7 @@ from ppojax.models import (SMOLLM2_NAMES, CausalLM, LoadedModel, ModelConfig, Va
 from ppojax.sampling import SamplingConfig
 from ppojax.signals import StopSignals
 
-SHOWN = ("objective/scores", "objective/kl", "objective/entropy", "policy/clipfrac_avg",
+SHOWN = ("objective/scores", "objective/kl", "objective/entropy_masked", "policy/clipfrac_avg",
          "val/response_length")
 
 
@@ -382,7 +382,7 @@ def _run(config, workdir, stop_after, signals: StopSignals) -> Result:
   batch = config.ppo.batch_size
   if "before" not in evals and start == 0 and r.source.eval_records and not signals.received:
     evals["before"] = _held_out(r, state.actor, "before", workdir, writer, 0)
-  progress = reporting.ProgressBar(n, start=start)
+  progress = reporting.Progress(n, start=start)
   history, last, unsaved = [], start, False  # last: the latest completed iteration
   what: set[str] = set()  # what was non-finite in the current run of skipped iterations
 
@@ -417,11 +417,11 @@ def _run(config, workdir, stop_after, signals: StopSignals) -> Result:
         if writer:
           writer.write(it, metrics)
       if skipped:
-        print(f"\niteration {it}: non-finite {_names(_nonfinite(metrics))}: update skipped "
-              f"({bad['streak']} in a row, {bad['total']} in all)", flush=True)
+        progress.write(f"\niteration {it}: non-finite {_names(_nonfinite(metrics))}: update "
+                       f"skipped ({bad['streak']} in a row, {bad['total']} in all)")
       if config.sample_every and (it % config.sample_every == 0 or it == n):
         rows = _sample_rows(r, rollout, scores, config.num_samples)
-        print(f"\nsamples at iteration {it}:\n{reporting.format_samples_table(rows)}", flush=True)
+        progress.write(f"\nsamples at iteration {it}:\n{reporting.format_samples_table(rows)}")
         if writer:
           writer.write_samples(it, rows)
       max_bad = config.ppo.get("max_bad_steps", 3)
@@ -440,9 +440,9 @@ def _run(config, workdir, stop_after, signals: StopSignals) -> Result:
         break
     if signals.received:
       where = f"after iteration {last}" if last > start else "before any iteration"
-      print(f"\nstopped by {signals.received} {where}"
-            + (f"; checkpoint {last} saved: run the same command again to resume"
-               if ckpt and last > start else ""), flush=True)
+      progress.write(f"\nstopped by {signals.received} {where}"
+                     + (f"; checkpoint {last} saved: run the same command again to resume"
+                        if ckpt and last > start else ""))
     elif last == n and r.source.eval_records and "after" not in evals:
       progress.close()
       evals["after"] = _held_out(r, state.actor, "after", workdir, writer, n)

@@ -317,9 +317,6 @@ class PPOStep(NamedTuple):
   learn: Callable
 
 
-_TRL_NAMES = {"val/ratio": "val/ratio", "val/ratio_var": "val/ratio_var"}  # trl: no "_avg"
-
-
 def _keys(state: TrainState):
   """(next state key, sampling key, update key): the same split in every path."""
   return tuple(jax.random.split(state.key, 3))
@@ -373,7 +370,7 @@ def make_ppo_step(models: Models, actor_tx, critic_tx, actor_schedule: optax.Sch
     keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(ok, a, b), new, old)  # noqa
     if not one_pass:  # the old state stays alive until the select: one extra copy of it
       new = _with_params(state, keep(_params_and_opts(new), _params_and_opts(state)))
-    metrics = {**exp_metrics, **{_TRL_NAMES.get(k, f"{k}_avg"): v for k, v in upd.items()},
+    metrics = {**exp_metrics, **{f"{k}_avg": v for k, v in upd.items()},
                "objective/kl_coef": state.kl.beta, "lr": lr, **flags}
     kl_state = controller.update(state.kl, exp_metrics["objective/kl"], scores.shape[0])
     new = new._replace(kl=keep(kl_state, state.kl), step=keep(state.step + 1, state.step))

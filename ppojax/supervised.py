@@ -28,6 +28,7 @@ import ml_collections
 import numpy as np
 import optax
 
+from ppojax import config as config_lib
 from ppojax import data, reporting, runner
 from ppojax import step as step_lib
 from ppojax.models import LoadedModel
@@ -55,6 +56,7 @@ def build_model(config: ml_collections.ConfigDict, head: str = "lm") -> LoadedMo
   a GGUF file, a Hugging Face directory); ``head="value"`` adds a scalar head, zero when the
   checkpoint has none and for "tiny" (an untrained reward model scores every pair a tie).
   ``model.tokenizer``, when set, replaces the checkpoint's tokenizer."""
+  config_lib.check_packages(config)
   m = config.model
   if m.init == "tiny" and not m.tokenizer:
     raise ValueError("model.init='tiny' needs model.tokenizer (a Hugging Face directory, GGUF "
@@ -237,7 +239,7 @@ def fit(config: ml_collections.ConfigDict, workdir: str | pathlib.Path | None, m
     before = evaluation(params)
     log(0, {**(info or {}), **before})
     print(_summary("before training", before), flush=True)
-    progress = reporting.ProgressBar(steps)
+    progress = reporting.Progress(steps)
     for i in range(steps):
       batch = take(train, data.batch_indices(n, t.batch_size, config.seed, i))
       params, opt_state, metrics = train_step(params, opt_state, batch)

@@ -446,15 +446,15 @@ def ppo_loss(logp, old_logp, advantages, values, old_values, returns, mask, entr
       "loss/policy": pg,
       "loss/value": vf,
       "loss/total": total,
-      "policy/approxkl": pm["approxkl"],
+      "policy/approxkl_masked": pm["approxkl"],
       "policy/clipfrac": pm["clipfrac"],
       "policy/dual_clipfrac": pm["dual_clipfrac"],
-      "val/ratio": pm["ratio"],
-      "val/ratio_var": pm["ratio_var"],
+      "val/ratio_masked": pm["ratio"],
+      "val/ratio_token_var": pm["ratio_var"],
       "val/clipfrac": vm["clipfrac"],
       "val/error": vm["error"],
       "val/values": vm["values"],
   }
   if entropy is not None:
-    metrics["policy/entropy"] = ent
+    metrics["policy/entropy_masked"] = ent
   return total, metrics

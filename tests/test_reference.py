@@ -678,14 +678,14 @@ def test_ppo_loss(shape, aggregation, with_entropy):
   total_ref, met_ref = ref.ppo_loss(lp64, ol64, a64, v64, ov64, R64, m, h64, **kw)
   close(total, total_ref)
   for key, val in met_ref.items():
-    tol = 1e-4 if key == "val/ratio_var" else RTOL
+    tol = 1e-4 if key == "val/ratio_token_var" else RTOL
     close(metrics[key], val, rtol=tol, err_msg=key)
-  for key in ["loss/policy", "loss/value", "loss/total", "policy/approxkl", "policy/clipfrac",
-              "policy/dual_clipfrac", "val/ratio", "val/ratio_var", "val/clipfrac",
+  for key in ["loss/policy", "loss/value", "loss/total", "policy/approxkl_masked", "policy/clipfrac",
+              "policy/dual_clipfrac", "val/ratio_masked", "val/ratio_token_var", "val/clipfrac",
               "val/error", "val/values"]:
     assert key in metrics, key
   if with_entropy:
-    assert "policy/entropy" in metrics
+    assert "policy/entropy_masked" in metrics
   # Gradients of the total w.r.t. logp, values (and entropy): sums of the pieces.
   _, _, g_pol = ref.policy_loss(lp64, ol64, a64, m, clip_eps_high=0.28, dual_clip=3.0,
                                 aggregation=aggregation)

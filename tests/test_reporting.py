@@ -14,7 +14,7 @@ import types
 import numpy as np
 import pytest
 
-from ppojax.reporting import (MetricWriter, ProgressBar, format_samples_table, plot_curves,
+from ppojax.reporting import (MetricWriter, Progress, format_samples_table, plot_curves,
                               read_metrics)
 
 
@@ -35,91 +35,75 @@ class TTYStringIO(io.StringIO):
 
 
 # ---------------------------------------------------------------------------------------------
-# ProgressBar.
+# Progress.
 
 
-def test_progress_bar_exact_line_non_tty():
+def test_progress_log_line_has_count_elapsed_eta_rate_and_metrics():
   clock, out = FakeClock(), io.StringIO()
-  bar = ProgressBar(10, stream=out, width=10, clock=clock)
-  clock.t += 6.0
-  bar.update(3)
-  assert out.getvalue() == "[###.......]   3/10   30%  2.00 s/it  ETA 14s\n"
-
-
-def test_progress_bar_rate_and_eta_numbers():
-  clock, out = FakeClock(), io.StringIO()
-  bar = ProgressBar(100, stream=out, clock=clock)
-  clock.t += 12 * 3.1  # 3.1 s per step, 88 steps left: 272.8 s -> 273 s.
-  bar.update(12)
-  line = out.getvalue()
-  assert line.startswith("[" + "#" * 3 + "." * 27 + "]   12/100   12%  ")
-  assert "  3.10 s/it  ETA 4m33s" in line
+  bar = Progress(100, stream=out, clock=clock)
+  clock.t += 12 * 3.1  # 3.1 s per step, 88 steps left: 272.8 s -> 04:32.
+  bar.update(12, {"objective/scores": 0.5123456, "objective/kl": 0.0131234})
+  assert out.getvalue() == "12/100  12% [00:37<04:32,  3.10s/it, scores=0.5123, kl=0.01312]\n"
   clock.t += 88 * 3.1 + 3 * 3600  # Slower now: hours in the ETA.
   bar.update(50)
-  last = out.getvalue().splitlines()[-1]
-  per_it = (12 * 3.1 + 88 * 3.1 + 3 * 3600) / 50
-  assert f"{per_it:.0f} s/it" == "222 s/it" and "222 s/it" in last
-  eta = round(per_it * 50)  # 11110 s = 3h05m10s
-  assert f"ETA {eta // 3600}h{eta % 3600 // 60:02d}m{eta % 60:02d}s" in last
-  assert "ETA 3h05m10s" in last
+  per_it = (100 * 3.1 + 3 * 3600) / 50  # 222.2 s per step, 50 steps left: 3h05m10s
+  assert out.getvalue().splitlines()[-1] == (
+      f"50/100  50% [3:05:10<3:05:10, {per_it:.2f}s/it, scores=0.5123, kl=0.01312]")
 
 
-def test_progress_bar_resumed_start_gives_eta_from_steps_done_since_start():
+def test_progress_resumed_start_gives_eta_from_steps_done_since_start():
   clock, out = FakeClock(), io.StringIO()
-  bar = ProgressBar(100, start=50, stream=out, clock=clock)
+  bar = Progress(100, start=50, stream=out, clock=clock)
   clock.t += 10.0
-  bar.update(60)  # 10 steps in 10 s since the resume: 1 s/it, 40 steps left.
-  assert "  60/100   60%  1.00 s/it  ETA 40s" in out.getvalue()
+  bar.update(60)  # 10 steps in 10 s since the resume: 1 step/s, 40 steps left.
+  assert out.getvalue() == "60/100  60% [00:10<00:40,  1.00it/s]\n"
 
 
-def test_progress_bar_before_first_step_has_no_rate():
+def test_progress_before_first_step_has_no_rate():
   out = io.StringIO()
-  bar = ProgressBar(100, start=20, stream=out, clock=FakeClock())
-  bar.update(20)
-  assert out.getvalue().rstrip("\n").endswith("  20/100   20%  ? s/it  ETA ?")
+  Progress(100, start=20, stream=out, clock=FakeClock()).update(20)
+  assert out.getvalue() == "20/100  20% [00:00<?, ?it/s]\n"
 
 
-def test_progress_bar_non_tty_one_line_per_update_and_metrics():
+def test_progress_non_tty_one_plain_line_per_update():
   clock, out = FakeClock(), io.StringIO()
-  bar = ProgressBar(4, stream=out, width=4, clock=clock)
+  bar = Progress(4, stream=out, clock=clock)
   for step in range(1, 5):
     clock.t += 0.5
-    bar.update(step, {"objective/scores": 0.5123456, "objective/kl": 0.0131234,
-                      "loss/value_avg": np.float32(12345.678), "entropy": float("nan")})
-  bar.close()
-  lines = out.getvalue().split("\n")
-  assert lines[-1] == "" and len(lines) == 5 and "\r" not in out.getvalue()
-  assert lines[0] == ("[#...]  1/4   25%  0.500 s/it  ETA 2s  "
-                      "scores=0.5123 kl=0.01312 value_avg=1.235e+04 entropy=nan")
-  assert lines[3].startswith("[####]  4/4  100%  0.500 s/it  ETA 0s  ")
-
-
-def test_progress_bar_keeps_last_metrics_when_none_given():
-  out = io.StringIO()
-  bar = ProgressBar(10, stream=out, clock=FakeClock())
-  bar.update(1, {"a/x": 1.0})
-  bar.update(2)
-  assert out.getvalue().splitlines()[1].endswith("  x=1")
-
-
-def test_progress_bar_tty_redraws_one_line():
-  clock, out = FakeClock(), TTYStringIO()
-  bar = ProgressBar(10, stream=out, width=10, clock=clock)
-  clock.t += 1.0
-  bar.update(1, {"objective/kl": 0.123456})
-  clock.t += 1.0
-  bar.update(2, {})  # Shorter line: the rest of the old one is blanked out.
-  assert "\n" not in out.getvalue()
+    bar.update(step, {"objective/scores": 0.5, "loss/value_avg": np.float32(12345.678),
+                      "entropy": float("nan")})
   bar.close()
   bar.close()  # Idempotent.
-  first = "[#.........]   1/10   10%  1.00 s/it  ETA 9s  kl=0.1235"
-  second = "[##........]   2/10   20%  1.00 s/it  ETA 8s"
-  assert out.getvalue() == "\r" + first + "\r" + second + " " * (len(first) - len(second)) + "\n"
+  lines = out.getvalue().split("\n")
+  assert lines[-1] == "" and len(lines) == 5 and "\r" not in out.getvalue()
+  assert lines[0] == "1/4  25% [00:00<00:01,  2.00it/s, scores=0.5, value_avg=1.235e+04, entropy=nan]"
+  assert lines[3].startswith("4/4 100% [00:02<00:00,  2.00it/s, ")
 
 
-def test_progress_bar_rejects_bad_total():
+def test_progress_keeps_last_metrics_when_none_given():
+  out = io.StringIO()
+  bar = Progress(10, stream=out, clock=FakeClock())
+  bar.update(1, {"a/x": 1.0})
+  bar.update(2)
+  assert out.getvalue().splitlines()[1].endswith(", x=1]")
+
+
+def test_progress_on_a_tty_is_a_tqdm_bar_redrawn_in_place(capsys):
+  out = TTYStringIO()
+  bar = Progress(10, stream=out)
+  bar.update(1, {"objective/kl": 0.123456})
+  bar.update(2, {})
+  bar.write("samples at iteration 2")  # above the bar, on stdout
+  bar.close()
+  text = out.getvalue()
+  assert "\r" in text and text.count("\n") <= 2  # redrawn, not one line per update
+  assert " 2/10 [" in text and "kl=0.1235" in text and "|" in text  # tqdm's bar and fields
+  assert "samples at iteration 2" in capsys.readouterr().out
+
+
+def test_progress_rejects_bad_total():
   with pytest.raises(ValueError, match="total"):
-    ProgressBar(0, stream=io.StringIO())
+    Progress(0, stream=io.StringIO())
 
 
 # ---------------------------------------------------------------------------------------------
@@ -348,11 +332,11 @@ def test_format_samples_table_layout():
 
 
 def test_format_samples_table_cuts_long_text_explicitly():
-  long = "x" * 30
+  long = "system header " * 3 + "What is 2?"  # chat prompts differ at their end
   table = format_samples_table([{"prompt": long, "response": "ab\ncdefgh", "score": 0.5}],
                                max_chars=8)
   row = table.split("\n")[2]
-  assert row == "  0.5 | xxxxxxx… | ab⏎cdef…"
+  assert row == "  0.5 | …t is 2? | ab⏎cdef…"
   assert format_samples_table([{"prompt": "x" * 8, "response": "", "score": 0}], 8).split(
       "\n")[2] == "    0 | xxxxxxxx |"  # Exactly max_chars: not cut.
   with pytest.raises(ValueError, match="max_chars"):
@@ -382,7 +366,7 @@ def test_plot_curves_writes_png_and_returns_keys(tmp_path):
   out = tmp_path / "plots" / "curves.png"
   out.parent.mkdir()
   keys = plot_curves(path, str(out))
-  assert keys == ["objective/scores", "objective/kl"]  # objective/entropy is absent.
+  assert keys == ["objective/scores", "objective/kl"]  # objective/entropy_masked is absent.
   data = out.read_bytes()
   assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 1000
   assert os.listdir(out.parent) == ["curves.png"]  # No temp file left behind.

@@ -186,16 +186,20 @@ def test_python_reward_equals_the_jax_rule(fused_run):
 
 def test_metrics_have_trl_names_and_sane_values(fused_run):
   _, rows = fused_run
-  for name in ("objective/kl", "objective/entropy", "objective/non_score_reward",
-               "objective/rlhf_reward", "objective/scores", "policy/approxkl_avg",
+  for name in ("objective/kl", "objective/entropy_masked", "objective/non_score_reward",
+               "objective/rlhf_reward", "objective/scores", "policy/approxkl_masked_avg",
                "policy/clipfrac_avg", "loss/policy_avg", "loss/value_avg", "val/clipfrac_avg",
-               "val/ratio", "val/num_eos_tokens", "lr"):
+               "val/ratio_masked_avg", "val/ratio_token_var_avg", "val/num_stopped", "lr"):
     assert name in rows[0], name
+  # trl's names whose meaning differs here (docs/from-trl.md) are not used.
+  for trl_only in ("objective/entropy", "policy/approxkl_avg", "policy/entropy_avg", "val/ratio",
+                   "val/ratio_var", "val/num_eos_tokens"):
+    assert trl_only not in rows[0], trl_only
   first = rows[0]
   assert first["objective/kl"] == pytest.approx(0.0, abs=1e-5)  # policy == reference at first
-  assert first["val/ratio"] == pytest.approx(1.0, abs=0.05)
-  assert 0 < first["objective/entropy"]
-  assert 0 <= first["val/num_eos_tokens"] <= 16
+  assert first["val/ratio_masked_avg"] == pytest.approx(1.0, abs=0.05)
+  assert 0 < first["objective/entropy_masked"]
+  assert 0 <= first["val/num_stopped"] <= 16
 
 
 @pytest.mark.parametrize("aggregation", ["token_mean", "seq_mean"])

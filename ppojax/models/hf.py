@@ -17,6 +17,7 @@ from typing import Any
 
 import numpy as np
 
+from ppojax import files
 from ppojax.models.config import ModelConfig
 
 StateDict = dict[str, np.ndarray]
@@ -208,9 +209,14 @@ def params_to_hf(cfg: ModelConfig, params: dict, head: str = "lm") -> StateDict:
 def to_transformers(cfg: ModelConfig, params: dict, head: str = "lm"):
   """The same model as a transformers PyTorch module (eval mode, float32), built in memory.
 
-  For comparisons and hand-offs without a round trip through disk; needs torch.
+  For comparisons and hand-offs without a round trip through disk; needs torch
+  (``pip install 'ppojax[torch]'``).
   """
-  import torch  # pylint: disable=import-outside-toplevel
+  try:
+    import torch  # pylint: disable=import-outside-toplevel
+  except ImportError as e:
+    raise ImportError("to_transformers builds a PyTorch module and needs torch, which is not "
+                      "installed: pip install 'ppojax[torch]'") from e
   import transformers  # pylint: disable=import-outside-toplevel
 
   hf_config = cfg.to_hf()
@@ -335,7 +341,6 @@ def save_pretrained(directory: str | os.PathLike, cfg: ModelConfig, params: dict
   directory = pathlib.Path(directory)
   directory.parent.mkdir(parents=True, exist_ok=True)
   tmp = pathlib.Path(tempfile.mkdtemp(prefix=f".{directory.name}.", dir=directory.parent))
-  tmp.chmod(0o755)  # mkdtemp makes it owner-only
   try:
     hf = cfg.to_hf()
     if head == "value":
@@ -347,6 +352,7 @@ def save_pretrained(directory: str | os.PathLike, cfg: ModelConfig, params: dict
               metadata={"format": "pt"})
     if tokenizer is not None:
       tokenizer.save_pretrained(str(tmp))
+    files.ordinary_permissions(tmp)  # mkdtemp and safetensors make them owner-only
     if directory.exists():
       shutil.rmtree(directory)
     os.replace(tmp, directory)
