@@ -15,6 +15,11 @@ config field with ``--config.section.field=value``.
 
 from __future__ import annotations
 
+import os
+
+# transformers warns on import that PyTorch is missing; ppojax never needs it.
+os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
+
 import functools
 import pathlib
 

@@ -8,6 +8,11 @@ writes metrics.jsonl, TensorBoard events, samples.jsonl, curves.png and the fina
 
 from __future__ import annotations
 
+import os
+
+# transformers warns on import that PyTorch is missing; ppojax never needs it.
+os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
+
 from absl import app, flags, logging
 from ml_collections import config_flags
 
