@@ -229,26 +229,14 @@ def _check_field(record: Mapping, name: str, where: str) -> None:
 def write_jsonl(records: Iterable[dict], path: str | os.PathLike) -> None:
   """Writes one JSON object per line, atomically: a temp file in the same directory is renamed
   into place, so readers never see a half-written file. Creates parent directories."""
-  path = pathlib.Path(path)
-  path.parent.mkdir(parents=True, exist_ok=True)
-  fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-  try:
-    with os.fdopen(fd, "w", encoding="utf-8") as f:
-      for i, record in enumerate(records):
-        if not isinstance(record, Mapping):
-          raise DataError(f"writing {path}: record {i} is a {type(record).__name__}, "
-                          "not a dict")
-        try:
-          f.write(json.dumps(dict(record), ensure_ascii=False) + "\n")
-        except (TypeError, ValueError) as e:
-          raise DataError(f"writing {path}: record {i} is not JSON-serialisable: {e}") from e
-      f.flush()
-      os.fsync(f.fileno())
-    os.chmod(tmp, files.default_mode(is_dir=False))  # mkstemp makes it owner-only
-    os.replace(tmp, path)
-  except BaseException:
-    pathlib.Path(tmp).unlink(missing_ok=True)
-    raise
+  with files.atomic_write(path) as f:
+    for i, record in enumerate(records):
+      if not isinstance(record, Mapping):
+        raise DataError(f"writing {path}: record {i} is a {type(record).__name__}, not a dict")
+      try:
+        f.write(json.dumps(dict(record), ensure_ascii=False) + "\n")
+      except (TypeError, ValueError) as e:
+        raise DataError(f"writing {path}: record {i} is not JSON-serialisable: {e}") from e
 
 
 # ---------------------------------------------------------------------------------------------

@@ -26,6 +26,8 @@ from typing import Any, Callable, Iterable, TextIO
 
 import numpy as np
 
+from ppojax import files
+
 METRICS_FILE = "metrics.jsonl"
 SAMPLES_FILE = "samples.jsonl"
 TENSORBOARD_DIR = "tensorboard"
@@ -145,35 +147,6 @@ def _dumps(row: dict[str, Any]) -> str:
                     allow_nan=False)
 
 
-def _temp_file_next_to(path: str, suffix: str) -> tuple[int, str]:
-  """Creates a new hidden file in ``path``'s directory (so ``os.replace`` onto ``path`` is
-  atomic), with the usual 0o666 & ~umask permissions; returns its fd and path."""
-  directory = os.path.dirname(os.path.abspath(path))
-  while True:
-    tmp = os.path.join(directory, f".{os.path.basename(path)}.{uuid.uuid4().hex[:12]}{suffix}")
-    try:
-      return os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666), tmp
-    except FileExistsError:
-      continue
-
-
-def _replace_atomically(path: str, data: bytes) -> None:
-  """Writes ``data`` to a temp file next to ``path``, then ``os.replace``s it over ``path``."""
-  fd, tmp = _temp_file_next_to(path, ".tmp")
-  try:
-    with os.fdopen(fd, "wb") as f:
-      f.write(data)
-      f.flush()
-      os.fsync(f.fileno())
-    if os.path.exists(path):
-      os.chmod(tmp, os.stat(path).st_mode & 0o7777)
-    os.replace(tmp, path)
-  except BaseException:
-    if os.path.exists(tmp):
-      os.unlink(tmp)
-    raise
-
-
 def _ends_with_newline(path: str) -> bool:
   with open(path, "rb") as f:
     f.seek(0, os.SEEK_END)
@@ -206,7 +179,8 @@ def _truncate_jsonl(path: str, max_step: int | None) -> None:
     if not (isinstance(row, dict) and isinstance(row.get("step"), int) and row["step"] > max_step):
       kept.append(line)
   if len(kept) != len(lines):
-    _replace_atomically(path, b"".join(kept))
+    with files.atomic_write(path, "wb") as f:
+      f.write(b"".join(kept))
 
 
 def read_metrics(path: str) -> list[dict]:
@@ -419,13 +393,6 @@ def plot_curves(metrics_path: str, out_path: str,
     ax.grid(alpha=0.3)
   axes[-1].set_xlabel("step")
 
-  fd, tmp = _temp_file_next_to(out_path, ".png")
-  os.close(fd)
-  try:
-    fig.savefig(tmp, format="png", dpi=100)
-    os.replace(tmp, out_path)
-  except BaseException:
-    if os.path.exists(tmp):
-      os.unlink(tmp)
-    raise
+  with files.atomic_write(out_path, "wb") as f:
+    fig.savefig(f, format="png", dpi=100)
   return present

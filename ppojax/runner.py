@@ -19,7 +19,7 @@ import ml_collections
 import numpy as np
 
 from ppojax import config as config_lib
-from ppojax import evaluation, sources, tasks
+from ppojax import data, evaluation, files, sources, tasks
 from ppojax import sharding as sharding_lib
 from ppojax import step as step_lib
 from ppojax.experience import Prompts
@@ -118,7 +118,6 @@ def load_named(name: str, key, *, tiny=None, tokenizer: str = "", head: str = "l
   if tok is None:
     cfg = tiny_model_config(tiny)
   else:
-    from ppojax import data  # pylint: disable=import-outside-toplevel
     cfg = tiny_model_config(ml_collections.ConfigDict(dict(tiny.to_dict(),
                                                            vocab_size=len(tok)))).replace(
         bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
@@ -397,9 +396,9 @@ def _run(config, workdir, stop_after, signals: StopSignals) -> Result:
         if unsaved:
           save(last, state, force=True)
         break
-      data = r.source.batch(it - 1)
-      prompts = sharding_lib.place_prompts(data.prompts, r.mesh)
-      state, metrics, rollout, scores = iteration(r, state, prompts, data.records,
+      drawn = r.source.batch(it - 1)
+      prompts = sharding_lib.place_prompts(drawn.prompts, r.mesh)
+      state, metrics, rollout, scores = iteration(r, state, prompts, drawn.records,
                                                   config.phase_timing)
       last = it
       skipped = metrics.get("skipped/nonfinite", 0.0) > 0
@@ -409,8 +408,8 @@ def _run(config, workdir, stop_after, signals: StopSignals) -> Result:
       metrics.update(episode=it * batch, eps=batch / metrics["time/iteration"],
                      **{"data/truncated_prompts": data.truncated,
                         "skipped/nonfinite_total": bad["total"]})
-      if config.eval.monitor and data.records:
-        metrics.update(_monitor(r, rollout, data.records))
+      if config.eval.monitor and drawn.records:
+        metrics.update(_monitor(r, rollout, drawn.records))
       if skipped or it % config.log_every == 0 or it in (start + 1, n):
         history.append({"iteration": it, **metrics})
         progress.update(it, {k: metrics[k] for k in SHOWN if k in metrics})
@@ -484,9 +483,8 @@ def _drop_eval_rows(path: pathlib.Path, steps: list[int]) -> None:
             and any(k.startswith("eval/") for k in row)):
       keep.append(line)
   if len(keep) != len(lines):
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_bytes(b"".join(keep))
-    os.replace(tmp, path)
+    with files.atomic_write(path, "wb") as f:
+      f.write(b"".join(keep))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -510,7 +508,7 @@ def _held_out(r: Run, actor, phase: str, workdir, writer, it: int) -> dict:
   if writer:  # first: a run cut off before eval.json is written evaluates again (_run)
     writer.write(it, summary)
   if workdir:
-    _write_jsonl(workdir / f"eval_samples_{phase}.jsonl", rows)
+    data.write_jsonl(rows, workdir / f"eval_samples_{phase}.jsonl")
     evals = _read_evals(workdir)
     evals[phase] = summary
     _write_json(workdir / "eval.json", evals)  # the commit: this phase is done
@@ -532,16 +530,9 @@ def _read_evals(workdir) -> dict:
   return json.loads(path.read_text()) if path and path.exists() else {}
 
 
-def _write_jsonl(path: pathlib.Path, rows: list[dict]) -> None:
-  tmp = path.with_name(f".{path.name}.tmp")
-  tmp.write_text("".join(json.dumps(row) + "\n" for row in rows))
-  os.replace(tmp, path)
-
-
 def _write_json(path: pathlib.Path, obj) -> None:
-  tmp = path.with_suffix(".tmp")
-  tmp.write_text(json.dumps(obj, indent=1))
-  os.replace(tmp, path)
+  with files.atomic_write(path) as f:
+    f.write(json.dumps(obj, indent=1))
 
 
 def _abstract(state, shardings):

@@ -2,7 +2,9 @@
 the workdir, and a run stopped and resumed from its checkpoint equals an uninterrupted run."""
 
 import json
+import os
 import pathlib
+import stat
 import subprocess
 import sys
 
@@ -25,7 +27,7 @@ def test_cli_learns_the_count_task_and_writes_its_outputs(tmp_path):
   result = subprocess.run(
       [sys.executable, "-m", "ppojax.train", "--config", str(ROOT / "configs" / "toy.py"),
        "--workdir", str(tmp_path), "--config.sample_every=75"],
-      cwd=ROOT, capture_output=True, text=True, timeout=600)
+      cwd=ROOT, capture_output=True, text=True, timeout=600, preexec_fn=lambda: os.umask(0o027))
   assert result.returncode == 0, result.stderr[-3000:]
   out = result.stdout
   assert "batch_size: 128" in out  # the resolved config is printed
@@ -41,6 +43,11 @@ def test_cli_learns_the_count_task_and_writes_its_outputs(tmp_path):
                "checkpoints/150", "tensorboard"):
     assert (tmp_path / path).exists(), path
   assert f"score: {first:.3f} -> {last:.3f}" in out
+  # What the run writes (orbax's checkpoints aside) has the umask's modes: another user of the
+  # group, or a serving process, can read the exported policy (mkstemp/mkdtemp would give 0600).
+  for path in tmp_path.rglob("*"):
+    if "checkpoints" not in path.relative_to(tmp_path).parts:
+      assert stat.S_IMODE(path.stat().st_mode) == (0o750 if path.is_dir() else 0o640), path
 
 
 def test_stopped_and_resumed_run_equals_an_uninterrupted_run(tmp_path):

@@ -106,16 +106,10 @@ def _extract_atomically(archive: pathlib.Path, name: str, target: pathlib.Path) 
     members = [m for m in zf.namelist() if m.endswith("/" + name) or m == name]
     if not members:
       raise ModelFetchError(f"{archive.name} holds no {name}; found {zf.namelist()}")
-    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=name + ".", suffix=".part")
-    try:
-      with os.fdopen(fd, "wb") as out, zf.open(members[0]) as src:  # zipfile checks the CRC
-        while chunk := src.read(1 << 22):
-          out.write(chunk)
-      os.chmod(tmp, files.default_mode(is_dir=False))  # mkstemp makes it owner-only
-      os.replace(tmp, target)
-    except BaseException:
-      os.unlink(tmp)
-      raise
+    # zipfile checks the CRC as it reads
+    with files.atomic_write(target, "wb") as out, zf.open(members[0]) as src:
+      while chunk := src.read(1 << 22):
+        out.write(chunk)
 
 
 def load_gguf(path: str | os.PathLike) -> GGUFModel:
