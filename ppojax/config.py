@@ -14,6 +14,7 @@ import difflib
 import importlib.util
 
 import ml_collections
+from ml_collections import config_dict
 import numpy as np
 
 
@@ -84,8 +85,10 @@ def defaults() -> ml_collections.ConfigDict:
   c.sampling.top_k = 0
   c.sampling.top_p = 1.0
   c.sampling.min_new_tokens = 0  # stop tokens are banned before this many tokens
-  c.sampling.stop_ids = []  # empty: the model's eos_token_id
-  c.sampling.pad_id = None  # None: the model's pad id (may equal the stop id)
+  # tuples and placeholders so that --config.sampling.stop_ids="(2, 3)" etc. parse
+  c.sampling.stop_ids = ()  # empty: the model's eos_token_id
+  # None: the model's pad id (may equal the stop id)
+  c.sampling.pad_id = config_dict.placeholder(int)
 
   c.ppo = ml_collections.ConfigDict()
   c.ppo.batch_size = 64  # prompts (= responses) per iteration
@@ -95,7 +98,7 @@ def defaults() -> ml_collections.ConfigDict:
   c.ppo.gamma = 1.0
   c.ppo.lam = 0.95
   c.ppo.clip_eps = 0.2
-  c.ppo.dual_clip = None
+  c.ppo.dual_clip = config_dict.placeholder(float)
   c.ppo.value_clip = 0.2
   c.ppo.vf_coef = 0.1
   c.ppo.ent_coef = 0.0
@@ -104,7 +107,7 @@ def defaults() -> ml_collections.ConfigDict:
   c.ppo.adaptive_kl = False
   c.ppo.target_kl = 6.0
   c.ppo.kl_horizon = 10000.0
-  c.ppo.score_clip = None
+  c.ppo.score_clip = config_dict.placeholder(float)
   c.ppo.missing_stop_penalty = 0.0
   c.ppo.whiten_rewards = False
   c.ppo.whiten_advantages = True

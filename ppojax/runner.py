@@ -390,6 +390,7 @@ def _run(config, workdir, stop_after, signals: StopSignals) -> Result:
         "iteration": it, "data_position": it, "nonfinite_total": bad["total"],
         "nonfinite_streak": bad["streak"]}, force=force)
 
+  loop_start = time.perf_counter()
   try:
     for it in range(start + 1, n + 1):
       if signals.received:  # arrived after the previous iteration's save
@@ -405,8 +406,10 @@ def _run(config, workdir, stop_after, signals: StopSignals) -> Result:
       bad["total"] += skipped
       bad["streak"] = bad["streak"] + 1 if skipped else 0
       what = what | _nonfinite(metrics) if skipped else set()  # over the current streak
-      metrics.update(episode=it * batch, eps=batch / metrics["time/iteration"],
-                     **{"data/truncated_prompts": data.truncated,
+      # eps as trl's: episodes per second since the loop started (the first includes compiling)
+      eps = (it - start) * batch / (time.perf_counter() - loop_start)
+      metrics.update(episode=it * batch, eps=eps,
+                     **{"data/truncated_prompts": drawn.truncated,
                         "skipped/nonfinite_total": bad["total"]})
       if config.eval.monitor and drawn.records:
         metrics.update(_monitor(r, rollout, drawn.records))

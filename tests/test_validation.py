@@ -41,7 +41,7 @@ def test_user_named_metrics_are_free_form():
     ("ppo.clip_eps", "0.2", r"ppo\.clip_eps='0\.2' has type str; expected float"),
     ("ppo.batch_size", 8.0, r"ppo\.batch_size=8\.0 has type float; expected int"),
     ("ppo.whiten_advantages", 1, r"ppo\.whiten_advantages=1 has type int; expected bool"),
-    ("sampling.stop_ids", 2, r"sampling\.stop_ids=2 has type int; expected list"),
+    ("sampling.stop_ids", 2, r"sampling\.stop_ids=2 has type int; expected tuple"),
 ])
 def test_wrong_types(name, value, message):
   c = toy()
@@ -100,3 +100,28 @@ def test_runner_validates_before_loading_any_model(monkeypatch):
 def test_context_length_of_the_tiny_model_is_checked_by_the_runner():
   with pytest.raises(config_lib.ConfigError, match="exceeds the model's context of 64"):
     runner.validate(toy(sampling__max_new_tokens=64))
+
+
+def test_every_option_can_be_overridden_on_the_command_line():
+  """config_flags cannot parse an override of a None or list default; ppojax's defaults are
+  typed placeholders and tuples, so stop ids, pad id and the clips can be set with --config."""
+  import pathlib  # pylint: disable=import-outside-toplevel
+
+  from absl import flags  # pylint: disable=import-outside-toplevel
+  from ml_collections import config_flags  # pylint: disable=import-outside-toplevel
+  path = pathlib.Path(__file__).parents[1] / "configs" / "quickstart.py"
+
+  def parse(*overrides):
+    argv = ["train", f"--config={path}", *overrides]
+    fv = flags.FlagValues()
+    config_flags.DEFINE_config_file("config", str(path), flag_values=fv, sys_argv=argv)
+    fv(argv)
+    return fv.config
+
+  c = parse("--config.sampling.stop_ids=(2, 7)", "--config.sampling.pad_id=0",
+            "--config.ppo.score_clip=5", "--config.ppo.dual_clip=3")
+  assert tuple(c.sampling.stop_ids) == (2, 7) and c.sampling.pad_id == 0
+  assert c.ppo.score_clip == 5.0 and c.ppo.dual_clip == 3.0
+  config_lib.validate(c, num_devices=1)
+  c = parse("--config.sampling.stop_ids=2")
+  assert tuple(c.sampling.stop_ids) == (2,) and c.sampling.pad_id is None
