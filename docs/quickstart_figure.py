@@ -1,6 +1,6 @@
 """Draws docs/quickstart.png from quickstart runs (one workdir per seed):
 
-    python docs/quickstart_figure.py runs/qs_seed0 runs/qs_seed1 runs/qs_seed2
+    python docs/quickstart_figure.py runs/quickstart runs/quickstart_seed1 runs/quickstart_seed2
 """
 
 import json

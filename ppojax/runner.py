@@ -363,6 +363,7 @@ def _run(config, workdir, stop_after, signals: StopSignals) -> Result:
   if workdir:
     workdir = pathlib.Path(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
+    _write_json(workdir / "config.json", config.to_dict())  # this invocation's resolved config
     ckpt = checkpoint.Checkpointer(workdir / "checkpoints", config.save_every, config.keep)
     if ckpt.latest_step() is not None:
       state, meta = ckpt.restore(_abstract(state, r.state_shardings))

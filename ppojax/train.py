@@ -3,7 +3,8 @@
 Config files are ml_collections files with ``get_config()``; override any field with
 ``--config.section.field=value`` (e.g. ``--config.ppo.kl_coef=0.1``). The resolved config is
 printed first. With ``--workdir`` the run resumes from the latest complete checkpoint there and
-writes metrics.jsonl, TensorBoard events, samples.jsonl, curves.png and the final policy/.
+writes config.json (the resolved config), metrics.jsonl, TensorBoard events, samples.jsonl, the
+held-out eval.json and eval_samples_*.jsonl, curves.png and the final policy/.
 """
 
 from __future__ import annotations

@@ -2,7 +2,6 @@
 the workdir, and a run stopped and resumed from its checkpoint equals an uninterrupted run."""
 
 import json
-import os
 import pathlib
 import stat
 import subprocess
@@ -24,10 +23,10 @@ def _stable(rows):
 def test_cli_learns_the_count_task_and_writes_its_outputs(tmp_path):
   """Through ``python -m ppojax.train`` with the default config: the mean score rises from
   ~0.07 (random tiny transformer) to > 0.4 (measured ~0.6) within 150 iterations."""
-  result = subprocess.run(
-      [sys.executable, "-m", "ppojax.train", "--config", str(ROOT / "configs" / "toy.py"),
-       "--workdir", str(tmp_path), "--config.sample_every=75"],
-      cwd=ROOT, capture_output=True, text=True, timeout=600, preexec_fn=lambda: os.umask(0o027))
+  command = [sys.executable, "-m", "ppojax.train", "--config", str(ROOT / "configs" / "toy.py"),
+             "--workdir", str(tmp_path), "--config.sample_every=75"]
+  result = subprocess.run(["bash", "-c", 'umask 027 && exec "$@"', "bash", *command],
+                          cwd=ROOT, capture_output=True, text=True, timeout=600)
   assert result.returncode == 0, result.stderr[-3000:]
   out = result.stdout
   assert "batch_size: 128" in out  # the resolved config is printed
@@ -39,6 +38,7 @@ def test_cli_learns_the_count_task_and_writes_its_outputs(tmp_path):
   for name in ("objective/kl", "policy/clipfrac_avg", "val/num_stopped", "lr", "eps",
                "time/iteration"):
     assert name in rows[-1], name
+  assert json.loads((tmp_path / "config.json").read_text())["ppo"]["batch_size"] == 128
   for path in ("samples.jsonl", "curves.png", "policy/config.json", "policy/model.safetensors",
                "checkpoints/150", "tensorboard"):
     assert (tmp_path / path).exists(), path
