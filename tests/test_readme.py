@@ -16,9 +16,17 @@ def test_research_example_runs():
   assert namespace["grad"].shape == (2, 5)
 
 
-def test_ci_runs_the_readme_test_command():
-  assert "<!-- ci:test-command -->" in README
-  assert "ci:test-command" in (ROOT / ".ci" / "run").read_text()
+def test_ci_runs_the_readme_commands():
+  ci = (ROOT / ".ci" / "run").read_text()
+  for marker in ("ci:test-command", "ci:main-command"):
+    assert f"<!-- {marker} -->" in README and marker in ci
+  main = re.search(r"<!-- ci:main-command -->\n```bash\n(.*?)```", README, re.S).group(1)
+  assert main.strip() == ("pip install -e . && python -m ppojax.train "
+                          "--config configs/quickstart.py --workdir runs/quickstart")
+
+
+def test_readme_stays_a_short_guide():
+  assert len(README.splitlines()) <= 250
 
 
 def test_models_and_sampling_examples_run(smollm2_path, tmp_path, monkeypatch):
