@@ -102,6 +102,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ppojax import hostmem, runner
+from ppojax.flops import model_flops
 from ppojax import step as step_lib
 from ppojax.data import template_prefix
 from ppojax.experience import Prompts, with_prefix
@@ -183,45 +184,6 @@ def make_prompts(tokenizer, batch: int, length: int, shared_prefix: bool = True)
 # ---------------------------------------------------------------------------------------------
 # FLOPs
 # ---------------------------------------------------------------------------------------------
-
-
-def model_flops(cfg, batch: int, prompt_len: int, response_len: int, lm_head: str = "ppojax",
-                old_logp_fwd: bool = True, critic_fwd: bool = True, shared: int = 0
-                ) -> dict[str, float]:
-  """Model FLOPs of one iteration by part (see the module docstring). ``lm_head``: where the
-  policy's LM head runs — "ppojax" (the last prompt slot in the prefill, the R response
-  positions in scoring passes), "all" (every position, as a plain Hugging Face forward) or
-  "none" (2 × non-embedding parameters per token). ``shared``: the length C of a prefix run
-  once for the batch."""
-  d, f, n_layers = cfg.hidden_size, cfg.intermediate_size, cfg.num_layers
-  h, hk, hd, vocab = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.vocab_size
-  n_body = n_layers * (d * h * hd + 2 * d * hk * hd + h * hd * d + 3 * d * f)
-  n_lm, n_score = (0 if lm_head == "none" else d * vocab), d
-  attn = lambda c: 4 * n_layers * h * hd * c  # noqa: E731
-  p, r = prompt_len, response_len
-  t = p + r
-  everywhere = lm_head == "all"
-
-  c = shared
-  once = 2 * n_body * c + sum(attn(i + 1) for i in range(c))  # the prefix, for the batch
-
-  def full(head, n_head):
-    return batch * (2 * n_body * (t - c) + 2 * head * n_head
-                    + sum(attn(i + 1) for i in range(c, t))) + once
-
-  prefill = batch * (2 * n_body * (p - c) + 2 * n_lm * (p if everywhere else 1)
-                     + sum(attn(i + 1) for i in range(c, p))) + once + (2 * n_lm if c else 0)
-  # decode step k feeds token k (slot p + k) and gives token k + 1; the last token is never fed
-  decode = sum(batch * (2 * (n_body + n_lm) + attn(p + k + 1)) for k in range(r - 1))
-  policy, value = full(n_lm, t if everywhere else r), full(n_score, t - c)
-  parts = {
-      "generation (prefill)": prefill, "generation (decode)": decode,
-      "old log-probs (policy fwd)": policy if old_logp_fwd else 0,
-      "reference log-probs (fwd)": policy,
-      "critic values (fwd)": value if critic_fwd else 0, "reward model (fwd)": value,
-      "policy fwd+bwd": 3 * policy, "critic fwd+bwd": 3 * value,
-  }
-  return {k: float(v) for k, v in parts.items()}
 
 
 PHASE_PARTS = {

@@ -291,10 +291,10 @@ def check_sizes(config: ml_collections.ConfigDict, num_devices: int,
         f"{shape[0]} × {shape[1]}): every minibatch must split evenly over the devices")
   if config.sampling.max_new_tokens < 1:
     raise ConfigError(f"sampling.max_new_tokens={config.sampling.max_new_tokens} must be >= 1")
-  length = _prompt_length(config) + config.sampling.max_new_tokens
+  length = prompt_length(config) + config.sampling.max_new_tokens
   if context_length is not None and length > context_length:
     raise ConfigError(
-        f"prompt + response = {_prompt_length(config)} + {config.sampling.max_new_tokens} = "
+        f"prompt + response = {prompt_length(config)} + {config.sampling.max_new_tokens} = "
         f"{length} tokens exceeds the model's context of {context_length}; lower "
         "data.max_prompt_len or sampling.max_new_tokens")
 
@@ -307,7 +307,8 @@ def check_packages(config: ml_collections.ConfigDict) -> None:
                       "leave wandb_project empty")
 
 
-def _prompt_length(config) -> int:
+def prompt_length(config) -> int:
+  """Prompt tokens per row: the compiled step's static P."""
   return config.data.prompt_len if config.data.task == "count" else config.data.max_prompt_len
 
 

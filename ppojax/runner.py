@@ -24,7 +24,8 @@ from ppojax import sharding as sharding_lib
 from ppojax import step as step_lib
 from ppojax.experience import Prompts
 from ppojax.models import (SMOLLM2_NAMES, CausalLM, LoadedModel, ModelConfig, ValueModel, hf,
-                           load_model, partition_rules, positions_from_mask, save_model)
+                           abstract_model, init_params, load_model, model_config, partition_rules,
+                           public, save_model)
 from ppojax.sampling import SamplingConfig
 from ppojax.signals import StopSignals
 
@@ -52,13 +53,17 @@ class Run(NamedTuple):
 
 def load_config(path: str | os.PathLike, **overrides) -> ml_collections.ConfigDict:
   """``get_config()`` of a config file, with overrides as keyword arguments whose names use
-  "__" for nesting (``ppo__kl_coef=0.1``) — the Python twin of ``--config.ppo.kl_coef=0.1``."""
-  spec = importlib.util.spec_from_file_location(pathlib.Path(path).stem, str(path))
+  "__" for nesting (``ppo__kl_coef=0.1``) — the Python twin of ``--config.ppo.kl_coef=0.1``.
+  ``"file.py:arg"`` calls ``get_config("arg")``, as ``--config file.py:arg`` does."""
+  path, arg = str(path), None
+  if not pathlib.Path(path).is_file() and ":" in path:
+    path, arg = path.rsplit(":", 1)
+  spec = importlib.util.spec_from_file_location(pathlib.Path(path).stem, path)
   if spec is None or not pathlib.Path(path).is_file():
     raise FileNotFoundError(f"config file {path} not found")
   module = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(module)
-  config = module.get_config()
+  config = module.get_config() if arg is None else module.get_config(arg)
   for name, value in overrides.items():
     *sections, field = name.split("__")
     node = config
@@ -85,12 +90,6 @@ def tiny_model_config(c: ml_collections.ConfigDict) -> ModelConfig:
       bos_token_id=tasks.BOS, eos_token_id=tasks.STOP, pad_token_id=tasks.STOP)
 
 
-def _init_params(module, key):
-  tokens = jnp.zeros((1, 2), jnp.int32)
-  mask = jnp.ones((1, 2), bool)
-  return jax.jit(module.init)(key, tokens, positions_from_mask(mask), mask)["params"]
-
-
 def _numerics(config) -> dict:
   return dict(dtype=config.model.dtype, remat=config.model.remat,
               scan_layers=config.model.scan_layers)
@@ -106,13 +105,17 @@ def load_tokenizer(name: str):
 
 
 def load_named(name: str, key, *, tiny=None, tokenizer: str = "", head: str = "lm",
-               **numerics) -> LoadedModel:
+               abstract: bool = False, **numerics) -> LoadedModel:
   """A model by config name: "tiny" (random init from the ``tiny`` section; with a
   ``tokenizer`` its vocabulary and special ids come from it, else from the token tasks of
   ppojax/tasks.py) or anything ``load_model`` accepts. ``tokenizer``, when set, replaces the
-  checkpoint's. A value head is zero-initialised (V = 0, or r = 0 for a reward model)."""
-  tok = load_tokenizer(tokenizer) if tokenizer else None
+  checkpoint's. A value head is zero-initialised (V = 0, or r = 0 for a reward model).
+  ``abstract``: the same model with ``jax.ShapeDtypeStruct`` params (``models.abstract_model``);
+  no weights are read and no tokenizer is loaded."""
+  tok = load_tokenizer(tokenizer) if tokenizer and not abstract else None
   if name != "tiny":
+    if abstract:
+      return abstract_model(model_config(name, **numerics), head)
     model = load_model(name, head=head, **numerics)
     return model._replace(tokenizer=tok) if tok is not None else model
   if tok is None:
@@ -123,20 +126,25 @@ def load_named(name: str, key, *, tiny=None, tokenizer: str = "", head: str = "l
         bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
         pad_token_id=data.pad_token_id(tok))
   cfg = cfg.replace(**numerics)
+  if abstract:
+    return abstract_model(cfg, head)
   module = ValueModel(cfg) if head == "value" else CausalLM(cfg)
-  params = _init_params(module, key)
+  params = init_params(module, key)
   if head == "value":
     params = dict(params, score=jax.tree.map(jnp.zeros_like, params["score"]))
   return LoadedModel(cfg, params, tok, head)
 
 
-def load_policy(config, key) -> LoadedModel:
+def load_policy(config, key, abstract: bool = False) -> LoadedModel:
   m = config.model
-  return load_named(m.policy, key, tiny=m.tiny, tokenizer=m.tokenizer, **_numerics(config))
+  return load_named(m.policy, key, tiny=m.tiny, tokenizer=m.tokenizer, abstract=abstract,
+                    **_numerics(config))
 
 
 def critic_from_policy(policy: LoadedModel) -> LoadedModel:
   """A ValueModel with the policy's backbone and a zero head (V = 0 at the start)."""
+  if _is_abstract(policy.params):
+    return abstract_model(policy.cfg, "value")
   head = {"kernel": jnp.zeros((policy.cfg.hidden_size, 1), jnp.float32)}
   backbone = jax.tree.map(jnp.copy, policy.params["model"])  # own buffers: the state is donated
   return LoadedModel(policy.cfg, {"model": backbone, "score": head},
@@ -172,10 +180,12 @@ def _eos_ids(policy: LoadedModel) -> tuple[int, ...]:
   return tuple(eos) if isinstance(eos, (tuple, list)) else (eos,)
 
 
-def validate(config) -> None:
+def validate(config, num_devices: int | None = None) -> None:
   """Every check that needs no model weights (``ppojax.config.validate``): option names and
-  types, choices, sizes against the devices present and the policy's context length."""
-  config_lib.validate(config, jax.device_count(), _context_length(config))
+  types, choices, sizes against the devices (default: those present) and the policy's context
+  length."""
+  num_devices = jax.device_count() if num_devices is None else num_devices
+  config_lib.validate(config, num_devices, _context_length(config))
 
 
 def _context_length(config) -> int | None:
@@ -187,32 +197,44 @@ def _context_length(config) -> int | None:
     from ppojax.models import gguf  # pylint: disable=import-outside-toplevel
     return gguf.context_length(gguf.fetch_smollm2() if not name.endswith(".gguf") else name)
   path = pathlib.Path(name).expanduser()
-  if (path / "config.json").is_file():
-    hf_config = hf.read_config(path)
+  hf_config = hf.read_config(path) if (path / "config.json").is_file() else public.lookup(name)
+  if hf_config is not None:
     return hf_config.get("max_position_embeddings") or hf_config.get("n_positions")
   return None
 
 
-def build(config) -> Run:
-  validate(config)
+def build(config, *, devices=None, abstract: bool = False) -> Run:
+  """Models, mesh, sharded ``TrainState``, compiled step and data of a run.
+
+  ``devices``: the mesh's devices (default ``jax.devices()``). ``abstract``: parameters, state
+  and frozen models are ``jax.ShapeDtypeStruct``s carrying their shardings, no weights are read
+  and no data is loaded (``Run.source`` is None): the same step, ready to ``.lower()`` for
+  devices that need not be present (``ppojax.aot``)."""
+  devices = list(jax.devices() if devices is None else devices)
+  validate(config, len(devices))
   key = jax.random.key(config.seed)
   key, k_policy = jax.random.split(key)
-  policy = load_policy(config, k_policy)
-  config_lib.check_sizes(config, jax.device_count(), policy.cfg.max_position_embeddings)
-  # The data next (it needs the policy's tokenizer): a bad file, a missing field or a prompt
-  # the tokenizer cannot render fails here, before any other model loads or anything compiles.
-  source = sources.make_source(config, policy.tokenizer)
-  source.batch(0)
+  policy = load_policy(config, k_policy, abstract)
+  config_lib.check_sizes(config, len(devices), policy.cfg.max_position_embeddings)
+  source = None
+  if not abstract:
+    # The data next (it needs the policy's tokenizer): a bad file, a missing field or a prompt
+    # the tokenizer cannot render fails here, before any other model loads or anything compiles.
+    source = sources.make_source(config, policy.tokenizer)
+    source.batch(0)
   reward_model = None
   if config.reward.kind == "model":
-    reward_model = load_model(config.model.reward, head="value", **_numerics(config))
+    reward_model = load_named(config.model.reward, jax.random.fold_in(k_policy, 1),
+                              tiny=config.model.tiny, head="value", abstract=abstract,
+                              **_numerics(config))
   init = config.model.critic_init
   if init == "reward" and reward_model is None:
     raise ValueError("model.critic_init='reward' needs reward.kind='model' and model.reward")
   critic = reward_model if init in ("reward", "auto") and reward_model else (
       critic_from_policy(policy))
 
-  if source.prefix and any(m.cfg.layer_windows for m in (policy, critic, reward_model) if m):
+  if (source and source.prefix
+      and any(m.cfg.layer_windows for m in (policy, critic, reward_model) if m)):
     source = sources.make_source(config, policy.tokenizer, shared_prefix=False)  # see Decoder
   models = step_lib.Models(
       policy=CausalLM(policy.cfg), critic=ValueModel(critic.cfg),
@@ -233,22 +255,31 @@ def build(config) -> Run:
   txs = {name: step_lib.make_optimizer(schedules[name], optim.max_grad_norm,
                                        optim[name].weight_decay) for name in schedules}
 
-  mesh = sharding_lib.make_mesh(tuple(config.mesh.shape))
+  mesh = sharding_lib.make_mesh(tuple(config.mesh.shape), devices=devices)
   rules = partition_rules()
-  state = step_lib.init_state(key, policy.params, critic.params, txs["actor"], txs["critic"], ppo)
-  state_shardings = sharding_lib.param_shardings(jax.eval_shape(lambda: state), mesh, rules)
-  state = sharding_lib.place(state, state_shardings)
-  ref = jax.tree.map(jnp.copy, state.actor)  # frozen copy of the initial policy
-  reward_params = None
-  if reward_model is not None:
-    reward_params = sharding_lib.place(
-        reward_model.params, sharding_lib.param_shardings(reward_model.params, mesh, rules))
+  init = lambda actor, critic: step_lib.init_state(  # noqa: E731
+      key, actor, critic, txs["actor"], txs["critic"], ppo)
+  state_shardings = sharding_lib.param_shardings(
+      jax.eval_shape(init, policy.params, critic.params), mesh, rules)
+  reward_shardings = None if reward_model is None else (
+      sharding_lib.param_shardings(reward_model.params, mesh, rules))
+  if abstract:
+    state = _abstract(jax.eval_shape(init, policy.params, critic.params), state_shardings)
+    ref = state.actor
+    reward_params = None if reward_model is None else _abstract(reward_model.params,
+                                                                  reward_shardings)
+  else:
+    state = sharding_lib.place(init(policy.params, critic.params), state_shardings)
+    ref = jax.tree.map(jnp.copy, state.actor)  # frozen copy of the initial policy
+    reward_params = None if reward_model is None else sharding_lib.place(reward_model.params,
+                                                                         reward_shardings)
   frozen = step_lib.Frozen(ref, reward_params)
 
   sampling = sampling_config(config, policy)
   step = step_lib.make_ppo_step(models, txs["actor"], txs["critic"], schedules["actor"], sampling,
                                 ppo,
-                                python_reward=python_reward, state_shardings=state_shardings)
+                                python_reward=python_reward, state_shardings=state_shardings,
+                                mesh=mesh)
   return Run(config, models, frozen, state, step, mesh, state_shardings, source, policy,
              host_reward, sampling)
 
@@ -542,6 +573,10 @@ def _write_json(path: pathlib.Path, obj) -> None:
 def _abstract(state, shardings):
   return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
                       state, shardings)
+
+
+def _is_abstract(params) -> bool:
+  return any(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(params))
 
 
 def _finish(r: Run, state, workdir: pathlib.Path, reporting) -> None:

@@ -21,6 +21,7 @@ derive the same PRNG keys from ``state.key`` and give the same result.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, Callable, NamedTuple
 
 import flax.linen as nn
@@ -324,11 +325,13 @@ def _keys(state: TrainState):
 
 def make_ppo_step(models: Models, actor_tx, critic_tx, actor_schedule: optax.Schedule,
                   sampling: SamplingConfig, cfg, *, python_reward: Callable | None = None,
-                  state_shardings=None) -> PPOStep:
+                  state_shardings=None, mesh: jax.sharding.Mesh | None = None) -> PPOStep:
   """Builds the compiled step. ``cfg`` is the ``ppo`` config section.
 
   ``python_reward(rollout_on_host) → scores [B]`` receives the rollout as NumPy arrays;
-  ``state_shardings`` (a TrainState of shardings) pins the state's layout across steps.
+  ``state_shardings`` (a TrainState of shardings) pins the state's layout across steps;
+  ``mesh``: the functions are traced under it, so that the models keep every activation's rows
+  on the batch axes (``transformer.shard_rows``).
   """
   controller = kl_controller(cfg)
   sources = [models.reward, models.reward_fn, python_reward]
@@ -385,6 +388,17 @@ def make_ppo_step(models: Models, actor_tx, critic_tx, actor_schedule: optax.Sch
     state, metrics, r = learn_with_rollout(state, r, scores)
     return state, metrics, r, scores
 
+  def under_mesh(fn):
+    if mesh is None:
+      return fn
+
+    @functools.wraps(fn)
+    def traced(*args):
+      with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+        return fn(*args)
+    return traced
+
+  do_rollout, do_score, do_learn, fused = map(under_mesh, (do_rollout, do_score, do_learn, fused))
   out = None if state_shardings is None else (state_shardings, None)
   learn = jax.jit(do_learn, donate_argnums=0, out_shardings=out)
   rollout_fn = jax.jit(do_rollout)

@@ -1,6 +1,12 @@
 """Fixtures shared by several test files."""
 
+import os
+
 import pytest
+
+# The suite runs on the CPU. With libtpu installed (the test extra brings it for the deviceless
+# TPU compiles of tests/test_aot.py) JAX would otherwise probe for a TPU in every process.
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 
 @pytest.fixture(scope="session")

@@ -16,8 +16,9 @@ import sys
 import tomllib
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-# Imported only behind an option, with an error naming the extra that installs it.
-OPTIONAL = {"wandb": "wandb", "torch": "torch"}
+# Imported only behind an option, with an error naming the extra that installs it:
+# module -> (the extra, the requirement in it that brings the module)
+OPTIONAL = {"wandb": ("wandb", "wandb"), "torch": ("torch", "torch"), "libtpu": ("tpu", "jax")}
 
 
 def _imported_modules() -> dict[str, list[str]]:
@@ -53,8 +54,9 @@ def test_every_imported_package_is_declared():
       continue
     names = {d.lower().replace("_", "-") for d in dists.get(module, [module])}
     if module in OPTIONAL:
-      if not names & extras.get(OPTIONAL[module], set()):
-        problems.append(f"{module} ({where[0]}): not in the extra {OPTIONAL[module]!r}")
+      extra, requirement = OPTIONAL[module]
+      if requirement not in extras.get(extra, set()):
+        problems.append(f"{module} ({where[0]}): not in the extra {extra!r}")
     elif not names & core:
       problems.append(f"{module} ({', '.join(where[:3])}): distribution {sorted(names)} is not "
                       "in [project] dependencies")

@@ -330,7 +330,9 @@ def test_sharded_step_equals_single_device(run_on_8_cpu_devices, fused_run, tmp_
       state, rows = _run_steps(config, n=1)
       one = np.load({str(tmp_path / "one.npz")!r})
       want = [one[f"arr_{{i}}"] for i in range(len(one.files))]
-      _assert_close(want, jax.tree.leaves(_params(state)), rtol=1e-4, atol=1e-5)
+      # Adam's first step is about lr·g/|g| per weight (lr = 1e-2 here): where g is near 0, the
+      # sharded sums' rounding moves that weight by up to a few 1e-5
+      _assert_close(want, jax.tree.leaves(_params(state)), rtol=1e-4, atol=1e-4)
       _assert_close(json.loads(open({str(tmp_path / "rows.json")!r}).read()), rows,
                     rtol=1e-4, atol=1e-5)
       print("OK")

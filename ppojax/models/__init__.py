@@ -15,6 +15,8 @@ import pathlib
 from typing import Any, NamedTuple
 
 import flax.linen as nn
+import jax
+import jax.numpy as jnp
 import numpy as np
 
 from ppojax.models import hf
@@ -26,8 +28,8 @@ from ppojax.models.transformer import (CausalLM, KVCache, ValueModel, fuse_proje
 SMOLLM2_NAMES = ("smollm2", "smollm2-135m-instruct", "huggingfacetb/smollm2-135m-instruct")
 
 __all__ = ["CausalLM", "KVCache", "LoadedModel", "ModelConfig", "ValueModel",
-           "fuse_projections", "init_cache",
-           "load_model", "partition_rules", "positions_from_mask", "save_model", "stack_layers",
+           "abstract_model", "fuse_projections", "init_cache", "init_params",
+           "load_model", "model_config", "partition_rules", "positions_from_mask", "save_model", "stack_layers",
            "unstack_layers", "with_shared_prefix"]
 
 
@@ -73,6 +75,37 @@ def load_model(name_or_path: str | os.PathLike, head: str = "lm", **config_overr
   if not cfg.scan_layers:
     params = unstack_layers(params)
   return LoadedModel(cfg, params, tokenizer, head)
+
+
+def model_config(name_or_path: str | os.PathLike, **config_overrides) -> ModelConfig:
+  """A model's architecture without its weights: a local directory's config.json, a GGUF
+  file's metadata ("smollm2" included), or the public config.json values of a hub id that
+  ``ppojax.models.public`` knows (no download); any other hub id is fetched."""
+  from ppojax.models import public  # pylint: disable=import-outside-toplevel
+  name = str(name_or_path)
+  if name.lower() in SMOLLM2_NAMES or name.endswith(".gguf"):
+    from ppojax.models import gguf  # pylint: disable=import-outside-toplevel
+    path = gguf.fetch_smollm2() if not name.endswith(".gguf") else pathlib.Path(name)
+    return ModelConfig.from_hf(gguf.read_config(path), **config_overrides)
+  known = public.lookup(name)
+  if known is not None and not pathlib.Path(name).expanduser().is_dir():
+    return ModelConfig.from_hf(known, **config_overrides)
+  return hf.load_config(hf.resolve(name), **config_overrides)
+
+
+def init_params(module: nn.Module, key: jax.Array) -> dict:
+  """Random parameters of ``module`` (a CausalLM or ValueModel)."""
+  tokens = jnp.zeros((1, 2), jnp.int32)
+  mask = jnp.ones((1, 2), bool)
+  return jax.jit(module.init)(key, tokens, positions_from_mask(mask), mask)["params"]
+
+
+def abstract_model(cfg: ModelConfig, head: str = "lm") -> LoadedModel:
+  """A model whose params are ``jax.ShapeDtypeStruct``s (``jax.eval_shape`` of the init): any
+  size, no memory, for compiling without weights (``ppojax.aot``)."""
+  module = ValueModel(cfg) if head == "value" else CausalLM(cfg)
+  params = jax.eval_shape(lambda: init_params(module, jax.random.key(0)))
+  return LoadedModel(cfg, params, None, head)
 
 
 def save_model(directory: str | os.PathLike, model: LoadedModel) -> pathlib.Path:

@@ -126,6 +126,16 @@ def load_gguf(path: str | os.PathLike) -> GGUFModel:
   return GGUFModel(config, gguf_state_dict(reader, config, path), gguf_tokenizer(meta, path))
 
 
+def read_config(path: str | os.PathLike) -> dict:
+  """The Hugging Face ``config.json`` a GGUF file's header describes (no tensor is read)."""
+  path = pathlib.Path(path)
+  try:
+    reader = gguf.GGUFReader(path)
+  except Exception as e:  # the reader raises bare ValueErrors on truncated or foreign files
+    raise GGUFError(f"{path} is not a readable GGUF file (truncated or corrupt?): {e}") from e
+  return gguf_config(_metadata(reader, path), {t.name for t in reader.tensors}, path)
+
+
 def context_length(path: str | os.PathLike) -> int | None:
   """``llama.context_length`` from a GGUF file's header (no tensor is read)."""
   try:

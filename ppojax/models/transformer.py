@@ -41,6 +41,26 @@ import numpy as np
 from ppojax.models.config import ModelConfig
 
 Array = jax.Array
+BATCH_AXES = ("data", "fsdp")  # the mesh axes that rows (sequences) are sharded over
+
+
+def shard_rows(x: Array) -> Array:
+  """``x`` [B, ...] with its rows over the mesh's batch axes and the rest replicated, when traced
+  under a mesh that has them (``jax.sharding.use_abstract_mesh``; ``step.make_ppo_step`` sets
+  the run's) and B divides; ``x`` unchanged otherwise.
+
+  The activations need saying so: with FSDP the weights are sharded over "fsdp" along their
+  feature dimension, and XLA's propagation may then keep activations whole on every device
+  instead of splitting the rows. Without this constraint the Qwen2.5-0.5B PPO step compiled for
+  v5e:2x4 held the whole batch's logits on every device ([16, 256, 151936] in float32)."""
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh.empty or not set(BATCH_AXES) <= set(mesh.axis_names):
+    return x
+  n = math.prod(mesh.shape[a] for a in BATCH_AXES)
+  if n == 1 or x.shape[0] % n:
+    return x
+  return jax.lax.with_sharding_constraint(
+      x, jax.sharding.PartitionSpec(BATCH_AXES, *([None] * (x.ndim - 1))))
 
 
 class KVCache(NamedTuple):
@@ -495,7 +515,7 @@ class Block(nn.Module):
     attn, cache, attn_p = Attention(self.cfg, name="attn")(
         attn_norm(x), rope, kv_mask, cache, layer, cache_index, window, prefix)
     x = x + attn
-    x = x + mlp(mlp_norm(x))
+    x = shard_rows(x + mlp(mlp_norm(x)))
     if xp is not None:
       xp = xp + attn_p
       xp = xp + mlp(mlp_norm(xp))
@@ -537,7 +557,7 @@ class Decoder(nn.Module):
     whole batch, and every row's queries attend to its keys. The rows' outputs are those of
     the rows with the prefix prepended, up to float rounding."""
     cfg = self.cfg
-    x = self.embed(tokens)
+    x = shard_rows(self.embed(tokens))
     if cfg.is_gpt2:
       x, rope = x + self.wpe(positions), None
     elif rope is None:
@@ -662,10 +682,10 @@ class CausalLM(nn.Module):
     """The LM head on hidden states [..., D] → [..., V] (``apply(..., method="logits")``); tied
     embeddings: x·Eᵀ, accumulated in float32 like every other matmul (``dot_f32_accumulate``)."""
     if not self.cfg.tie_word_embeddings:
-      return self.lm_head(x)
+      return shard_rows(self.lm_head(x))
     embed = self.model.embed
     x, table = embed.promote_dtype(x, embed.embedding, dtype=embed.dtype)
-    return dot_f32_accumulate(x, table, (((x.ndim - 1,), (1,)), ((), ())))
+    return shard_rows(dot_f32_accumulate(x, table, (((x.ndim - 1,), (1,)), ((), ()))))
 
 
 class ValueModel(nn.Module):

@@ -1,0 +1,246 @@
+"""Compile the PPO step for a TPU topology that is not here, and say whether it fits.
+
+    python -m ppojax.aot --config configs/scale.py:qwen2_5_0_5b --topology v5e:2x4 \\
+        [--config.section.field=value ...]
+
+The step is the one a training run compiles: ``runner.build(config, devices=..., abstract=True)``
+builds the same models, optimizers, partition rules and ``make_ppo_step`` as ``runner.build``
+does for a run, with parameters and optimizer states as ``jax.ShapeDtypeStruct``s (no weights
+are read) placed on a mesh over the topology's devices (``jax.experimental.topologies``, which
+needs libtpu: ``pip install -e ".[tpu]"``). The fused iteration is then lowered and compiled for
+those devices on this machine, and the compiled program's ``memory_analysis()`` gives the bytes
+each device needs:
+
+    per device = arguments + outputs + temporaries − aliased (outputs written over donated inputs)
+
+``fits`` compares that with the chip's HBM per device (``HBM_GIB``). The last line printed is one
+JSON object with every figure.
+"""
+
+from __future__ import annotations
+
+import os
+
+# A deviceless compile needs no accelerator here: JAX's own backend stays the CPU (without this,
+# an installed libtpu probes for a TPU on import and prints warnings when it finds none).
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# No TPU is used, so several processes may load libtpu at once (it locks /tmp/libtpu_lockfile).
+os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+
+import json  # noqa: E402
+import math  # noqa: E402
+import re  # noqa: E402
+import sys  # noqa: E402
+import time  # noqa: E402
+from typing import Any, NamedTuple  # noqa: E402
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+from ppojax import config as config_lib  # noqa: E402
+from ppojax import flops, runner  # noqa: E402
+from ppojax import sharding as sharding_lib  # noqa: E402
+from ppojax import step as step_lib  # noqa: E402
+from ppojax.experience import Prompts  # noqa: E402
+
+TPU_INSTALL = 'pip install -e ".[tpu]"  (jax[tpu]: the libtpu that matches the installed jax)'
+
+# Per chip: HBM in GiB and peak dense bfloat16 TFLOP/s (Google Cloud TPU documentation).
+# A chip whose cores are separate JAX devices (v4 without megacore here) splits both.
+CHIPS = {
+    "TPU v4": (32, 275.0),
+    "TPU v5 lite": (16, 197.0),  # v5e
+    "TPU v5": (95, 459.0),  # v5p
+    "TPU v6 lite": (32, 918.0),  # v6e (Trillium)
+}
+
+
+class AotError(RuntimeError):
+  """The topology cannot be had here (unknown name, no libtpu) or the config has no fused step."""
+
+
+def topology_devices(name: str) -> list:
+  """The devices of a TPU topology such as "v5e:2x4", without the TPUs (libtpu compiles)."""
+  from jax.experimental import topologies  # pylint: disable=import-outside-toplevel
+  try:
+    import libtpu  # noqa: F401  pylint: disable=import-outside-toplevel,unused-import
+  except ImportError as e:
+    raise AotError(f"compiling for TPU topology {name!r} needs libtpu, which is not installed: "
+                   f"{TPU_INSTALL}") from e
+  try:
+    return list(topologies.get_topology_desc(platform="tpu", topology_name=name).devices)
+  except Exception as e:  # libtpu raises plain RuntimeErrors / XlaRuntimeErrors
+    raise AotError(f"libtpu could not describe the TPU topology {name!r} ({type(e).__name__}: "
+                   f"{str(e).splitlines()[0] if str(e) else ''}); topology names look like "
+                   "v5e:2x2, v5e:2x4, v5e:4x4, v4:2x2x2, v5p:2x2x1, v5p:2x2x2, v6e:2x4") from e
+
+
+def chip_of(devices) -> dict[str, Any]:
+  """HBM bytes and peak bf16 FLOP/s per device, from the device kind and the cores per chip."""
+  kind = devices[0].device_kind
+  cores = len({getattr(d, "core_on_chip", 0) for d in devices})
+  if kind not in CHIPS:
+    return {"kind": kind, "cores_per_chip": cores, "hbm_bytes": None, "peak_flops": None}
+  hbm_gib, tflops = CHIPS[kind]
+  return {"kind": kind, "cores_per_chip": cores, "hbm_bytes": int(hbm_gib * 2**30 / cores),
+          "peak_flops": tflops * 1e12 / cores}
+
+
+class Compiled(NamedTuple):
+  compiled: Any  # jax.stages.Compiled, or None when the compiler ran out of HBM
+  run: runner.Run
+  seconds: float
+  # when out of HBM: (the temporaries' bytes, the device's available bytes) the compiler named
+  out_of_memory: tuple[int, int] | None = None
+
+
+# XLA:TPU refuses a program whose temporaries exceed the HBM, with this message.
+_OOM = re.compile(r"HLO temporaries \(([\d.]+)([KMGT])\) exceeds available HBM "
+                  r"\(([\d.]+)([KMGT])\)")
+
+
+def _bytes(number: str, unit: str) -> int:
+  return int(float(number) * 1024 ** "KMGT".index(unit) * 1024)
+
+
+def abstract_prompts(config, mesh) -> Prompts:
+  """The shapes of a batch of prompts, [B, P], placed over the mesh's batch axes."""
+  b, p = config.ppo.batch_size, config_lib.prompt_length(config)
+  rows = sharding_lib.batch_sharding(mesh)
+  return Prompts(jax.ShapeDtypeStruct((b, p), jnp.int32, sharding=rows),
+                 jax.ShapeDtypeStruct((b, p), jnp.bool_, sharding=rows))
+
+
+def compile_step(config, devices) -> Compiled:
+  """The fused PPO iteration of ``config``, built abstractly on ``devices`` and compiled."""
+  if config.reward.kind not in ("model", "jax"):
+    raise AotError(f"reward.kind={config.reward.kind!r} runs on the host between two compiled "
+                   "halves; compile the fused step with reward.kind='model' (a reward model of "
+                   "the same shapes) or 'jax'")
+  run = runner.build(config, devices=devices, abstract=True)
+  t0 = time.perf_counter()
+  lowered = run.step.fused.lower(run.state, run.frozen, abstract_prompts(config, run.mesh))
+  try:
+    compiled = lowered.compile()
+  except jax.errors.JaxRuntimeError as e:
+    found = _OOM.search(str(e))
+    if not found:
+      raise
+    need, have = _bytes(*found.group(1, 2)), _bytes(*found.group(3, 4))
+    return Compiled(None, run, time.perf_counter() - t0, (need, have))
+  return Compiled(compiled, run, time.perf_counter() - t0)
+
+
+def _param_bytes(trees) -> tuple[int, int, int]:
+  """(parameters, bytes in all, bytes on the fullest device) of ShapeDtypeStructs with
+  shardings."""
+  count = total = 0
+  per_device: dict[int, int] = {}
+  for x in jax.tree.leaves(trees):
+    size = int(np.prod(x.shape)) * x.dtype.itemsize
+    count += int(np.prod(x.shape))
+    total += size
+    for device, index in x.sharding.devices_indices_map(tuple(x.shape)).items():
+      shard = math.prod(len(range(*s.indices(n))) for s, n in zip(index, x.shape))
+      per_device[device.id] = per_device.get(device.id, 0) + shard * x.dtype.itemsize
+  return count, total, max(per_device.values())
+
+
+def iteration_flops(config, cfg) -> float:
+  """Model FLOPs of one iteration (``ppojax.flops``; XLA's ``cost_analysis`` counts a loop's
+  body once, so it cannot give them for a scanned, decoding step)."""
+  one_pass = step_lib.single_pass(config.ppo)
+  parts = flops.model_flops(
+      cfg, config.ppo.batch_size, config_lib.prompt_length(config),
+      config.sampling.max_new_tokens, old_logp_fwd=not one_pass and
+      config.ppo.old_logprobs == "recompute", critic_fwd=not one_pass,
+      epochs=config.ppo.num_epochs)
+  return sum(parts.values())
+
+
+def report(config, topology: str, result: Compiled) -> dict[str, Any]:
+  """The figures of one deviceless compile (the JSON line of the CLI)."""
+  run, devices = result.run, list(result.run.mesh.devices.flat)
+  chip = chip_of(devices)
+  models = (run.state.actor, run.state.critic, run.frozen.ref_actor, run.frozen.reward)
+  _, total_bytes, device_bytes = _param_bytes(models)
+  params = int(sum(np.prod(x.shape) for x in jax.tree.leaves(run.state.actor)))
+  if result.out_of_memory is None:
+    mem = result.compiled.memory_analysis()
+    sizes = (mem.argument_size_in_bytes, mem.output_size_in_bytes, mem.temp_size_in_bytes,
+             mem.alias_size_in_bytes)
+    hbm = chip["hbm_bytes"]
+  else:  # the compiler stopped: arguments from the shapes, temporaries from its message
+    temp, hbm = result.out_of_memory
+    arguments = _param_bytes((run.state, run.frozen))[2]
+    sizes = (arguments, None, temp, None)
+  per_device = sizes[0] + (sizes[1] or 0) + sizes[2] - (sizes[3] or 0)
+  total_flops = iteration_flops(config, run.policy.cfg)
+  seconds_40 = None if not chip["peak_flops"] else (
+      total_flops / (0.4 * chip["peak_flops"] * len(devices)))
+  return {
+      "topology": topology, "device_kind": chip["kind"], "devices": len(devices),
+      "mesh": dict(run.mesh.shape), "model": str(config.model.policy), "params": params,
+      "batch": config.ppo.batch_size, "prompt_len": config_lib.prompt_length(config),
+      "response_len": config.sampling.max_new_tokens, "dtype": config.model.dtype,
+      "remat": bool(config.model.remat), "compile_seconds": round(result.seconds, 1),
+      "argument_bytes": sizes[0], "output_bytes": sizes[1], "temp_bytes": sizes[2],
+      "alias_bytes": sizes[3], "per_device_bytes": per_device, "hbm_bytes_per_device": hbm,
+      "fits": None if hbm is None else per_device <= hbm,
+      # out of memory: the compiler stopped and named only its temporaries; per_device_bytes
+      # is then the state's shards plus those (outputs, aliasing unknown)
+      "compiler_out_of_memory": result.out_of_memory is not None,
+      "param_bytes_total": total_bytes, "param_bytes_per_device": device_bytes,
+      "param_shard_ratio": round(device_bytes / (total_bytes / len(devices)), 3),
+      "flops_per_iteration": total_flops,
+      "seconds_per_iteration_at_40pct": None if seconds_40 is None else round(seconds_40, 2),
+  }
+
+
+def format_report(r: dict[str, Any]) -> str:
+  gib = lambda b: "?" if b is None else f"{b / 2**30:.2f} GiB"  # noqa: E731
+  verdict = {True: "fits", False: "DOES NOT FIT", None: "unknown HBM"}[r["fits"]]
+  lines = [
+      f"{r['model']} ({r['params'] / 1e9:.2f}B params), {r['batch']} x ({r['prompt_len']} + "
+      f"{r['response_len']}) tokens, {r['dtype']}{', remat' if r['remat'] else ''}",
+      f"{r['topology']}: {r['devices']} x {r['device_kind']}, mesh {r['mesh']}, "
+      f"compiled in {r['compile_seconds']:.0f} s",
+      f"  per device  {gib(r['per_device_bytes'])} of {gib(r['hbm_bytes_per_device'])}: {verdict}",
+      f"    arguments {gib(r['argument_bytes'])}, outputs {gib(r['output_bytes'])}, "
+      f"temporaries {gib(r['temp_bytes'])}, aliased {gib(r['alias_bytes'])}",
+      f"  parameters (4 models) {gib(r['param_bytes_total'])} in all, "
+      f"{gib(r['param_bytes_per_device'])} on a device ({r['param_shard_ratio']:.2f} x "
+      f"total/devices)",
+  ]
+  if r["flops_per_iteration"]:
+    at40 = r["seconds_per_iteration_at_40pct"]
+    lines.append(f"  {r['flops_per_iteration'] / 1e12:.1f} TFLOP per iteration"
+                 + (f": {at40:.2f} s at 40% of the chips' bf16 peak" if at40 else ""))
+  return "\n".join(lines)
+
+
+def main(argv) -> None:
+  from absl import flags  # pylint: disable=import-outside-toplevel
+  if len(argv) > 1:
+    raise SystemExit(f"unexpected arguments: {argv[1:]}")
+  config = flags.FLAGS.config
+  try:
+    devices = topology_devices(flags.FLAGS.topology)
+    result = compile_step(config, devices)
+  except AotError as e:
+    print(f"ppojax.aot: {e}", file=sys.stderr)
+    raise SystemExit(2) from e
+  r = report(config, flags.FLAGS.topology, result)
+  print(format_report(r), flush=True)
+  print(json.dumps(r), flush=True)
+
+
+if __name__ == "__main__":
+  from absl import app, flags  # noqa: E402
+  from ml_collections import config_flags  # noqa: E402
+
+  config_flags.DEFINE_config_file("config", None, "Training config file.")
+  flags.DEFINE_string("topology", "v5e:2x4", "TPU topology, e.g. v5e:2x4, v4:2x2x2, v5p:2x2x1.")
+  flags.mark_flag_as_required("config")
+  app.run(main)

@@ -1,0 +1,109 @@
+"""Deviceless compiles of the PPO step for TPU topologies (``ppojax.aot``), the abstract build
+they rest on, the public model shapes, the activation-row constraint and the FLOP count."""
+
+import json
+import pathlib
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from ppojax import aot, flops, runner
+from ppojax.models import abstract_model, model_config, public
+from ppojax.models.transformer import shard_rows
+
+ROOT = pathlib.Path(__file__).parents[1]
+SCALE = str(ROOT / "configs" / "scale.py")
+
+
+def _tpu_devices(name: str):
+  try:
+    return aot.topology_devices(name)
+  except aot.AotError as e:
+    pytest.skip(f"no TPU compiler here: {e}")
+
+
+@pytest.mark.parametrize("name, billions", [
+    ("Qwen/Qwen2.5-0.5B-Instruct", 0.494), ("Qwen/Qwen2.5-1.5B-Instruct", 1.544),
+    ("Qwen/Qwen2.5-7B-Instruct", 7.616), ("meta-llama/Llama-3.2-1B-Instruct", 1.236),
+    ("meta-llama/Llama-3.2-3B-Instruct", 3.213), ("meta-llama/Llama-3.1-8B-Instruct", 8.030),
+])
+def test_public_shapes_give_the_published_parameter_counts(name, billions):
+  model = abstract_model(model_config(name))
+  count = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(model.params))
+  assert count / 1e9 == pytest.approx(billions, abs=0.001)
+  assert all(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(model.params))
+  assert public.lookup(name.lower().removesuffix("-instruct")) == public.CONFIGS[name]
+
+
+def test_abstract_build_matches_the_real_one():
+  """Same state tree, shapes, dtypes and shardings as a run's; no weights, no data."""
+  config = runner.load_config(SCALE + ":tiny")
+  real = runner.build(runner.load_config(SCALE + ":tiny", data__task="count"))
+  fake = runner.build(config, abstract=True)
+  assert fake.source is None
+  shapes = lambda t: jax.tree.map(lambda x: (x.shape, str(x.dtype), x.sharding.spec), t)  # noqa
+  assert shapes(fake.state) == shapes(real.state)
+  assert shapes(fake.frozen) == shapes(real.frozen)
+
+
+def test_shard_rows_constrains_only_under_a_mesh_that_divides_the_rows():
+  mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]).reshape(1, 1, 1),
+                           ("data", "fsdp", "tensor"))
+  x = jnp.ones((4, 3))
+  assert "sharding_constraint" not in str(jax.make_jaxpr(shard_rows)(x))
+  abstract = jax.sharding.AbstractMesh((2, 2, 1), ("data", "fsdp", "tensor"))
+  with jax.sharding.use_abstract_mesh(abstract):
+    assert "sharding_constraint" in str(jax.make_jaxpr(shard_rows)(x))
+    assert "sharding_constraint" not in str(jax.make_jaxpr(shard_rows)(jnp.ones((3, 3))))
+  with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):  # one device: nothing to split
+    assert "sharding_constraint" not in str(jax.make_jaxpr(shard_rows)(x))
+
+
+def test_flops_count_the_documented_smollm2_iteration():
+  cfg = model_config("smollm2")
+  parts = flops.model_flops(cfg, 16, 44, 32, old_logp_fwd=False, critic_fwd=False)
+  assert sum(parts.values()) / 1e12 == pytest.approx(2.494, abs=0.001)
+  shared = flops.model_flops(cfg, 16, 44, 32, old_logp_fwd=False, critic_fwd=False, shared=24)
+  assert sum(shared.values()) / 1e12 == pytest.approx(1.804, abs=0.001)
+  two = flops.model_flops(cfg, 16, 44, 32, old_logp_fwd=False, critic_fwd=False, epochs=2)
+  assert two["policy fwd+bwd"] == 2 * parts["policy fwd+bwd"]
+
+
+def test_tiny_step_compiles_for_a_tpu_topology_and_shards_its_parameters():
+  devices = _tpu_devices("v5e:2x2")
+  config = runner.load_config(SCALE + ":tiny")
+  result = aot.compile_step(config, devices)
+  r = aot.report(config, "v5e:2x2", result)
+  mem = result.compiled.memory_analysis()
+  assert r["devices"] == 4 and r["mesh"] == {"data": 1, "fsdp": 4, "tensor": 1}
+  assert r["per_device_bytes"] == (mem.argument_size_in_bytes + mem.output_size_in_bytes
+                                   + mem.temp_size_in_bytes - mem.alias_size_in_bytes)
+  assert r["fits"] is (r["per_device_bytes"] <= r["hbm_bytes_per_device"]) is True
+  assert r["hbm_bytes_per_device"] == 16 * 2**30
+  # the parameters are split four ways, not replicated (a few replicated norms and biases)
+  assert 1.0 <= r["param_shard_ratio"] < 1.1, r
+  assert r["param_bytes_per_device"] < r["param_bytes_total"] / 3
+  assert r["flops_per_iteration"] == aot.iteration_flops(config, result.run.policy.cfg) > 0
+
+
+def test_cli_prints_a_table_and_a_json_line_and_names_bad_topologies():
+  _tpu_devices("v5e:2x2")
+  command = [sys.executable, "-m", "ppojax.aot", f"--config={SCALE}:tiny", "--topology"]
+  ok = subprocess.run(command + ["v5e:2x2"], capture_output=True, text=True, timeout=600,
+                      cwd=ROOT)
+  assert ok.returncode == 0, ok.stderr[-3000:]
+  last = json.loads(ok.stdout.strip().splitlines()[-1])
+  assert last["topology"] == "v5e:2x2" and last["fits"] is True and "per device" in ok.stdout
+  bad = subprocess.run(command + ["v9x:3x3"], capture_output=True, text=True, timeout=600,
+                       cwd=ROOT)
+  assert bad.returncode == 2 and "could not describe the TPU topology 'v9x:3x3'" in bad.stderr
+
+
+def test_a_python_reward_has_no_fused_step_to_compile():
+  config = runner.load_config(SCALE + ":tiny", reward__kind="text")
+  with pytest.raises(aot.AotError, match="reward.kind='text' runs on the host"):
+    aot.compile_step(config, jax.devices())
