@@ -46,11 +46,12 @@ from ppojax.experience import Prompts  # noqa: E402
 
 TPU_INSTALL = 'pip install -e ".[tpu]"  (jax[tpu]: the libtpu that matches the installed jax)'
 
-# Per chip: HBM in GiB and peak dense bfloat16 TFLOP/s (Google Cloud TPU documentation).
-# A chip whose cores are separate JAX devices (v4 without megacore here) splits both.
+# Per chip: HBM in GiB and peak dense bfloat16 TFLOP/s (Google Cloud TPU documentation). A
+# chip whose cores are separate JAX devices (v4 here) splits both. v5e: the 15.75 GiB that
+# XLA:TPU itself reports as available (its out-of-memory message), not the nominal 16.
 CHIPS = {
     "TPU v4": (32, 275.0),
-    "TPU v5 lite": (16, 197.0),  # v5e
+    "TPU v5 lite": (15.75, 197.0),  # v5e
     "TPU v5": (95, 459.0),  # v5p
     "TPU v6 lite": (32, 918.0),  # v6e (Trillium)
 }

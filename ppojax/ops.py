@@ -10,11 +10,14 @@ Conventions (see DESIGN.md):
 from __future__ import annotations
 
 import functools
+import math
 from typing import Sequence
 
 import chex
 import jax
 import jax.numpy as jnp
+
+from ppojax.sharding import shard_rows
 
 Array = jax.Array
 
@@ -115,6 +118,11 @@ def _chunk_size(n: int, target: int) -> int:
   return 1
 
 
+def _rows(lead: tuple[int, ...]) -> tuple[int, int]:
+  """[..., T] as [R, T]: the leading axes merged into rows (a row-major reshape: free)."""
+  return (math.prod(lead[:-1]), lead[-1]) if lead else (1, 1)
+
+
 def _bf16_as_bits() -> bool:
   # XLA's CPU backend has no native bf16 loops: it rewrites a bf16 loop carry to f32 and upcasts
   # the whole input before the loop. Carrying the uint16 bit pattern instead costs one bf16-sized
@@ -134,29 +142,45 @@ def _from_bits(a: Array, dtype) -> Array:
   return a
 
 
-def _map_chunks(fn, arrays, n: int, chunk: int):
-  """Apply ``fn`` to consecutive row-chunks of ``arrays`` (each [n, ...]) with ``lax.map``.
+def _map_chunks(fn, arrays, chunk: int):
+  """Apply ``fn`` to consecutive time-chunks of ``arrays`` (each [R, T, ...]: R rows of T
+  tokens), about ``chunk`` tokens (all rows together) at a time.
 
-  Reshaping [n, ...] → [n/chunk, chunk, ...] is free (row-major), so no input is copied; only one
-  chunk's float32 temporaries are alive at a time. The barrier keeps the float32 upcast of each
-  chunk inside the loop (XLA would otherwise hoist it and convert the whole input up front: the
-  very copy chunking exists to avoid); see ``_bf16_as_bits`` for bf16 on CPU.
+  Each step slices [R, c, ...] out of the inputs and writes ``fn``'s outputs into buffers of the
+  full size (``dynamic_update_slice`` in a ``fori_loop``: in place), so no input is copied and
+  only one chunk's float32 temporaries are alive at a time. The rows stay whole in every chunk,
+  so rows sharded over a mesh stay sharded (chunking the flattened rows·tokens axis instead made
+  XLA gather the whole batch's logits on every device). The barrier keeps the float32 upcast of
+  each chunk inside the loop (XLA would otherwise hoist it and convert the whole input up front:
+  the very copy chunking exists to avoid); see ``_bf16_as_bits`` for bf16 on CPU.
   """
-  c = _chunk_size(n, chunk)
+  rows, t = arrays[0].shape[:2]
+  c = _chunk_size(t, max(1, chunk // max(rows, 1)))
+  if c == t:
+    return fn(*arrays)
   dtypes = [a.dtype for a in arrays]
-  chunked = [_to_bits(a).reshape((n // c, c) + a.shape[1:]) for a in arrays]
-  out_dtypes = []
+  bits = [_to_bits(a) for a in arrays]
 
-  def body(xs):
+  def one(start, xs):
     xs = jax.lax.optimization_barrier(xs)
-    out = fn(*[_from_bits(x, d) for x, d in zip(xs, dtypes)])
-    out_dtypes[:] = [o.dtype for o in jax.tree.leaves(out)]
-    return jax.tree.map(_to_bits, out)
+    return fn(*[_from_bits(x, d) for x, d in zip(xs, dtypes)])
 
-  out = jax.lax.map(body, chunked)
-  leaves, tree = jax.tree.flatten(out)
-  leaves = [_from_bits(o.reshape((n,) + o.shape[2:]), d) for o, d in zip(leaves, out_dtypes)]
-  return jax.tree.unflatten(tree, leaves)
+  def sliced(start, arrays):
+    return [jax.lax.dynamic_slice_in_dim(a, start, c, axis=1) for a in arrays]
+
+  shapes = jax.eval_shape(lambda: one(0, sliced(0, bits)))
+  leaves, tree = jax.tree.flatten(shapes)
+  outs = [shard_rows(jnp.zeros((rows, t) + o.shape[2:], _to_bits(jnp.zeros((), o.dtype)).dtype))
+          for o in leaves]
+
+  def body(i, outs):
+    start = i * c
+    new = jax.tree.leaves(one(start, sliced(start, bits)))
+    return [jax.lax.dynamic_update_slice_in_dim(o, _to_bits(n), start, axis=1)
+            for o, n in zip(outs, new)]
+
+  outs = jax.lax.fori_loop(0, t // c, body, outs)
+  return jax.tree.unflatten(tree, [_from_bits(o, s.dtype) for o, s in zip(outs, leaves)])
 
 
 def _scaled(logits: Array, temperature) -> Array:
@@ -164,7 +188,7 @@ def _scaled(logits: Array, temperature) -> Array:
 
 
 def _log_softmax(z: Array, lse: Array) -> Array:
-  return z - lse[:, None]
+  return z - lse[..., None]
 
 
 def _temperature_cotangent(d_z: Array, logp: Array, temperature: Array) -> Array:
@@ -186,10 +210,10 @@ def _token_logprobs_fwd(logits, tokens, temperature, chunk):
   def fn(z, tok):
     z = _scaled(z, temperature)
     lse = jax.nn.logsumexp(z, axis=-1)
-    picked = jnp.take_along_axis(z, tok[:, None], axis=-1)[:, 0]
+    picked = jnp.take_along_axis(z, tok[..., None], axis=-1)[..., 0]
     return picked - lse, lse
 
-  logp, lse = _map_chunks(fn, [logits, tokens], logits.shape[0], chunk)
+  logp, lse = _map_chunks(fn, [logits, tokens], chunk)
   return logp, (logits, tokens, temperature, lse)
 
 
@@ -199,11 +223,11 @@ def _token_logprobs_bwd(chunk, res, g):
   def fn(z, tok, lse_c, g_c):
     logp = _log_softmax(_scaled(z, temperature), lse_c)
     onehot = jax.nn.one_hot(tok, z.shape[-1], dtype=jnp.float32)
-    d_z = g_c[:, None] * (onehot - jnp.exp(logp))  # ∂ log p_tok / ∂z = onehot − p
+    d_z = g_c[..., None] * (onehot - jnp.exp(logp))  # ∂ log p_tok / ∂z = onehot − p
     d_t = _temperature_cotangent(d_z, logp, temperature)
     return (d_z / temperature).astype(logits.dtype), d_t  # ∂/∂logits = ∂/∂z / T
 
-  d_logits, d_t = _map_chunks(fn, [logits, tokens, lse, g], logits.shape[0], chunk)
+  d_logits, d_t = _map_chunks(fn, [logits, tokens, lse, g], chunk)
   return d_logits, None, jnp.sum(d_t).astype(temperature.dtype)
 
 
@@ -237,8 +261,10 @@ def selective_log_softmax(
   chex.assert_rank(logits, tokens.ndim + 1)
   lead, vocab = tokens.shape, logits.shape[-1]
   temperature = jnp.asarray(temperature, jnp.float32)
-  flat = _token_logprobs(logits.reshape(-1, vocab), tokens.reshape(-1), temperature, chunk_size)
-  return flat.reshape(lead)
+  rows = _rows(lead)
+  out = _token_logprobs(logits.reshape(rows + (vocab,)), tokens.reshape(rows), temperature,
+                        chunk_size)
+  return out.reshape(lead)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
@@ -257,7 +283,7 @@ def _entropy_fwd(logits, temperature, chunk):
     ent = -jnp.sum(jnp.where(p > 0, p * logp, 0.0), axis=-1)
     return ent, lse
 
-  ent, lse = _map_chunks(fn, [logits], logits.shape[0], chunk)
+  ent, lse = _map_chunks(fn, [logits], chunk)
   return ent, (logits, temperature, lse, ent)
 
 
@@ -268,11 +294,11 @@ def _entropy_bwd(chunk, res, g):
     logp = _log_softmax(_scaled(z, temperature), lse_c)
     p = jnp.exp(logp)
     # ∂H/∂z_i = −p_i (z_i − E_p[z]) = −p_i (log p_i + H)
-    d_z = jnp.where(p > 0, -g_c[:, None] * p * (logp + ent_c[:, None]), 0.0)
+    d_z = jnp.where(p > 0, -g_c[..., None] * p * (logp + ent_c[..., None]), 0.0)
     d_t = _temperature_cotangent(d_z, logp, temperature)
     return (d_z / temperature).astype(logits.dtype), d_t
 
-  d_logits, d_t = _map_chunks(fn, [logits, lse, ent, g], logits.shape[0], chunk)
+  d_logits, d_t = _map_chunks(fn, [logits, lse, ent, g], chunk)
   return d_logits, jnp.sum(d_t).astype(temperature.dtype)
 
 
@@ -290,7 +316,7 @@ def entropy_from_logits(
   """
   lead, vocab = logits.shape[:-1], logits.shape[-1]
   temperature = jnp.asarray(temperature, jnp.float32)
-  return _entropy(logits.reshape(-1, vocab), temperature, chunk_size).reshape(lead)
+  return _entropy(logits.reshape(_rows(lead) + (vocab,)), temperature, chunk_size).reshape(lead)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -39,28 +39,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from ppojax.models.config import ModelConfig
+from ppojax.sharding import shard_rows
 
 Array = jax.Array
-BATCH_AXES = ("data", "fsdp")  # the mesh axes that rows (sequences) are sharded over
-
-
-def shard_rows(x: Array) -> Array:
-  """``x`` [B, ...] with its rows over the mesh's batch axes and the rest replicated, when traced
-  under a mesh that has them (``jax.sharding.use_abstract_mesh``; ``step.make_ppo_step`` sets
-  the run's) and B divides; ``x`` unchanged otherwise.
-
-  The activations need saying so: with FSDP the weights are sharded over "fsdp" along their
-  feature dimension, and XLA's propagation may then keep activations whole on every device
-  instead of splitting the rows. Without this constraint the Qwen2.5-0.5B PPO step compiled for
-  v5e:2x4 held the whole batch's logits on every device ([16, 256, 151936] in float32)."""
-  mesh = jax.sharding.get_abstract_mesh()
-  if mesh.empty or not set(BATCH_AXES) <= set(mesh.axis_names):
-    return x
-  n = math.prod(mesh.shape[a] for a in BATCH_AXES)
-  if n == 1 or x.shape[0] % n:
-    return x
-  return jax.lax.with_sharding_constraint(
-      x, jax.sharding.PartitionSpec(BATCH_AXES, *([None] * (x.ndim - 1))))
 
 
 class KVCache(NamedTuple):
