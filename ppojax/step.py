@@ -331,7 +331,7 @@ def make_ppo_step(models: Models, actor_tx, critic_tx, actor_schedule: optax.Sch
   ``python_reward(rollout_on_host) → scores [B]`` receives the rollout as NumPy arrays;
   ``state_shardings`` (a TrainState of shardings) pins the state's layout across steps;
   ``mesh``: the functions are traced under it, so that the models keep every activation's rows
-  on the batch axes (``transformer.shard_rows``).
+  on the batch axes (``sharding.shard_rows``).
   """
   controller = kl_controller(cfg)
   sources = [models.reward, models.reward_fn, python_reward]

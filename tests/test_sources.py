@@ -19,7 +19,7 @@ import text_reward_fn
 from ppojax import arith, data, evaluation, reporting, runner, sources
 from ppojax.config import defaults
 from ppojax.data import DataError, template_prefix
-from ppojax.models import CausalLM, LoadedModel, save_model
+from ppojax.models import CausalLM, LoadedModel, init_params, save_model
 from ppojax.sampling import SamplingConfig
 
 TINY = dict(hidden_size=32, intermediate_size=64, num_layers=2, num_heads=2, num_kv_heads=1,
@@ -205,7 +205,7 @@ def tiny_lm(char_tokenizer):
   cfg = runner.tiny_model_config(ml_collections.ConfigDict(
       dict(TINY, vocab_size=len(char_tokenizer))))
   cfg = cfg.replace(bos_token_id=None, eos_token_id=STOP, pad_token_id=PAD)
-  return LoadedModel(cfg, runner._init_params(CausalLM(cfg), jax.random.key(3)),
+  return LoadedModel(cfg, init_params(CausalLM(cfg), jax.random.key(3)),
                      char_tokenizer, "lm")
 
 
