@@ -134,18 +134,13 @@ def compile_step(config, devices) -> Compiled:
 
 
 def _param_bytes(trees) -> tuple[int, int, int]:
-  """(parameters, bytes in all, bytes on the fullest device) of ShapeDtypeStructs with
-  shardings."""
-  count = total = 0
-  per_device: dict[int, int] = {}
-  for x in jax.tree.leaves(trees):
-    size = int(np.prod(x.shape)) * x.dtype.itemsize
-    count += int(np.prod(x.shape))
-    total += size
-    for device, index in x.sharding.devices_indices_map(tuple(x.shape)).items():
-      shard = math.prod(len(range(*s.indices(n))) for s, n in zip(index, x.shape))
-      per_device[device.id] = per_device.get(device.id, 0) + shard * x.dtype.itemsize
-  return count, total, max(per_device.values())
+  """(parameters, bytes in all, bytes on one device) of ShapeDtypeStructs with shardings (the
+  partition rules split evenly, so every device holds one shard of each leaf)."""
+  leaves = jax.tree.leaves(trees)
+  count = sum(math.prod(x.shape) for x in leaves)
+  total = sum(math.prod(x.shape) * x.dtype.itemsize for x in leaves)
+  device = sum(math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize for x in leaves)
+  return count, total, device
 
 
 def iteration_flops(config, cfg) -> float:

@@ -398,19 +398,18 @@ def make_ppo_step(models: Models, actor_tx, critic_tx, actor_schedule: optax.Sch
         return fn(*args)
     return traced
 
-  do_rollout, do_score, do_learn, fused = map(under_mesh, (do_rollout, do_score, do_learn, fused))
   out = None if state_shardings is None else (state_shardings, None)
-  learn = jax.jit(do_learn, donate_argnums=0, out_shardings=out)
-  rollout_fn = jax.jit(do_rollout)
+  learn = jax.jit(under_mesh(do_learn), donate_argnums=0, out_shardings=out)
+  rollout_fn = jax.jit(under_mesh(do_rollout))
   if python_reward is not None:
     def score(frozen, r):
       del frozen
       return jnp.asarray(np.asarray(python_reward(sharding.to_host(r)), np.float32))
     return PPOStep(fused=None, rollout=rollout_fn, score=score, learn=learn)
   fused_out = None if out is None else (state_shardings, None, None, None)
-  return PPOStep(fused=jax.jit(fused, donate_argnums=0, out_shardings=fused_out),
+  return PPOStep(fused=jax.jit(under_mesh(fused), donate_argnums=0, out_shardings=fused_out),
                  rollout=rollout_fn,
-                 score=jax.jit(do_score), learn=learn)
+                 score=jax.jit(under_mesh(do_score)), learn=learn)
 
 
 def _opt_count(opt_state) -> Array:
