@@ -37,8 +37,11 @@ def get_config(model: str = "qwen2_5_0_5b") -> ml_collections.ConfigDict:
   c.model.policy = MODELS[model]
   c.model.reward = MODELS[model]  # a reward model of the policy's architecture (score head)
   c.model.critic_init = "reward"
-  c.model.dtype = "bfloat16"  # compute; parameters and optimizer states float32
+  c.model.dtype = "bfloat16"  # compute; trained parameters float32 (the master weights)
   c.model.remat = True
+  c.model.frozen_dtype = "bfloat16"  # reference and reward model: 2 bytes per parameter
+  if model in ("qwen2_5_7b", "llama3_1_8b"):
+    c.optim.state_dtype = "bfloat16"  # Adam's moments: 4 bytes per parameter, not 8
   c.reward.kind = "model"
 
   c.data.task = "file"  # data.path: prompts, JSONL with a "prompt" field

@@ -43,6 +43,13 @@ def defaults() -> ml_collections.ConfigDict:
   c.model.critic_init = "auto"  # "reward" (the RLHF recipe), "policy"; auto: reward if any
   c.model.dtype = "float32"  # compute dtype ("bfloat16" on accelerators)
   c.model.remat = False
+  # with remat: what each layer keeps for the backward pass ("nothing": recompute all of it;
+  # "dots": keep matmul outputs; "dots_no_batch": keep weight-matmul outputs only)
+  c.model.remat_policy = "nothing"
+  # the reference policy and the reward model (which never train) stored in this dtype
+  # ("": as the trained models, float32; "bfloat16": half their memory, and with bfloat16
+  # compute the same numbers up to the float32 value head's rounding)
+  c.model.frozen_dtype = ""
   # layers as one nn.scan (one compiled layer body, faster compile) or unrolled (False: no
   # stacked per-layer weights and activations to slice and update; longer compile)
   c.model.scan_layers = True
@@ -85,6 +92,9 @@ def defaults() -> ml_collections.ConfigDict:
   c.sampling.top_k = 0
   c.sampling.top_p = 1.0
   c.sampling.min_new_tokens = 0  # stop tokens are banned before this many tokens
+  # the sampler's compute dtype ("": model.dtype), e.g. "bfloat16" sampling for a float32
+  # learner: "rollout/logp_mismatch" reports the log-prob gap, ppo.tis_cap corrects for it
+  c.sampling.dtype = ""
   # tuples and placeholders so that --config.sampling.stop_ids="(2, 3)" etc. parse
   c.sampling.stop_ids = ()  # empty: the model's eos_token_id
   # None: the model's pad id (may equal the stop id)
@@ -95,6 +105,14 @@ def defaults() -> ml_collections.ConfigDict:
   c.ppo.num_epochs = 1
   c.ppo.num_minibatches = 1
   c.ppo.grad_accum = 1  # micro-batches per minibatch (gradients summed exactly)
+  # parts the rollout's forward passes (old / reference log-probs, values, reward model) run
+  # in, one after the other: less memory, the same numbers (0: the update's micro-batches per
+  # batch, num_minibatches × grad_accum, so both phases hold the same rows at a time)
+  c.ppo.forward_micro_batches = 0
+  # Truncated importance sampling (losses.truncated_is_weight): each token's policy term
+  # weighted by min(π_old/π_sampler, tis_cap), for a sampler whose log-probs differ from the
+  # learner's (sampling.dtype); None: off
+  c.ppo.tis_cap = config_dict.placeholder(float)
   c.ppo.gamma = 1.0
   c.ppo.lam = 0.95
   c.ppo.clip_eps = 0.2
@@ -131,6 +149,7 @@ def defaults() -> ml_collections.ConfigDict:
 
   c.optim = ml_collections.ConfigDict()
   c.optim.max_grad_norm = 1.0
+  c.optim.state_dtype = "float32"  # Adam's moments ("bfloat16": 4 bytes per parameter, not 8)
   c.optim.actor = ml_collections.ConfigDict(dict(
       lr=3e-6, warmup_steps=0, decay="linear", end_factor=0.0, weight_decay=0.0))
   c.optim.critic = ml_collections.ConfigDict(dict(
@@ -207,6 +226,10 @@ CHOICES = {
     "ppo.old_logprobs": ("recompute", "sampler"),
     "ppo.kl_estimator": ("k1", "kl", "k2", "mse", "k3", "abs", "clamp"),
     "model.dtype": ("float32", "bfloat16", "float16"),
+    "model.remat_policy": ("nothing", "dots", "dots_no_batch"),
+    "model.frozen_dtype": ("", "float32", "bfloat16", "float16"),
+    "sampling.dtype": ("", "float32", "bfloat16", "float16"),
+    "optim.state_dtype": ("float32", "bfloat16"),
     "optim.actor.decay": ("constant", "linear", "cosine"),
     "optim.critic.decay": ("constant", "linear", "cosine"),
 }
@@ -273,6 +296,12 @@ def check_sizes(config: ml_collections.ConfigDict, num_devices: int,
     raise ConfigError(
         f"ppo.batch_size={ppo.batch_size} is not divisible by ppo.num_minibatches × "
         f"ppo.grad_accum = {ppo.num_minibatches} × {ppo.grad_accum}; change one of them")
+  k = ppo.get("forward_micro_batches", 0)
+  if k < 0 or (k and ppo.batch_size % k):
+    raise ConfigError(f"ppo.forward_micro_batches={k} must be 0 (automatic) or a divisor of "
+                      f"ppo.batch_size={ppo.batch_size}")
+  if ppo.get("tis_cap") is not None and ppo.tis_cap <= 0:
+    raise ConfigError(f"ppo.tis_cap={ppo.tis_cap} must be > 0 (about 2 is usual), or None")
   shape = list(config.mesh.shape)
   if len(shape) != 3 or shape.count(-1) > 1 or any(s == 0 or s < -1 for s in shape):
     raise ConfigError(f"mesh.shape={tuple(shape)}: give three sizes (data, fsdp, tensor), "
@@ -289,6 +318,11 @@ def check_sizes(config: ml_collections.ConfigDict, num_devices: int,
         f"ppo.batch_size={ppo.batch_size} is not divisible by ppo.num_minibatches × "
         f"data-parallel devices = {ppo.num_minibatches} × {data_parallel} (mesh data × fsdp = "
         f"{shape[0]} × {shape[1]}): every minibatch must split evenly over the devices")
+  if k and ppo.batch_size % (k * data_parallel):
+    raise ConfigError(
+        f"ppo.forward_micro_batches={k}: {ppo.batch_size // k} rows per part do not split over "
+        f"the {data_parallel} data-parallel devices; choose a k with batch_size divisible by "
+        f"k × {data_parallel}")
   if config.sampling.max_new_tokens < 1:
     raise ConfigError(f"sampling.max_new_tokens={config.sampling.max_new_tokens} must be >= 1")
   length = prompt_length(config) + config.sampling.max_new_tokens

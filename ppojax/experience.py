@@ -85,6 +85,9 @@ class Rollout(NamedTuple):
   ref_logp: Array  # log π_ref(token), same temperature
   old_values: Array | None  # V_old(s_t) (None: the update computes it)
   prefix: Array | None = None  # [C] the prompts' shared prefix (``Prompts.prefix``)
+  # log π_T(token) as the sampler computed it while sampling (``Generation.logprobs``: its
+  # compute dtype, its KV-cache decode), for the mismatch metric and ``ppo.tis_cap``
+  sampler_logp: Array | None = None
 
 
 class Experience(NamedTuple):
@@ -111,20 +114,75 @@ def sequence(prompts: Array, prompt_mask: Array, responses: Array, response_mask
 def response_logits(module: nn.Module, params, prompts, prompt_mask, responses, response_mask,
                     prefix: Array | None = None) -> Array:
   """Logits [B, R, V] that predict each response token: the LM head at the R positions before
-  each (the head runs on those R positions only)."""
+  each (the head runs on those R positions only). The training passes never hold these whole
+  (``head_logprobs``); evaluation reads them."""
+  hidden = response_hidden(module, params, prompts, prompt_mask, responses, response_mask,
+                           prefix)
+  return module.apply({"params": params}, hidden, method="logits")
+
+
+def response_hidden(module: nn.Module, params, prompts, prompt_mask, responses, response_mask,
+                    prefix: Array | None = None) -> Array:
+  """The policy's final hidden states [B, R, D] at the R positions before each response token
+  (where the LM head predicts it)."""
   tokens, mask, positions = sequence(prompts, prompt_mask, responses, response_mask, prefix)
   hidden, _ = module.apply({"params": params}, tokens, positions, mask, prefix=prefix,
                            method="hidden")
   r = responses.shape[1]
-  return module.apply({"params": params}, hidden[:, -r - 1:-1], method="logits")
+  return hidden[:, -r - 1:-1]
+
+
+def head_params(params) -> dict:
+  """The part of a ``CausalLM``'s parameters that its LM head reads: ``lm_head``, or the
+  embedding table where the head is tied to it."""
+  if "lm_head" in params:
+    return {"lm_head": params["lm_head"]}
+  return {"model": {"embed": params["model"]["embed"]}}
+
+
+def head_logprobs(module: nn.Module, params, hidden: Array, tokens: Array, temperature: float,
+                  entropy: bool = False, chunk_size: int | None = ops.DEFAULT_CHUNK
+                  ) -> tuple[Array, Array | None]:
+  """(log π_T(tokens_t), H_t or None), [B, T] float32, from hidden states [B, T, D] through the
+  LM head, about ``chunk_size`` tokens (all rows together) at a time:
+
+      for each time chunk c:  z_c = head(h_c) / T,  log π_c = z_c[token] − lse(z_c),
+                              H_c = lse(z_c) − Σ softmax(z_c)·z_c
+
+  Only one chunk's logits [B, c, V] exist at a time: the whole [B, T, V] never do (for
+  Qwen2.5's 151,936-token vocabulary, 0.6 GB per 1,000 tokens in float32). The rows stay whole
+  in every chunk, so rows sharded over a mesh stay sharded. This is for passes without a
+  gradient (the rollout's): differentiated, the chunk loop accumulates the head's gradient in a
+  whole, unsharded buffer ([D, V] float32, 2 GB for Llama-3.1-8B) on every device, so a loss
+  passes ``chunk_size=None`` (the whole logits at once, ``ops.selective_log_softmax`` chunking
+  their float32 work)."""
+  b, t, _ = hidden.shape
+  head = head_params(params)
+
+  def one(h, tok):
+    logits = module.apply({"params": head}, h, method="logits")
+    logp = ops.selective_log_softmax(logits, tok, temperature)
+    return logp, ops.entropy_from_logits(logits, temperature) if entropy else None
+
+  target = t if chunk_size is None else max(1, chunk_size // max(b, 1))
+  c = ops._chunk_size(t, target)  # pylint: disable=protected-access
+  if c == t:
+    return one(hidden, tokens)
+  split = lambda x: jnp.swapaxes(x.reshape((b, t // c, c) + x.shape[2:]), 0, 1)  # noqa: E731
+  merge = lambda y: jnp.swapaxes(y, 0, 1).reshape(b, t)  # noqa: E731
+  outs = jax.lax.map(lambda xs: one(*xs), (split(hidden), split(tokens)))
+  return jax.tree.map(merge, outs)
 
 
 def response_logprobs(module, params, prompts, prompt_mask, responses, response_mask,
-                      temperature: float, prefix: Array | None = None) -> Array:
-  """log π_T(response_t | prefix) [B, R], float32, 0 off the mask."""
-  logits = response_logits(module, params, prompts, prompt_mask, responses, response_mask,
+                      temperature: float, prefix: Array | None = None,
+                      chunk_size: int | None = ops.DEFAULT_CHUNK) -> Array:
+  """log π_T(response_t | prefix) [B, R], float32, 0 off the mask (``head_logprobs``: the
+  logits ``chunk_size`` tokens at a time; None for a loss)."""
+  hidden = response_hidden(module, params, prompts, prompt_mask, responses, response_mask,
                            prefix)
-  logp = ops.selective_log_softmax(logits, responses, temperature)
+  logp, _ = head_logprobs(module, params, hidden, responses, temperature,
+                          chunk_size=chunk_size)
   return jnp.where(response_mask, logp, 0.0)
 
 
@@ -145,10 +203,31 @@ def model_scores(module: nn.Module, params, prompts, prompt_mask, responses, res
   return ops.gather_last(out[:, -responses.shape[1]:], response_mask)
 
 
+def map_rows(fn: Callable, rows: tuple, micro_batches: int = 1, *shared):
+  """``fn(*rows, *shared)`` computed in ``micro_batches`` sequential parts of the rows (a
+  ``lax.map``), so that one part's activations are alive at a time; the outputs (a pytree of
+  [B, ...] arrays) are the same as one call's.
+
+  Part j holds rows j, j + k, j + 2k, … (k = micro_batches): rows sharded in contiguous blocks
+  over devices give every device its equal share of every part, with no data moved."""
+  if micro_batches == 1:
+    return fn(*rows, *shared)
+  b, k = rows[0].shape[0], micro_batches
+  if b % k:
+    raise ValueError(f"{b} rows do not split into {k} micro-batches")
+  split = lambda x: jnp.swapaxes(x.reshape((b // k, k) + x.shape[1:]), 0, 1)  # noqa: E731
+  merge = lambda y: jnp.swapaxes(y, 0, 1).reshape((b,) + y.shape[2:])  # noqa: E731
+  outs = jax.lax.map(lambda part: fn(*part, *shared), tuple(split(x) for x in rows))
+  return jax.tree.map(merge, outs)
+
+
 def rollout(policy: nn.Module, critic: nn.Module, actor, ref_actor, critic_params,
             prompts: Prompts, key: Array, sampling: SamplingConfig,
-            old_logp: str = "recompute", old_values: bool = True) -> Rollout:
-  """Sample responses from the actor, then score them with actor, reference and critic.
+            old_logp: str = "recompute", old_values: bool = True,
+            sampler: nn.Module | None = None, micro_batches: int = 1) -> Rollout:
+  """Sample responses from the actor (with the ``sampler`` module where given: the policy's
+  architecture at another compute dtype), then score them with actor, reference and critic,
+  those forward passes in ``micro_batches`` parts (``map_rows``).
 
   ``old_logp`` says where log π_old comes from:
 
@@ -162,26 +241,33 @@ def rollout(policy: nn.Module, critic: nn.Module, actor, ref_actor, critic_param
   ``old_values=False`` leaves ``Rollout.old_values`` None for the same reason."""
   if old_logp not in ("recompute", "sampler", "update"):
     raise ValueError(f"old_logp must be 'recompute', 'sampler' or 'update', got {old_logp!r}")
+  sampler = policy if sampler is None else sampler
   if prompts.prefix is None:
-    gen = generate(policy, actor, prompts.tokens, prompts.mask, key, sampling)
+    gen = generate(sampler, actor, prompts.tokens, prompts.mask, key, sampling)
   else:
     rest, rest_mask, _ = without_prefix(prompts.tokens, prompts.mask, prompts.prefix.shape[0])
-    gen = generate(policy, actor, rest, rest_mask, key, sampling, prefix=prompts.prefix)
-  args = (prompts.tokens, prompts.mask, gen.tokens, gen.mask)
-  logp = lambda params: response_logprobs(  # noqa: E731
-      policy, params, *args, sampling.temperature, prompts.prefix)
-  old = None  # "update"
-  if old_logp == "recompute":
-    old = logp(actor)
-  elif old_logp == "sampler":
+    gen = generate(sampler, actor, rest, rest_mask, key, sampling, prefix=prompts.prefix)
+  rows = (prompts.tokens, prompts.mask, gen.tokens, gen.mask)
+
+  def passes(*rows_and_prefix):
+    *args, prefix = rows_and_prefix
+    logp = lambda params: response_logprobs(  # noqa: E731
+        policy, params, *args, sampling.temperature, prefix)
+    return {"old": logp(actor) if old_logp == "recompute" else None,
+            "ref": logp(ref_actor),
+            "values": response_values(critic, critic_params, *args, prefix) if old_values
+                      else None}
+
+  out = map_rows(passes, rows, micro_batches, prompts.prefix)
+  old = out["old"]  # None with "update"
+  if old_logp == "sampler":
     old = gen.logprobs  # 0 off the mask, like the recomputed log-probs
-  values = (response_values(critic, critic_params, *args, prompts.prefix) if old_values
-            else None)
   return Rollout(
       prompts=prompts.tokens, prompt_mask=prompts.mask, responses=gen.tokens, mask=gen.mask,
       has_stop=ops.has_stop_token(gen.tokens, sampling.stop_ids),
-      old_logp=jax.lax.stop_gradient(old), ref_logp=jax.lax.stop_gradient(logp(ref_actor)),
-      old_values=jax.lax.stop_gradient(values), prefix=prompts.prefix)
+      old_logp=jax.lax.stop_gradient(old), ref_logp=jax.lax.stop_gradient(out["ref"]),
+      old_values=jax.lax.stop_gradient(out["values"]), prefix=prompts.prefix,
+      sampler_logp=jax.lax.stop_gradient(gen.logprobs))
 
 
 def take_rows(exp: Experience, idx: Array) -> Experience:
@@ -215,4 +301,7 @@ def make_experience(r: Rollout, scores: Array, beta: Array, cfg) -> tuple[Experi
       "val/response_length": jnp.mean(lengths),
       "val/values_rollout": ops.masked_mean(r.old_values, r.mask),
   })
+  if r.sampler_logp is not None:  # the sampler's log-probs vs the learner's (same params)
+    metrics["rollout/logp_mismatch"] = ops.masked_mean(jnp.abs(r.old_logp - r.sampler_logp),
+                                                       r.mask)
   return Experience(r, adv, ret), metrics

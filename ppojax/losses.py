@@ -34,6 +34,7 @@ def policy_loss(
     clip_eps_high: float | None = None,
     dual_clip: float | None = None,
     aggregation: str = "token_mean",
+    is_weight: Array | None = None,
 ) -> tuple[Array, dict[str, Array]]:
   """Clipped surrogate: L = agg( max(−A·ρ, −A·clip(ρ, 1 − ε_low, 1 + ε_high)) ), ρ = e^{logp − old}.
 
@@ -41,12 +42,15 @@ def policy_loss(
   ``dual_clip`` = c > 1 (Ye et al. 2020), tokens with A < 0 have their loss capped at −c·A, so a
   huge ratio on a bad action cannot dominate the batch. Where the clip is active in the
   advantage's favour (A > 0, ρ > 1 + ε_high; or A < 0, ρ < 1 − ε_low) the gradient is exactly 0.
+  ``is_weight`` w [B, T] (constant; ``truncated_is_weight``) multiplies each token's term:
+  L = agg(w_t · max(...)), the importance correction for tokens sampled by another engine.
 
   Args:
     logp: [B, T] log-probs under the current policy (differentiated).
     old_logp: [B, T] log-probs under the sampling policy (constant).
     advantages: [B, T] (constant).
     mask: [B, T] response mask.
+    is_weight: [B, T] per-token weights (constant), or None (all 1).
 
   Returns:
     loss and metrics: ``loss``; ``approxkl`` = ½·mean((logp − old_logp)²); ``clipfrac``, the
@@ -71,6 +75,9 @@ def policy_loss(
     per_token = capped
   else:
     dual_active = jnp.zeros_like(mask)
+  if is_weight is not None:
+    chex.assert_equal_shape([is_weight, mask])
+    per_token = per_token * jax.lax.stop_gradient(jnp.where(mask, is_weight, 0.0))
 
   loss = ops.aggregate(per_token, mask, aggregation)
   metrics = {
@@ -82,6 +89,34 @@ def policy_loss(
       "ratio_var": ops.masked_var(ratio, mask),
   }
   return loss, jax.tree.map(jax.lax.stop_gradient, metrics)
+
+
+def truncated_is_weight(old_logp: Array, sampler_logp: Array, mask: Array, cap: float
+                        ) -> tuple[Array, dict[str, Array]]:
+  """Truncated importance sampling (TIS; Yao et al. 2025, "Your efficient RL framework secretly
+  brings you off-policy RL training"): the responses were sampled by an engine whose
+  probabilities π_s differ from the learner's π_old at the same parameters (bfloat16 decode vs
+  float32 forward, another kernel), so each token's policy-gradient term is reweighted by
+
+      w_t = min(π_old(y_t) / π_s(y_t), C) = min(exp(old_logp_t − sampler_logp_t), C)
+
+  (constant; 0 off the mask). The cap C bounds the variance; C = ∞ is plain importance
+  sampling, and w ≡ 1 where the two engines agree.
+
+  Returns:
+    w [B, T] and metrics: ``mismatch`` = mean |old_logp − sampler_logp| (nats per token),
+    ``is_weight`` = mean w, ``is_truncated`` = fraction of tokens where the cap is active.
+  """
+  chex.assert_equal_shape([old_logp, sampler_logp, mask])
+  mask, old_logp, sampler_logp = _masked_inputs(mask, old_logp, sampler_logp)
+  ratio = jnp.exp(old_logp - sampler_logp)
+  w = jax.lax.stop_gradient(jnp.where(mask, jnp.minimum(ratio, cap), 0.0))
+  metrics = {
+      "mismatch": ops.masked_mean(jnp.abs(old_logp - sampler_logp), mask),
+      "is_weight": ops.masked_mean(w, mask),
+      "is_truncated": ops.masked_mean((ratio > cap).astype(jnp.float32), mask),
+  }
+  return w, jax.tree.map(jax.lax.stop_gradient, metrics)
 
 
 def value_loss(
@@ -150,8 +185,10 @@ def ppo_loss(
     dual_clip: float | None = None,
     value_clip: float | None = 0.2,
     aggregation: str = "token_mean",
+    is_weight: Array | None = None,
 ) -> tuple[Array, dict[str, Array]]:
-  """Total PPO loss  L = L_policy + vf_coef·L_value − ent_coef·H.
+  """Total PPO loss  L = L_policy + vf_coef·L_value − ent_coef·H (``is_weight``: see
+  ``policy_loss``).
 
   The defaults are trl's (vf_coef 0.1, no entropy bonus, ε = 0.2 for ratio and value clip).
   Metric names follow trl (without its ``_avg`` suffix) where they mean what trl's mean:
@@ -164,7 +201,8 @@ def ppo_loss(
   """
   pg_loss, pg = policy_loss(
       logp, old_logp, advantages, mask, clip_eps=clip_eps, clip_eps_low=clip_eps_low,
-      clip_eps_high=clip_eps_high, dual_clip=dual_clip, aggregation=aggregation)
+      clip_eps_high=clip_eps_high, dual_clip=dual_clip, aggregation=aggregation,
+      is_weight=is_weight)
   vf_loss, vf = value_loss(
       values, old_values, returns, mask, clip_range=value_clip, aggregation=aggregation)
   total = pg_loss + vf_coef * vf_loss

@@ -106,7 +106,7 @@ def aggregate(x: Array, mask: Array, mode: str = "token_mean") -> Array:
 # Log-probabilities and entropy from logits, chunked over tokens
 # ---------------------------------------------------------------------------------------------
 
-_DEFAULT_CHUNK = 1024  # tokens per chunk: [chunk, V] float32 is 192 MiB for V = 49152
+DEFAULT_CHUNK = 1024  # tokens per chunk: [chunk, V] float32 is 192 MiB for V = 49152
 
 
 def _chunk_size(n: int, target: int) -> int:
@@ -239,7 +239,7 @@ def selective_log_softmax(
     logits: Array,
     tokens: Array,
     temperature: float | Array = 1.0,
-    chunk_size: int = _DEFAULT_CHUNK,
+    chunk_size: int = DEFAULT_CHUNK,
 ) -> Array:
   """log π(token) = z_token − logsumexp(z), with z = logits / temperature, in float32.
 
@@ -307,7 +307,7 @@ _entropy.defvjp(_entropy_fwd, _entropy_bwd)
 
 @functools.partial(jax.jit, static_argnames=("chunk_size",))
 def entropy_from_logits(
-    logits: Array, temperature: float | Array = 1.0, chunk_size: int = _DEFAULT_CHUNK
+    logits: Array, temperature: float | Array = 1.0, chunk_size: int = DEFAULT_CHUNK
 ) -> Array:
   """H(π) = −Σ_v π_v·log π_v, π = softmax(logits / temperature), in float32.
 

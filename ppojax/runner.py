@@ -92,7 +92,18 @@ def tiny_model_config(c: ml_collections.ConfigDict) -> ModelConfig:
 
 def _numerics(config) -> dict:
   return dict(dtype=config.model.dtype, remat=config.model.remat,
-              scan_layers=config.model.scan_layers)
+              remat_policy=config.model.remat_policy, scan_layers=config.model.scan_layers)
+
+
+def cast_floats(tree, dtype: str):
+  """``tree``'s floating-point leaves (arrays or ``jax.ShapeDtypeStruct``s, shardings kept) in
+  ``dtype``, new buffers; ``dtype`` "": copies as they are."""
+  def one(x):
+    to = jnp.dtype(dtype) if dtype and jnp.issubdtype(x.dtype, jnp.floating) else x.dtype
+    if isinstance(x, jax.ShapeDtypeStruct):
+      return jax.ShapeDtypeStruct(x.shape, to, sharding=x.sharding)
+    return x.astype(to) if to != x.dtype else jnp.copy(x)
+  return jax.tree.map(one, tree)
 
 
 def load_tokenizer(name: str):
@@ -236,10 +247,13 @@ def build(config, *, devices=None, abstract: bool = False) -> Run:
   if (source and source.prefix
       and any(m.cfg.layer_windows for m in (policy, critic, reward_model) if m)):
     source = sources.make_source(config, policy.tokenizer, shared_prefix=False)  # see Decoder
+  sampler_dtype = config.sampling.dtype
   models = step_lib.Models(
       policy=CausalLM(policy.cfg), critic=ValueModel(critic.cfg),
       reward=ValueModel(reward_model.cfg) if reward_model else None,
-      reward_fn=_import(config.reward.fn) if config.reward.kind == "jax" else None)
+      reward_fn=_import(config.reward.fn) if config.reward.kind == "jax" else None,
+      sampler=(CausalLM(policy.cfg.replace(dtype=sampler_dtype))
+               if sampler_dtype and sampler_dtype != policy.cfg.dtype else None))
   host_reward = python_reward = None
   if config.reward.kind == "python":
     python_reward = _import(config.reward.fn)
@@ -253,7 +267,8 @@ def build(config, *, devices=None, abstract: bool = False) -> Run:
   schedules = {name: step_lib.lr_schedule(o.lr, updates, o.warmup_steps, o.decay, o.end_factor)
                for name, o in (("actor", optim.actor), ("critic", optim.critic))}
   txs = {name: step_lib.make_optimizer(schedules[name], optim.max_grad_norm,
-                                       optim[name].weight_decay) for name in schedules}
+                                       optim[name].weight_decay, state_dtype=optim.state_dtype)
+         for name in schedules}
 
   mesh = sharding_lib.make_mesh(tuple(config.mesh.shape), devices=devices)
   rules = partition_rules()
@@ -265,15 +280,18 @@ def build(config, *, devices=None, abstract: bool = False) -> Run:
       sharding_lib.param_shardings(reward_model.params, mesh, rules))
   if abstract:
     state = _abstract(jax.eval_shape(init, policy.params, critic.params), state_shardings)
-    ref = state.actor
     reward_params = None if reward_model is None else _abstract(reward_model.params,
                                                                   reward_shardings)
   else:
     state = sharding_lib.place(init(policy.params, critic.params), state_shardings)
-    ref = jax.tree.map(jnp.copy, state.actor)  # frozen copy of the initial policy
     reward_params = None if reward_model is None else sharding_lib.place(reward_model.params,
                                                                          reward_shardings)
-  frozen = step_lib.Frozen(ref, reward_params)
+  # the reference: a copy of the initial policy (own buffers: the state is donated)
+  frozen_dtype = config.model.frozen_dtype
+  frozen = step_lib.Frozen(cast_floats(state.actor, frozen_dtype),
+                           None if reward_params is None else (
+                               cast_floats(reward_params, frozen_dtype) if frozen_dtype
+                               else reward_params))
 
   sampling = sampling_config(config, policy)
   step = step_lib.make_ppo_step(models, txs["actor"], txs["critic"], schedules["actor"], sampling,

@@ -41,7 +41,7 @@ def _args(batch: dict) -> tuple:
 
 def sft_loss(module, aggregation: str, params, batch: dict):
   """The response NLL (``losses.sft_loss``) of a batch, at temperature 1."""
-  logp = response_logprobs(module, params, *_args(batch), 1.0)
+  logp = response_logprobs(module, params, *_args(batch), 1.0, chunk_size=None)
   return losses.sft_loss(logp, batch["response_mask"], aggregation), {}
 
 

@@ -9,8 +9,9 @@
                  (E·M·K = 1: one step at the rollout's params, whose forward pass also gives
                  the old values and log-probs: ``single_pass``)
     β          = KL controller update
-    guard      = all finite (scores, advantages, losses, gradient norms)? the new state : the old
-                 one with only the key advanced (``skipped/nonfinite`` = 1)
+    guard      = every optimizer step taken only where scores, advantages and its own losses
+                 and gradient norms are finite (a lax.cond); any non-finite: KL controller and
+                 step stay, only the key advances (``skipped/nonfinite`` = 1)
 
 With a JAX reward (a reward model or a jnp rule) all of it is one jit-compiled function
 (``PPOStep.fused``). A Python reward (e.g. one that parses decoded text) splits it into two
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from typing import Any, Callable, NamedTuple
 
 import flax.linen as nn
@@ -33,8 +35,8 @@ import optax
 from ppojax import kl as kl_lib
 from ppojax import losses, ops, sharding
 from ppojax.experience import (Experience, Prompts, RewardFn, Rollout, make_experience,
-                               model_scores, response_logits, response_values, rollout,
-                               take_rows)
+                               head_logprobs, map_rows, model_scores, response_hidden,
+                               response_values, rollout, take_rows)
 from ppojax.sampling import SamplingConfig
 
 Array = jax.Array
@@ -66,6 +68,7 @@ class Models:
   critic: nn.Module  # a ValueModel
   reward: nn.Module | None = None  # a ValueModel used as reward model, or
   reward_fn: RewardFn | None = None  # a JAX rule (prompts, prompt_mask, responses, mask) → [B]
+  sampler: nn.Module | None = None  # generates with the policy's params (None: ``policy``)
 
   def __post_init__(self):
     if self.reward is not None and self.reward_fn is not None:
@@ -97,11 +100,39 @@ def lr_schedule(lr: float, total_steps: int, warmup_steps: int = 0, decay: str =
 
 
 def make_optimizer(schedule: optax.Schedule, max_grad_norm: float, weight_decay: float = 0.0,
-                   b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8
-                   ) -> optax.GradientTransformation:
-  """Global-norm clipping, then AdamW on ``schedule`` (counts optimizer steps)."""
-  return optax.chain(optax.clip_by_global_norm(max_grad_norm),
-                     optax.adamw(schedule, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay))
+                   b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
+                   state_dtype: str = "float32") -> optax.GradientTransformation:
+  """Global-norm clipping, then AdamW on ``schedule`` (counts optimizer steps), its moments
+  stored in ``state_dtype`` (``stored_in``)."""
+  return stored_in(optax.chain(optax.clip_by_global_norm(max_grad_norm),
+                               optax.adamw(schedule, b1=b1, b2=b2, eps=eps,
+                                           weight_decay=weight_decay)), state_dtype)
+
+
+def stored_in(tx: optax.GradientTransformation, dtype) -> optax.GradientTransformation:
+  """``tx`` whose floating-point state (Adam's m and v) is stored in ``dtype``: upcast to
+  float32 for each update, which runs in float32, and rounded back to ``dtype`` after.
+
+      m_stored = round_dtype(m_{t}),  m_{t+1} = β1·float32(m_stored) + (1 − β1)·g
+
+  bfloat16 halves the optimizer's memory (8 → 4 bytes per parameter) at the cost of rounding
+  the moments to 8 significant bits each step. ``dtype`` float32: ``tx`` itself."""
+  dtype = jnp.dtype(dtype)
+  if dtype == jnp.float32:
+    return tx
+
+  def cast(tree, to):
+    return jax.tree.map(
+        lambda x: x.astype(to) if jnp.issubdtype(x.dtype, jnp.floating) else x, tree)
+
+  def init(params):
+    return cast(tx.init(params), dtype)
+
+  def update(grads, state, params=None):
+    updates, state = tx.update(grads, cast(state, jnp.float32), params)
+    return updates, cast(state, dtype)
+
+  return optax.GradientTransformation(init, update)
 
 
 def kl_controller(cfg) -> kl_lib.KLController:
@@ -138,9 +169,9 @@ def update_forward(params, models: Models, r: Rollout, temperature: float, ent_c
   carries a gradient only when ``ent_coef`` is non-zero (otherwise it is a metric)."""
   actor, critic = params
   args = (r.prompts, r.prompt_mask, r.responses, r.mask, r.prefix)
-  logits = response_logits(models.policy, actor, *args)
-  logp = ops.selective_log_softmax(logits, r.responses, temperature)
-  entropy = ops.entropy_from_logits(logits, temperature)
+  hidden = response_hidden(models.policy, actor, *args)
+  logp, entropy = head_logprobs(models.policy, actor, hidden, r.responses, temperature,
+                                entropy=True, chunk_size=None)
   if not ent_coef:
     entropy = jax.lax.stop_gradient(entropy)
   values = response_values(models.critic, critic, *args)
@@ -148,11 +179,19 @@ def update_forward(params, models: Models, r: Rollout, temperature: float, ent_c
 
 
 def _clipped_loss(logp, entropy, values, exp: Experience, cfg) -> tuple[Array, dict]:
+  """The PPO loss, with each token's policy term weighted by the truncated importance ratio
+  π_old/π_sampler (``losses.truncated_is_weight``) when ``cfg.tis_cap`` is set."""
   r = exp.rollout
-  return losses.ppo_loss(
+  weight, tis = None, {}
+  if cfg.get("tis_cap") is not None:
+    weight, tis = losses.truncated_is_weight(r.old_logp, r.sampler_logp, r.mask, cfg.tis_cap)
+    tis = {f"policy/{k}": v for k, v in tis.items() if k != "mismatch"}
+  loss, metrics = losses.ppo_loss(
       logp, r.old_logp, exp.advantages, values, r.old_values, exp.returns, r.mask, entropy,
       vf_coef=cfg.vf_coef, ent_coef=cfg.ent_coef, clip_eps=cfg.clip_eps,
-      dual_clip=cfg.dual_clip, value_clip=cfg.value_clip, aggregation=cfg.aggregation)
+      dual_clip=cfg.dual_clip, value_clip=cfg.value_clip, aggregation=cfg.aggregation,
+      is_weight=weight)
+  return loss, {**metrics, **tis}
 
 
 def ppo_loss_on(params, models: Models, exp: Experience, cfg, temperature: float
@@ -183,10 +222,15 @@ def single_pass_loss(params, models: Models, r: Rollout, scores: Array, beta: Ar
   return loss, (metrics, exp, exp_metrics)
 
 
-def _minibatch_grads(params, models: Models, exp: Experience, idx: Array, cfg, temperature):
-  """Gradient and metrics of the minibatch ``idx`` [K, n], summed over its K micro-batches."""
+def _minibatch_grads(params, models: Models, exp: Experience, idx: Array, cfg, temperature,
+                     shardings=None):
+  """Gradient and metrics of the minibatch ``idx`` [K, n], summed over its K micro-batches;
+  the gradients laid out as ``shardings`` (the parameters')."""
   mb_mask = exp.rollout.mask[idx.reshape(-1)]
-  grad_fn = jax.grad(ppo_loss_on, has_aux=True)
+
+  def grad_fn(*args):
+    g, metrics = jax.grad(ppo_loss_on, has_aux=True)(*args)
+    return sharding.constrain(g, shardings), metrics
 
   def micro(grads, micro_idx):
     part = take_rows(exp, micro_idx)
@@ -198,7 +242,7 @@ def _minibatch_grads(params, models: Models, exp: Experience, idx: Array, cfg, t
   if idx.shape[0] == 1:  # no accumulation buffer
     grads, metrics = grad_fn(params, models, take_rows(exp, idx[0]), cfg, temperature)
     return grads, metrics
-  zeros = jax.tree.map(jnp.zeros_like, params)
+  zeros = sharding.constrain(jax.tree.map(jnp.zeros_like, params), shardings)
   grads, metrics = jax.lax.scan(micro, zeros, idx)
   return grads, jax.tree.map(lambda m: jnp.sum(m, axis=0), metrics)
 
@@ -229,9 +273,13 @@ def _with_params(state: TrainState, params_and_opts) -> TrainState:
 
 
 def update(models: Models, actor_tx, critic_tx, state: TrainState, exp: Experience, key: Array,
-           cfg, temperature: float) -> tuple[TrainState, dict]:
+           cfg, temperature: float, ok: Array | bool = True, shardings=None
+           ) -> tuple[TrainState, dict]:
   """E epochs of M shuffled minibatches, each one optimizer step on the sum of K micro-batch
-  gradients; metrics are averaged over the E·M steps."""
+  gradients; metrics are averaged over the E·M steps.
+
+  Each step is a ``lax.cond``: taken where ``ok`` (the experience is finite) and the step's own
+  losses and gradient norms are finite, skipped otherwise; no copy of the old state is kept."""
   batch = exp.advantages.shape[0]
   e, m, k = cfg.num_epochs, cfg.num_minibatches, cfg.grad_accum
   perms = jax.vmap(lambda kk: jax.random.permutation(kk, batch))(jax.random.split(key, e))
@@ -239,8 +287,14 @@ def update(models: Models, actor_tx, critic_tx, state: TrainState, exp: Experien
 
   def step(carry, idx):
     actor, critic = carry[:2]
-    grads, metrics = _minibatch_grads((actor, critic), models, exp, idx, cfg, temperature)
-    return _apply_grads(actor_tx, critic_tx, carry, grads), {**metrics, **_grad_norms(grads)}
+    grads, metrics = _minibatch_grads((actor, critic), models, exp, idx, cfg, temperature,
+                                      shardings)
+    metrics = {**metrics, **_grad_norms(grads)}
+    take = ok & _all_finite([v for name, v in metrics.items() if name.startswith("loss/")
+                             or name.endswith("grad_norm")])
+    carry = jax.lax.cond(take, lambda c: _apply_grads(actor_tx, critic_tx, c, grads),
+                         lambda c: c, carry)
+    return carry, metrics
 
   carry, metrics = jax.lax.scan(step, _params_and_opts(state), indices)
   return _with_params(state, carry), jax.tree.map(jnp.mean, metrics)
@@ -256,8 +310,24 @@ def single_pass(cfg) -> bool:
       cfg.num_epochs * cfg.num_minibatches * cfg.grad_accum == 1)
 
 
+def forward_micro_batches(cfg, mesh: jax.sharding.Mesh | None = None) -> int:
+  """In how many parts the rollout's forward passes (old and reference log-probs, values,
+  reward model) run (``experience.map_rows``): ``cfg.forward_micro_batches``, or where that is
+  0, the update's micro-batches per batch (num_minibatches × grad_accum; 1 for a
+  ``single_pass`` update), lowered to the largest divisor whose parts still split evenly over
+  the mesh's batch devices. Fewer rows per pass: less activation memory, the same numbers."""
+  k = cfg.get("forward_micro_batches", 0)
+  if k:
+    return k
+  if single_pass(cfg):
+    return 1
+  batch, k = cfg.batch_size, cfg.num_minibatches * cfg.grad_accum
+  devices = 1 if mesh is None else math.prod(mesh.shape[a] for a in sharding.BATCH)
+  return max(d for d in range(1, k + 1) if k % d == 0 and batch % (d * devices) == 0)
+
+
 def single_pass_update(models: Models, actor_tx, critic_tx, state: TrainState, r: Rollout,
-                       scores: Array, cfg, temperature: float
+                       scores: Array, cfg, temperature: float, shardings=None
                        ) -> tuple[TrainState, Experience, dict, dict]:
   """The update of a ``single_pass`` config: one gradient of ``single_pass_loss`` on the whole
   batch, one optimizer step, taken only when everything is finite (``finite_checks``, known
@@ -266,6 +336,7 @@ def single_pass_update(models: Models, actor_tx, critic_tx, state: TrainState, r
   params = (state.actor, state.critic)
   grads, (metrics, exp, exp_metrics) = jax.grad(single_pass_loss, has_aux=True)(
       params, models, r, scores, state.kl.beta, cfg, temperature)
+  grads = sharding.constrain(grads, shardings)
   metrics = {**metrics, **_grad_norms(grads)}
   ok = finite_checks(scores, exp, metrics)[0]
   state = jax.lax.cond(
@@ -282,18 +353,28 @@ def single_pass_update(models: Models, actor_tx, critic_tx, state: TrainState, r
 NONFINITE_CHECKS = ("scores", "advantages", "loss", "grad_norm")
 
 
+def _all_finite(xs) -> Array:
+  return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in xs]))
+
+
+def experience_checks(scores: Array, exp: Experience) -> dict[str, Array]:
+  """Whether scores and advantages (on the response mask only) are finite: known before any
+  optimizer step."""
+  return {"scores": _all_finite([scores]),
+          "advantages": _all_finite([jnp.where(exp.rollout.mask, exp.advantages, 0.0)])}
+
+
 def finite_checks(scores: Array, exp: Experience, upd: dict) -> tuple[Array, dict]:
   """(all finite, metrics) of one iteration: ``nonfinite/{scores,advantages,loss,grad_norm}``
   are 1.0 where that quantity held a NaN or Inf (advantages on the response mask only: padding
-  never counts), and ``skipped/nonfinite`` is 1.0 when any did, i.e. when the update is skipped.
+  never counts), and ``skipped/nonfinite`` is 1.0 when any did, i.e. when the update (or, with
+  several minibatches, a step of it) was skipped.
   Losses and gradient norms are the update's means over its minibatches, so one non-finite
   minibatch makes them non-finite."""
-  finite = lambda xs: jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in xs]))  # noqa: E731
   checks = {
-      "scores": finite([scores]),
-      "advantages": finite([jnp.where(exp.rollout.mask, exp.advantages, 0.0)]),
-      "loss": finite([v for k, v in upd.items() if k.startswith("loss/")]),
-      "grad_norm": finite([v for k, v in upd.items() if k.endswith("grad_norm")]),
+      **experience_checks(scores, exp),
+      "loss": _all_finite([v for k, v in upd.items() if k.startswith("loss/")]),
+      "grad_norm": _all_finite([v for k, v in upd.items() if k.endswith("grad_norm")]),
   }
   ok = jnp.all(jnp.stack(list(checks.values())))
   metrics = {f"nonfinite/{k}": 1.0 - v.astype(jnp.float32) for k, v in checks.items()}
@@ -329,7 +410,8 @@ def make_ppo_step(models: Models, actor_tx, critic_tx, actor_schedule: optax.Sch
   """Builds the compiled step. ``cfg`` is the ``ppo`` config section.
 
   ``python_reward(rollout_on_host) → scores [B]`` receives the rollout as NumPy arrays;
-  ``state_shardings`` (a TrainState of shardings) pins the state's layout across steps;
+  ``state_shardings`` (a TrainState of shardings) pins the state's layout across steps, and
+  the gradients' to the parameters';
   ``mesh``: the functions are traced under it, so that the models keep every activation's rows
   on the batch axes (``sharding.shard_rows``).
   """
@@ -340,6 +422,9 @@ def make_ppo_step(models: Models, actor_tx, critic_tx, actor_schedule: optax.Sch
                      "(a JAX rule) or python_reward (a host function)")
 
   one_pass = single_pass(cfg)
+  micro_batches = forward_micro_batches(cfg, mesh)
+  grad_shardings = None if state_shardings is None else (state_shardings.actor,
+                                                         state_shardings.critic)
   old_logp = cfg.get("old_logprobs", "recompute")
   if one_pass and old_logp == "recompute":
     old_logp = "update"  # the update's forward pass at the same params
@@ -347,12 +432,14 @@ def make_ppo_step(models: Models, actor_tx, critic_tx, actor_schedule: optax.Sch
   def do_rollout(state: TrainState, frozen: Frozen, prompts: Prompts) -> Rollout:
     _, k_sample, _ = _keys(state)
     return rollout(models.policy, models.critic, state.actor, frozen.ref_actor, state.critic,
-                   prompts, k_sample, sampling, old_logp=old_logp, old_values=not one_pass)
+                   prompts, k_sample, sampling, old_logp=old_logp, old_values=not one_pass,
+                   sampler=models.sampler, micro_batches=micro_batches)
 
   def do_score(frozen: Frozen, r: Rollout) -> Array:
     args = (r.prompts, r.prompt_mask, r.responses, r.mask)
     if models.reward is not None:
-      return model_scores(models.reward, frozen.reward, *args, r.prefix)
+      return map_rows(functools.partial(model_scores, models.reward, frozen.reward), args,
+                      micro_batches, r.prefix)
     return models.reward_fn(*args).astype(jnp.float32)
 
   def learn_with_rollout(state: TrainState, r: Rollout, scores: Array
@@ -362,17 +449,17 @@ def make_ppo_step(models: Models, actor_tx, critic_tx, actor_schedule: optax.Sch
     lr = actor_schedule(_opt_count(state.actor_opt))
     if one_pass:  # params and optimizer states stepped only where all is finite (a cond)
       new, exp, exp_metrics, upd = single_pass_update(
-          models, actor_tx, critic_tx, state, r, scores, cfg, sampling.temperature)
-    else:
+          models, actor_tx, critic_tx, state, r, scores, cfg, sampling.temperature,
+          grad_shardings)
+    else:  # each optimizer step a cond on its own finiteness (and the experience's)
       exp, exp_metrics = make_experience(r, scores, state.kl.beta, cfg)
+      ok_before = _all_finite(list(experience_checks(scores, exp).values()))
       new, upd = update(models, actor_tx, critic_tx, state, exp, k_update, cfg,
-                        sampling.temperature)
+                        sampling.temperature, ok_before, grad_shardings)
     ok, flags = finite_checks(scores, exp, upd)
-    # A non-finite iteration changes nothing but the key: params, optimizer states, KL
-    # controller and step stay as they were; the next iteration samples anew.
+    # A non-finite iteration leaves the KL controller and the step as they were and the
+    # next iteration samples anew; its non-finite optimizer steps were not taken.
     keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(ok, a, b), new, old)  # noqa
-    if not one_pass:  # the old state stays alive until the select: one extra copy of it
-      new = _with_params(state, keep(_params_and_opts(new), _params_and_opts(state)))
     metrics = {**exp_metrics, **{f"{k}_avg": v for k, v in upd.items()},
                "objective/kl_coef": state.kl.beta, "lr": lr, **flags}
     kl_state = controller.update(state.kl, exp_metrics["objective/kl"], scores.shape[0])

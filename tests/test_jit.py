@@ -203,6 +203,12 @@ case("losses.bradley_terry_loss/grad",
 for _agg in ("token_mean", "seq_mean"):
   case(f"losses.sft_loss/{_agg}", lambda lp, m, g=_agg: losses.sft_loss(lp, m, g),
        lambda r: (_logp(r), _mask(r)))
+case("losses.truncated_is_weight",
+     lambda old, smp, m: losses.truncated_is_weight(old, smp, m, 2.0),
+     lambda r: (_logp(r), _logp(r), _mask(r)))
+case("losses.policy_loss/is_weight/grad",
+     jax.grad(lambda lp, old, adv, m, w: losses.policy_loss(lp, old, adv, m, is_weight=w)[0]),
+     lambda r: (_logp(r), _logp(r), _x(r), _mask(r), _x(r, lo=0.0, hi=2.0)))
 case("losses.ppo_loss/no_entropy",
      lambda lp, old, adv, v, ov, ret, m: losses.ppo_loss(lp, old, adv, v, ov, ret, m),
      lambda r: _ppo_gen(r)[:7])

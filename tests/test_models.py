@@ -22,7 +22,7 @@ import transformers as tf
 from ppojax import ops
 from ppojax.models import hf
 from ppojax.models import transformer as T
-from ppojax.models.config import ModelConfig
+from ppojax.models.config import REMAT_POLICIES, ModelConfig
 
 V, D, I, L, H = 97, 64, 96, 2, 4  # vocab, hidden, intermediate, layers, heads
 B, S = 3, 12  # batch, sequence
@@ -747,8 +747,10 @@ def test_bfloat16_compute_close_to_float32(checkpoint, name):
   assert _max_diff(bf16, f32, mask) > 0  # it did compute in bfloat16
 
 
-def test_remat_gives_the_same_gradient():
-  cfg = CACHE_CONFIGS["llama"]
+@pytest.mark.parametrize("policy", list(REMAT_POLICIES))
+@pytest.mark.parametrize("scan_layers", [True, False])
+def test_remat_gives_the_same_gradient(policy, scan_layers):
+  cfg = CACHE_CONFIGS["llama"].replace(scan_layers=scan_layers)
   params = _random_params(cfg)
   tokens, positions, mask = _batch()
 
@@ -760,7 +762,7 @@ def test_remat_gives_the_same_gradient():
       return -ops.masked_mean(logp, mask[:, 1:] & mask[:, :-1])
     return jax.jit(jax.value_and_grad(loss))(params)
 
-  (loss0, g0), (loss1, g1) = grad(cfg), grad(cfg.replace(remat=True))
+  (loss0, g0), (loss1, g1) = grad(cfg), grad(cfg.replace(remat=True, remat_policy=policy))
   np.testing.assert_allclose(loss1, loss0, atol=1e-6, rtol=0)
   jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-6, rtol=0), g1, g0)
   assert max(float(jnp.abs(x).max()) for x in jax.tree.leaves(g0)) > 1e-3

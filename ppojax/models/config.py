@@ -10,10 +10,17 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 
 LLAMA_LIKE = ("llama", "mistral", "qwen2")
 SUPPORTED = LLAMA_LIKE + ("gpt2",)
+# ModelConfig.remat_policy → what ``jax.checkpoint`` saves of each layer's forward pass
+REMAT_POLICIES = {
+    "nothing": jax.checkpoint_policies.nothing_saveable,
+    "dots": jax.checkpoint_policies.dots_saveable,
+    "dots_no_batch": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+}
 _HF_ARCH = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
             "qwen2": "Qwen2ForCausalLM", "gpt2": "GPT2LMHeadModel"}
 
@@ -45,6 +52,10 @@ class ModelConfig:
   dtype: str = "float32"  # compute dtype: "bfloat16" on accelerators
   param_dtype: str = "float32"
   remat: bool = False  # rematerialise each layer's activations in the backward pass
+  # what remat keeps from the forward pass (``REMAT_POLICIES``): "nothing" (recompute the
+  # whole layer), "dots" (keep every matmul output), "dots_no_batch" (keep the weight matmuls'
+  # outputs, recompute attention scores)
+  remat_policy: str = "nothing"
   scan_layers: bool = True  # stacked layer params in one nn.scan; False: layers_0 … layers_{L−1}
   # q/k/v as one ``qkv`` matmul and gate/up as one ``gate_up`` (``fuse_projections`` converts
   # the parameters); the decode layout of ``sampling.generate``, never a checkpoint's
@@ -61,6 +72,9 @@ class ModelConfig:
                        f"num_kv_heads={self.num_kv_heads} (grouped-query attention needs it)")
     if self.head_dim % 2 and not self.is_gpt2:
       raise ValueError(f"head_dim={self.head_dim} must be even for rotary embeddings")
+    if self.remat_policy not in REMAT_POLICIES:
+      raise ValueError(f"remat_policy {self.remat_policy!r}: choose one of "
+                       f"{', '.join(REMAT_POLICIES)}")
     if self.layer_windows is not None and len(self.layer_windows) != self.num_layers:
       raise ValueError(f"layer_windows has {len(self.layer_windows)} entries for "
                        f"{self.num_layers} layers")

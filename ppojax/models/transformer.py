@@ -38,7 +38,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ppojax.models.config import ModelConfig
+from ppojax.models.config import REMAT_POLICIES, ModelConfig
 from ppojax.sharding import shard_rows
 
 Array = jax.Array
@@ -69,11 +69,13 @@ def init_cache(cfg: ModelConfig, batch: int, max_length: int, dtype=None) -> KVC
   k_shape = (batch, cfg.num_kv_heads, cfg.head_dim, max_length)
   v_shape = (batch, cfg.num_kv_heads, max_length, cfg.head_dim)
   dtype = dtype or cfg.compute_dtype
+  # rows over the batch axes, KV heads over "tensor" (traced under a mesh)
+  zeros = lambda shape, lead=0: shard_rows(  # noqa: E731
+      jnp.zeros(shape, dtype), tensor_dim=lead + 1, row_dim=lead)
   if cfg.scan_layers:
-    stacked = lambda shape: jnp.zeros((cfg.num_layers,) + shape, dtype)  # noqa: E731
+    stacked = lambda shape: zeros((cfg.num_layers,) + shape, lead=1)  # noqa: E731
     return KVCache(stacked(k_shape), stacked(v_shape))
-  per_layer = lambda shape: tuple(  # noqa: E731
-      jnp.zeros(shape, dtype) for _ in range(cfg.num_layers))
+  per_layer = lambda shape: tuple(zeros(shape) for _ in range(cfg.num_layers))  # noqa: E731
   return KVCache(per_layer(k_shape), per_layer(v_shape))
 
 
@@ -516,7 +518,8 @@ class Decoder(nn.Module):
     self.embed = embed(cfg.vocab_size, "embed")
     if cfg.is_gpt2:
       self.wpe = embed(cfg.max_position_embeddings, "wpe")
-    block = nn.remat(Block, prevent_cse=not cfg.scan_layers) if cfg.remat else Block
+    block = nn.remat(Block, prevent_cse=not cfg.scan_layers,
+                     policy=REMAT_POLICIES[cfg.remat_policy]) if cfg.remat else Block
     if cfg.scan_layers:
       self.layers = nn.scan(
           block, variable_axes={"params": 0}, split_rngs={"params": True},
