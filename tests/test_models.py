@@ -769,6 +769,24 @@ def test_remat_gives_the_same_gradient(policy, scan_layers):
 
 
 
+def test_remat_policies_keep_more_as_they_save_more():
+  """The policies are not all the same program: compiled on CPU, the backward pass's temporaries
+  grow from "nothing" (recompute the layer) to "dots_no_batch" (the weight matmuls' outputs
+  kept: named inside ``Linear``, where jax's dot policies cannot see through the custom VJP) to
+  "dots" (attention's products too)."""
+  cfg = CACHE_CONFIGS["llama"].replace(remat=True)
+  params = _random_params(cfg)
+  tokens, positions, mask = _batch()
+
+  def temp_bytes(policy):
+    module = T.CausalLM(cfg.replace(remat_policy=policy))
+    loss = lambda p: module.apply({"params": p}, tokens, positions, mask)[0].sum()  # noqa: E731
+    return jax.jit(jax.grad(loss)).lower(params).compile().memory_analysis().temp_size_in_bytes
+
+  sizes = [temp_bytes(p) for p in ("nothing", "dots_no_batch", "dots")]
+  assert sizes[0] < sizes[1] < sizes[2], sizes
+
+
 @pytest.mark.parametrize("name", ["llama-gqa", "qwen2-tied", "gpt2"])
 def test_parameter_gradients_match_torch(torch, checkpoint, name):
   """∂/∂θ of Σ_real R·logits for a fixed random R [B, T, V], against torch's autograd: every

@@ -16,10 +16,14 @@ import jax.numpy as jnp
 LLAMA_LIKE = ("llama", "mistral", "qwen2")
 SUPPORTED = LLAMA_LIKE + ("gpt2",)
 # ModelConfig.remat_policy → what ``jax.checkpoint`` saves of each layer's forward pass
+# ("weight_matmul": the name ``transformer.Linear`` gives its products, which jax's dot
+# policies cannot see inside their custom VJP)
+_POLICIES = jax.checkpoint_policies
 REMAT_POLICIES = {
-    "nothing": jax.checkpoint_policies.nothing_saveable,
-    "dots": jax.checkpoint_policies.dots_saveable,
-    "dots_no_batch": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+    "nothing": _POLICIES.nothing_saveable,  # the layer input only: recompute all
+    "dots": _POLICIES.save_from_both_policies(  # every matmul: weights' and attention's
+        _POLICIES.dots_saveable, _POLICIES.save_only_these_names("weight_matmul")),
+    "dots_no_batch": _POLICIES.save_only_these_names("weight_matmul"),  # the weights' matmuls
 }
 _HF_ARCH = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
             "qwen2": "Qwen2ForCausalLM", "gpt2": "GPT2LMHeadModel"}

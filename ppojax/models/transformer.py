@@ -36,6 +36,7 @@ from typing import NamedTuple
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 import numpy as np
 
 from ppojax.models.config import REMAT_POLICIES, ModelConfig
@@ -301,7 +302,9 @@ class Linear(nn.Module):
     kernel = self.param("kernel", nn.initializers.normal(0.02),
                         shape[::-1] if cfg.transposed_kernels else shape, cfg.param_dtype)
     x, kernel = x.astype(cfg.compute_dtype), kernel.astype(cfg.compute_dtype)
-    y = weight_matmul(x, kernel, 1 if cfg.transposed_kernels else 0)
+    # named for the remat policies (REMAT_POLICIES): the custom VJP hides the dot inside
+    y = checkpoint_name(weight_matmul(x, kernel, 1 if cfg.transposed_kernels else 0),
+                        "weight_matmul")
     if self.use_bias:
       bias = self.param("bias", nn.initializers.zeros, (self.features,), cfg.param_dtype)
       y = y + bias.astype(cfg.compute_dtype)
