@@ -97,8 +97,25 @@ class Compiled(NamedTuple):
 
 
 # XLA:TPU refuses a program whose temporaries exceed the HBM, with this message.
-_OOM = re.compile(r"HLO temporaries \(([\d.]+)([KMGT])\) exceeds available HBM "
-                  r"\(([\d.]+)([KMGT])\)")
+# XLA:TPU's two out-of-memory messages: (temporaries, HBM) from either
+_OOM_TEMPS = re.compile(r"HLO temporaries \(([\d.]+)([KMGT])\) exceeds available HBM "
+                        r"\(([\d.]+)([KMGT])\)")
+_OOM_USED = re.compile(r"Used [\d.]+[KMGT] of ([\d.]+)([KMGT]) hbm")
+_OOM_TEMP = re.compile(r"HLO temp\s+([\d.]+)([KMGT])")
+
+
+def parse_out_of_memory(message: str) -> tuple[int, int] | None:
+  """(temporaries, HBM) in bytes from XLA:TPU's out-of-memory error, or None if it is not one:
+  "... HLO temporaries (18.04G) exceeds available HBM (15.75G)" (temporaries alone too big) or
+  "Ran out of memory in memory space hbm. Used 15.84G of 15.75G hbm. ... HLO temp 5.26G ..."
+  (arguments and program together)."""
+  found = _OOM_TEMPS.search(message)
+  if found:
+    return _bytes(*found.group(1, 2)), _bytes(*found.group(3, 4))
+  used, temp = _OOM_USED.search(message), _OOM_TEMP.search(message)
+  if used and temp:
+    return _bytes(*temp.group(1, 2)), _bytes(*used.group(1, 2))
+  return None
 
 
 def _bytes(number: str, unit: str) -> int:
@@ -125,11 +142,10 @@ def compile_step(config, devices) -> Compiled:
   try:
     compiled = lowered.compile()
   except jax.errors.JaxRuntimeError as e:
-    found = _OOM.search(str(e))
-    if not found:
+    out_of_memory = parse_out_of_memory(str(e))
+    if out_of_memory is None:
       raise
-    need, have = _bytes(*found.group(1, 2)), _bytes(*found.group(3, 4))
-    return Compiled(None, run, time.perf_counter() - t0, (need, have))
+    return Compiled(None, run, time.perf_counter() - t0, out_of_memory)
   return Compiled(compiled, run, time.perf_counter() - t0)
 
 

@@ -126,8 +126,13 @@ def _rows(lead: tuple[int, ...]) -> tuple[int, int]:
 def _bf16_as_bits() -> bool:
   # XLA's CPU backend has no native bf16 loops: it rewrites a bf16 loop carry to f32 and upcasts
   # the whole input before the loop. Carrying the uint16 bit pattern instead costs one bf16-sized
-  # copy there, never an f32 one. Other backends handle bf16 natively and need no trick.
-  return jax.default_backend() == "cpu"
+  # copy there, never an f32 one. Other backends handle bf16 natively and need no trick. The
+  # platform is the mesh's the step is traced under (a TPU topology compiled on a CPU host:
+  # ``ppojax.aot``), else the default backend's.
+  mesh = jax.sharding.get_abstract_mesh()
+  device = None if mesh.empty else getattr(mesh, "abstract_device", None)
+  platform = getattr(device, "platform", None) or jax.default_backend()
+  return platform == "cpu"
 
 
 def _to_bits(a: Array) -> Array:

@@ -107,3 +107,20 @@ def test_a_python_reward_has_no_fused_step_to_compile():
   config = runner.load_config(SCALE + ":tiny", reward__kind="text")
   with pytest.raises(aot.AotError, match="reward.kind='text' runs on the host"):
     aot.compile_step(config, jax.devices())
+
+
+def test_both_out_of_memory_messages_parse():
+  """XLA:TPU stops a compile that does not fit with one of two messages; the report takes the
+  temporaries and the HBM from either, and nothing from another error."""
+  from ppojax import aot  # pylint: disable=import-outside-toplevel
+  g = 2**30
+  temps = ("RESOURCE_EXHAUSTED: Ran out of memory on HBM, the total memory required for HLO "
+           "temporaries (18.04G) exceeds available HBM (15.75G).")
+  assert aot.parse_out_of_memory(temps) == (int(18.04 * g), int(15.75 * g))
+  used = ("RESOURCE_EXHAUSTED: E1000: CompileTimeHbmOom: XLA:TPU compile permanent error. Ran "
+          "out of memory in memory space hbm. Used 15.84G of 15.75G hbm. Exceeded hbm capacity "
+          "by 91.46M.\n\nTotal hbm usage >= 16.09G:\n    reserved        258.00M \n    program"
+          "           5.36G \n    arguments        10.48G \n\nProgram hbm requirement 5.36G:\n"
+          "    global            4.66M\n    HLO temp          5.26G (100.0% utilization)")
+  assert aot.parse_out_of_memory(used) == (int(5.26 * g), int(15.75 * g))
+  assert aot.parse_out_of_memory("INVALID_ARGUMENT: something else") is None
