@@ -1,0 +1,109 @@
+"""The fit table of docs/scale.md: ``python -m ppojax.aot`` for each (config, topology, options).
+
+    python benchmarks/scale_table.py [--jobs 2] [--only qwen2_5_0_5b] [--out results.jsonl]
+
+Each row is one deviceless compile in its own process (``python -m ppojax.aot --config
+configs/scale.py:NAME --topology T [--config.X=Y ...]``), so a row's figures are exactly what that
+command prints. Prints a Markdown row per compile as it finishes (in the table's order at the
+end), and as its last line one JSON object: the machine (``lscpu``'s model name), jax/libtpu
+versions and every row's JSON report.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import json
+import platform
+import subprocess
+import sys
+from importlib import metadata
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+MODELS = ("qwen2_5_0_5b", "qwen2_5_1_5b", "llama3_2_1b", "llama3_2_3b", "qwen2_5_7b",
+          "llama3_1_8b")
+TOPOLOGIES = ("v5e:2x2", "v5e:2x4", "v5e:4x4", "v4:2x2x2", "v5p:2x2x2")
+# The rows beyond the model x topology grid: the goals' topologies, and the batch splits whose
+# temporaries should fall (issue 24).
+EXTRA = (
+    ("qwen2_5_7b", "v5p:2x2x1", ()),
+    ("llama3_1_8b", "v5e:4x8", ()),
+    ("qwen2_5_0_5b", "v5e:2x4", ("--config.ppo.grad_accum=2",)),
+    ("qwen2_5_0_5b", "v5e:2x4", ("--config.ppo.grad_accum=4",)),
+    ("qwen2_5_0_5b", "v5e:2x4", ("--config.ppo.num_minibatches=4",)),
+    ("llama3_1_8b", "v5e:4x4", ("--config.optim.state_dtype=float32",)),
+)
+
+
+def rows(only: str | None):
+  grid = [(m, t, ()) for m in MODELS for t in TOPOLOGIES]
+  return [r for r in grid + list(EXTRA) if only is None or r[0] == only]
+
+
+def compile_row(model: str, topology: str, options: tuple[str, ...]) -> dict:
+  cmd = [sys.executable, "-m", "ppojax.aot", f"--config=configs/scale.py:{model}",
+         f"--topology={topology}", *options]
+  done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, check=False)
+  last = done.stdout.strip().splitlines()[-1:] or [""]
+  if done.returncode != 0 or not last[0].startswith("{"):
+    return {"config": model, "topology": topology, "options": list(options),
+            "error": (done.stderr.strip().splitlines() or ["?"])[-1][:300]}
+  report = json.loads(last[0])
+  report.update(config=model, options=list(options))
+  return report
+
+
+def markdown(r: dict) -> str:
+  name = r["config"] + "".join(f" `{o.removeprefix('--config.')}`" for o in r["options"])
+  if "error" in r:
+    return f"| {name} | {r['topology']} | error: {r['error']} |"
+  gib = lambda b: "?" if b is None else f"{b / 2**30:.2f}"  # noqa: E731
+  mesh = "×".join(str(r["mesh"][a]) for a in ("data", "fsdp", "tensor"))
+  verdict = "**fits**" if r["fits"] else "does not fit"
+  at40 = r["seconds_per_iteration_at_40pct"]
+  return (f"| {name} | {r['topology']} | {mesh} | {gib(r['per_device_bytes'])} / "
+          f"{gib(r['hbm_bytes_per_device'])} | {verdict} | {gib(r['argument_bytes'])} | "
+          f"{gib(r['temp_bytes'])} | {r['param_shard_ratio']:.3f} | "
+          f"{r['flops_per_iteration'] / 1e12:.0f} | {at40} | {r['compile_seconds']:.0f} |")
+
+
+def cpu_name() -> str:
+  try:
+    out = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
+    return next(line.split(":", 1)[1].strip() for line in out.splitlines()
+                if line.startswith("Model name"))
+  except (OSError, subprocess.CalledProcessError, StopIteration):
+    return platform.processor()
+
+
+def main() -> None:
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--jobs", type=int, default=1, help="compiles at once (each is mostly "
+                      "one thread; more jobs than cores distorts compile_seconds)")
+  parser.add_argument("--only", choices=MODELS, help="only this config's rows")
+  parser.add_argument("--out", type=Path, help="also append each row's JSON to this file")
+  args = parser.parse_args()
+  todo = rows(args.only)
+  results = {}
+  with concurrent.futures.ThreadPoolExecutor(args.jobs) as pool:
+    futures = {pool.submit(compile_row, *row): i for i, row in enumerate(todo)}
+    for future in concurrent.futures.as_completed(futures):
+      r = results[futures[future]] = future.result()
+      print(markdown(r), flush=True)
+      if args.out:
+        with args.out.open("a") as f:
+          f.write(json.dumps(r) + "\n")
+  print("\n| config | topology | mesh (data×fsdp×tensor) | needs / has (GiB) | | arguments | "
+        "temporaries | parameter shards vs total/devices | TFLOP / iteration | "
+        "s / iteration at 40% of peak | compile s |")
+  print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+  for i in range(len(todo)):
+    print(markdown(results[i]))
+  print(json.dumps({"cpu": cpu_name(), "jax": metadata.version("jax"),
+                    "libtpu": metadata.version("libtpu"), "rows": [results[i] for i in
+                                                                   range(len(todo))]}))
+
+
+if __name__ == "__main__":
+  main()
