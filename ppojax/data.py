@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import os
 import pathlib
+import re
 import tempfile
 import warnings
 import weakref
@@ -301,6 +302,8 @@ def prompt_ids(tokenizer, prompt: str | list[dict], *, system: str | None = None
     messages = _messages(prompt, system)
     try:
       ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    except ImportError as e:  # a missing package (transformers renders templates with jinja2)
+      raise _missing_package(e, "rendering the tokenizer's chat template") from e
     except Exception as e:  # jinja errors, e.g. a template that rejects system messages
       raise DataError(f"the tokenizer's chat template failed on the messages "
                       f"{[m.get('role') for m in messages]}: {type(e).__name__}: {e}") from e
@@ -313,6 +316,22 @@ def prompt_ids(tokenizer, prompt: str | list[dict], *, system: str | None = None
     raise DataError("a system prompt needs the chat template; set data.chat_template=True or "
                     "drop data.system")
   return _plain_ids(tokenizer(prompt)["input_ids"])
+
+
+def _missing_package(e: ImportError, what: str) -> ImportError:
+  """An ImportError naming the missing package and how to install it. Python's own name it in
+  ``e.name``; transformers' ("apply_chat_template requires jinja2 to be installed") in the text."""
+  found = re.search(r"No module named '([\w.]+)'|requires (\w+)", str(e))
+  name = (e.name or (found and (found.group(1) or found.group(2))) or "").split(".")[0]
+  if not name:
+    return ImportError(f"{what} needs a package that is not installed here ({e}); "
+                       "`pip install -e .` in the ppojax checkout installs every dependency")
+  if "cannot import name" in str(e):  # installed, but a version without what is needed
+    return ImportError(f"{what} needs a newer `{name}` than the one installed: "
+                       f"pip install -U {name}. The error was: {e}", name=name)
+  return ImportError(f"{what} needs the Python package `{name}`, which is not installed here: "
+                     f"pip install {name} (or `pip install -e .` in the ppojax checkout, which "
+                     f"installs every dependency of ppojax). The error was: {e}", name=name)
 
 
 # Probe prompts for ``template_prefix``: letters, a digit, a leading space and a leading newline,

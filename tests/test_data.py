@@ -282,6 +282,42 @@ def test_prompt_ids_template_failure_is_a_data_error():
     data.prompt_ids(tok, "a", system="s")
 
 
+def test_a_missing_jinja2_is_reported_as_a_missing_package(monkeypatch):
+  """Without jinja2, transformers' apply_chat_template raises an ImportError; prompt_ids says
+  which package is missing and how to install it, not that the template failed."""
+  from transformers.utils import chat_template_utils  # pylint: disable=import-outside-toplevel
+  tok = make_tokenizer()
+  tok.chat_template = TEMPLATE + "{# a template not compiled before: no lru_cache hit #}"
+  monkeypatch.setattr(chat_template_utils, "is_jinja_available", lambda: False)
+  with pytest.raises(ImportError) as e:
+    data.prompt_ids(tok, "a")
+  assert not isinstance(e.value, DataError) and e.value.name == "jinja2"
+  message = str(e.value)
+  assert "chat template needs the Python package `jinja2`" in message
+  assert "pip install jinja2" in message and "pip install -e ." in message
+  assert "failed on the messages" not in message
+  assert "requires jinja2" in message  # transformers' own words are kept
+
+
+@pytest.mark.parametrize("error, install", [
+    (ModuleNotFoundError("No module named 'jinja2'", name="jinja2"), "pip install jinja2"),
+    (ImportError("No module named 'markupsafe._speedups'"), "pip install markupsafe"),
+    (ImportError("cannot import name 'pass_context' from 'jinja2'", name="jinja2"),
+     "pip install -U jinja2"),
+])
+def test_an_import_error_in_the_template_names_the_package(monkeypatch, error, install):
+  tok = make_tokenizer()
+
+  def apply_chat_template(*args, **kwargs):
+    raise error
+
+  monkeypatch.setattr(tok, "apply_chat_template", apply_chat_template)
+  with pytest.raises(ImportError, match="rendering the tokenizer's chat template needs") as e:
+    data.prompt_ids(tok, "a")
+  assert not isinstance(e.value, DataError) and e.value.__cause__ is error
+  assert install in str(e.value) and str(error) in str(e.value)
+
+
 def test_response_ids(tok):
   assert data.response_ids(tok, "a b", stop_id=3) == ids(tok, "a b <eos>")
   assert data.response_ids(tok, "", stop_id=7) == [7]
