@@ -1,5 +1,10 @@
 """ppojax.hostmem: the entry points restart once with glibc's huge-page tunable, never loop, and
-leave the process alone where it cannot help or is turned off."""
+leave the process alone where it cannot help or is turned off; with the tunable, glibc's malloc
+really advises the kernel to back a large block with huge pages.
+
+Where huge pages are unavailable (no glibc >= 2.35, or transparent huge pages "never") no restart
+happens with or without the switches under test, so those tests would prove nothing: they skip,
+saying why."""
 
 import os
 import pathlib
@@ -12,14 +17,53 @@ import pytest
 from ppojax import hostmem
 
 SCRIPT = textwrap.dedent("""
-    import os, sys
+    import ctypes, os, sys
     print("start", flush=True)  # printed once per process image
     from ppojax import hostmem
     hostmem.reexec_with_huge_pages()
     print("args", sys.argv[1:], flush=True)
     print("tunables", os.environ.get("GLIBC_TUNABLES", ""), flush=True)
     print("active", hostmem.huge_pages_active(), flush=True)
+    # a 64 MiB malloc, as XLA:CPU's temporaries: its own mapping; VmFlags "hg" = MADV_HUGEPAGE
+    libc = ctypes.CDLL(None)
+    libc.malloc.restype = ctypes.c_void_p
+    block = libc.malloc(ctypes.c_size_t(64 << 20))
+    ctypes.memset(block, 1, 64 << 20)
+    inside = False
+    for line in open("/proc/self/smaps"):
+      head = line.split()[0]
+      if "-" in head and ":" not in head:
+        lo, hi = (int(x, 16) for x in head.split("-"))
+        inside = lo <= block < hi
+      elif inside and head == "VmFlags:":
+        print("advised", "hg" in line.split()[1:], flush=True)
+      elif inside and head == "AnonHugePages:":
+        print("huge_kb", line.split()[1], flush=True)
 """)
+
+
+THP = pathlib.Path(hostmem._THP)  # pylint: disable=protected-access
+
+
+def _thp() -> str:
+  """The kernel's transparent-huge-page setting, e.g. "always [madvise] never"."""
+  try:
+    return THP.read_text().strip()
+  except OSError as e:
+    return f"unreadable ({e})"
+
+
+@pytest.fixture
+def huge_pages():
+  """Skips, saying why, where ``reexec_with_huge_pages`` never restarts; else the THP mode
+  ("always" or "madvise"). glibc's tunable acts only in "madvise" mode (in "always" the kernel
+  backs large blocks with huge pages anyway)."""
+  thp = _thp()
+  if not hostmem.huge_pages_available():
+    import platform  # pylint: disable=import-outside-toplevel
+    pytest.skip(f"no huge pages to ask for here: {THP} is {thp!r}, libc is "
+                f"{' '.join(platform.libc_ver())} (needs glibc >= 2.35 and THP not 'never')")
+  return thp[thp.find("[") + 1:thp.find("]")]
 
 
 def _run(tmp_path, env_changes):
@@ -33,34 +77,55 @@ def _run(tmp_path, env_changes):
   return out.splitlines()
 
 
-def test_restarts_once_with_the_tunable_and_the_same_arguments(tmp_path):
-  if not hostmem.huge_pages_available():
-    pytest.skip("no glibc >= 2.35 with transparent huge pages here")
+def test_restarts_once_with_the_tunable_and_the_same_arguments(tmp_path, huge_pages):
   lines = _run(tmp_path, {"GLIBC_TUNABLES": "glibc.malloc.arena_max=4"})
   assert lines.count("start") == 2, lines  # the first image, then the restarted one: no loop
   assert "args ['--flag', 'x y']" in lines
   assert "tunables glibc.malloc.arena_max=4:glibc.malloc.hugetlb=1" in lines  # kept, extended
   assert "active True" in lines
+  if huge_pages == "madvise":  # what the tunable does: malloc asks for huge pages
+    assert "advised True" in lines, lines
 
 
 @pytest.mark.parametrize("env", [{"PPOJAX_HUGE_PAGES": "0"},
                                  {"GLIBC_TUNABLES": hostmem.TUNABLE},
                                  {"LD_PRELOAD": "libc.so.6"}])  # stands for tcmalloc & co.
-def test_no_restart_when_off_already_set_or_another_allocator(tmp_path, env):
+def test_no_restart_when_off_already_set_or_another_allocator(tmp_path, huge_pages, env):
   lines = _run(tmp_path, env)
   assert lines.count("start") == 1, lines
-  assert ("active True" in lines) == (env.get("GLIBC_TUNABLES") == hostmem.TUNABLE)
+  tunable = env.get("GLIBC_TUNABLES") == hostmem.TUNABLE
+  assert ("active True" in lines) == tunable
+  if huge_pages == "madvise":  # advised exactly where the process started with the tunable
+    assert (f"advised {tunable}") in lines, lines
 
 
-def test_cli_results_do_not_depend_on_huge_pages(tmp_path):
+def test_without_the_tunable_malloc_does_not_advise(tmp_path, huge_pages):
+  """The control for the test above: the same probe, started the way the restart is skipped."""
+  if huge_pages != "madvise":
+    pytest.skip(f"transparent huge pages are {huge_pages!r} here: glibc's tunable only acts "
+                "in 'madvise' mode")
+  lines = _run(tmp_path, {"PPOJAX_HUGE_PAGES": "0"})
+  assert "advised False" in lines and "huge_kb 0" in lines, lines
+
+
+def test_cli_results_do_not_depend_on_huge_pages(tmp_path, huge_pages):
   """The training CLI restarted with the tunable (the default) writes the same metrics, bit for
-  bit, as with PPOJAX_HUGE_PAGES=0: only the page size of host buffers changes."""
+  bit, as with PPOJAX_HUGE_PAGES=0: only the page size of host buffers changes. A
+  sitecustomize.py logs each interpreter start's GLIBC_TUNABLES: the default run really ran
+  under the tunable, the other never did."""
   from ppojax import reporting  # pylint: disable=import-outside-toplevel
+  del huge_pages
   root = pathlib.Path(__file__).parents[1]
-  rows = {}
+  site = tmp_path / "site"
+  site.mkdir()
+  (site / "sitecustomize.py").write_text(
+      "import os\nwith open(os.environ['PROBE_STARTS'], 'a') as f:\n"
+      "  f.write(repr(os.environ.get('GLIBC_TUNABLES', '')) + '\\n')\n")
+  rows, starts = {}, {}
   for pages in ("1", "0"):
     env = {k: v for k, v in os.environ.items() if k not in ("GLIBC_TUNABLES", "LD_PRELOAD")}
-    env["PPOJAX_HUGE_PAGES"] = pages
+    env.update(PPOJAX_HUGE_PAGES=pages, PROBE_STARTS=str(tmp_path / f"starts_{pages}"),
+               PYTHONPATH=os.pathsep.join(filter(None, [str(site), env.get("PYTHONPATH")])))
     workdir = tmp_path / pages
     result = subprocess.run(
         [sys.executable, "-m", "ppojax.train", "--config", str(root / "configs" / "toy.py"),
@@ -70,4 +135,7 @@ def test_cli_results_do_not_depend_on_huge_pages(tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     rows[pages] = [{k: v for k, v in row.items() if not k.startswith(("time/", "eps"))}
                    for row in reporting.read_metrics(str(workdir / "metrics.jsonl"))]
+    starts[pages] = (tmp_path / f"starts_{pages}").read_text().splitlines()
+  assert starts["1"] == ["''", repr(hostmem.TUNABLE)], starts  # restarted once, with it
+  assert starts["0"] == ["''"], starts
   assert len(rows["1"]) == 4 and rows["1"] == rows["0"]
