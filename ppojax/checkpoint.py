@@ -26,6 +26,12 @@ marks completion with ``commit_success.txt``.
 Saving is synchronous: ``save`` returns once the checkpoint is committed, so a process may exit
 right after it. This costs the time of the write at each save; ``wait`` is kept for API symmetry.
 
+A step that is listed but does not read back whole (a file truncated, deleted or corrupt: the
+array data carries checksums, so a flipped byte fails too) is an error, never a silent load:
+``restore_newest`` warns naming the step and its error, falls back to the next older step, and
+sets the bad one aside as ``<step>.corrupt`` (kept, not deleted; orbax lists only integer
+names), so the run saves that step again. A fallback needs ``keep`` >= 2.
+
 Typed PRNG keys (``jax.random.key``) are stored as their ``key_data`` (uint32) and re-wrapped with
 the same implementation on restore. Every leaf is restored with the dtype and sharding of the
 corresponding leaf of the caller's target.
@@ -37,7 +43,8 @@ import json
 import os
 import pathlib
 import shutil
-from typing import Any
+import warnings
+from typing import Any, Callable
 
 import jax
 import numpy as np
@@ -48,6 +55,19 @@ _STATE, _META, _MANIFEST = "state", "meta", "manifest"
 _MAX_REPORTED = 20  # mismatching leaves listed in an error message
 _TMP = ".orbax-checkpoint-tmp"  # in the name of a step directory not yet committed
 _TRASH = ".deleted"  # retired checkpoints are renamed into this subdirectory, then removed
+_CORRUPT = ".corrupt"  # an unreadable step directory is renamed <step>.corrupt (never deleted)
+
+
+class CheckpointMismatchError(ValueError):
+  """The checkpoint's leaves differ from the restore target's (another model or optimizer)."""
+
+
+class CorruptCheckpointError(RuntimeError):
+  """No listed checkpoint reads back whole (or one is unreadable where it cannot be set aside)."""
+
+
+class CheckpointWarning(UserWarning):
+  """A checkpoint was skipped or set aside; the message names it and why."""
 
 
 def _is_key(x) -> bool:
@@ -146,6 +166,13 @@ def remove_leftovers(directory: str | os.PathLike) -> list[str]:
   return sorted(removed)
 
 
+def _short(error: BaseException, limit: int = 300) -> str:
+  """``Type: first line of the message``, at most ``limit`` characters (tensorstore's run long)."""
+  lines = str(error).strip().splitlines()
+  text = f"{type(error).__name__}: {lines[0] if lines else ''}"
+  return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
 class Checkpointer:
   """Saves every ``save_every`` steps and keeps the newest ``keep`` complete checkpoints."""
 
@@ -203,9 +230,10 @@ class Checkpointer:
   def restore(self, target, step: int | None = None) -> tuple[Any, dict]:
     """Restores (state, meta) from `step` (default: latest complete) into the structure, dtypes
     and shardings of `target` (a pytree of arrays or jax.ShapeDtypeStruct with .sharding).
-    Raises FileNotFoundError with a clear message when there is no checkpoint; a ValueError
-    naming the checkpoint directory and the mismatching leaf path(s) when structure/shapes don't
-    match target."""
+    Raises FileNotFoundError with a clear message when there is no checkpoint; a
+    CheckpointMismatchError (a ValueError) naming the checkpoint directory and the mismatching
+    leaf path(s) when structure/shapes don't match target; orbax's or tensorstore's error when
+    a file of the step is missing or corrupt."""
     steps = self.all_steps()
     if step is None:
       if not steps:
@@ -221,9 +249,10 @@ class Checkpointer:
     problems = _mismatches(saved, _manifest(target))
     if problems:
       more = len(problems) - _MAX_REPORTED
-      raise ValueError(f"checkpoint {step_dir} does not match the restore target:\n  "
-                       + "\n  ".join(problems[:_MAX_REPORTED])
-                       + (f"\n  ... and {more} more" if more > 0 else ""))
+      raise CheckpointMismatchError(
+          f"checkpoint {step_dir} does not match the restore target:\n  "
+          + "\n  ".join(problems[:_MAX_REPORTED])
+          + (f"\n  ... and {more} more" if more > 0 else ""))
     abstract = jax.tree.map(_abstract_leaf, target)
     restored = self._manager.restore(step, args=ocp.args.Composite(**{
         _STATE: ocp.args.StandardRestore(abstract),
@@ -231,6 +260,74 @@ class Checkpointer:
     }))
     state = jax.tree.map(_rewrap_key, target, restored[_STATE])
     return state, dict(restored[_META] or {})
+
+  def read_meta(self, step: int) -> dict:
+    """The ``meta`` dict saved with ``step`` (no arrays are read)."""
+    restored = self._manager.restore(step, args=ocp.args.Composite(
+        **{_META: ocp.args.JsonRestore()}))[_META]
+    return dict(restored or {})
+
+  def restore_newest(self, target, check: Callable[[int, dict], None] | None = None
+                     ) -> tuple[Any, dict, int]:
+    """(state, meta, step) from the newest checkpoint that reads back whole, as ``restore``.
+
+    A newer step that fails to read is skipped with a ``CheckpointWarning`` naming it and its
+    error and, once an older one has restored, renamed to ``<step>.corrupt``. ``check(step,
+    meta)`` runs on a step's meta before its arrays are read: its exceptions, like a
+    ``CheckpointMismatchError``, propagate (a different run is not a corrupt checkpoint).
+    Raises FileNotFoundError when there is no checkpoint, and ``CorruptCheckpointError`` naming
+    every step and its error when none restores (nothing is renamed then)."""
+    steps = self.all_steps()
+    if not steps:
+      raise FileNotFoundError(f"no complete checkpoint in {self.directory}")
+    failed: list[tuple[int, str]] = []
+    for step in reversed(steps):
+      try:
+        meta = self.read_meta(step)
+      except Exception as e:  # pylint: disable=broad-exception-caught
+        self._skip(step, e, failed)
+        continue
+      if check is not None:
+        check(step, meta)
+      try:
+        state, meta = self.restore(target, step)
+      except CheckpointMismatchError:
+        raise
+      except Exception as e:  # pylint: disable=broad-exception-caught
+        self._skip(step, e, failed)
+        continue
+      if failed:
+        self._set_aside([bad for bad, _ in failed], step)
+      return state, meta, step
+    listed = "\n  ".join(f"step {s}: {why}" for s, why in failed)
+    raise CorruptCheckpointError(
+        f"no checkpoint in {self.directory} can be restored:\n  {listed}\nNothing was changed. "
+        "Move the broken step directories away to start afresh, or use another --workdir.")
+
+  def _skip(self, step: int, error: Exception, failed: list[tuple[int, str]]) -> None:
+    failed.append((step, _short(error)))
+    warnings.warn(f"checkpoint {os.path.join(self.directory, str(step))} cannot be restored "
+                  f"({failed[-1][1]}); trying the previous one", CheckpointWarning, stacklevel=3)
+
+  def _set_aside(self, steps: list[int], restored: int) -> None:
+    """Renames unreadable step directories to ``<step>.corrupt`` (``.corrupt.1``, ...) so that
+    the run can save those steps again; where that is not safe (several processes, a remote
+    file system) raises ``CorruptCheckpointError`` asking the user to move them."""
+    dirs = [os.path.join(self.directory, str(s)) for s in steps]
+    if not self._local:
+      raise CorruptCheckpointError(
+          f"checkpoint(s) {', '.join(dirs)} cannot be restored; step {restored} can. Move the "
+          "broken step directories out of the checkpoint directory and rerun to resume from "
+          f"step {restored}.")
+    for path in dirs:
+      aside, n = path + _CORRUPT, 0
+      while os.path.exists(aside):
+        n += 1
+        aside = f"{path}{_CORRUPT}.{n}"
+      os.rename(path, aside)
+      warnings.warn(f"resuming from step {restored}: the unreadable checkpoint {path} is kept as "
+                    f"{aside}", CheckpointWarning, stacklevel=3)
+    self._manager.reload()
 
   def wait(self) -> None:
     """Blocks until any save in progress is committed (saves are synchronous: a no-op)."""

@@ -26,7 +26,12 @@ def defaults() -> ml_collections.ConfigDict:
   c.sample_every = 10  # print a table of sample generations (0: never)
   c.num_samples = 4
   c.save_every = 50  # checkpoint every N iterations (and at the end), with --workdir
-  c.keep = 2  # checkpoints kept
+  c.keep = 2  # checkpoints kept (>= 2: a corrupt latest one falls back to the one before)
+  # Rerunning a workdir resumes only the run its checkpoint comes from: a changed seed, batch,
+  # model, data, ... stops with an error listing the fields (ppojax/resume.py; how long to
+  # train, logging, evaluation and memory options may change). To accept such changes
+  # deliberately, name them here, comma-separated: "seed,ppo.batch_size" ("ppo": a section).
+  c.resume_allow_changes = ""
   c.phase_timing = False  # True: run sampling / scoring / update as three timed calls
   c.wandb_project = ""  # log to Weights & Biases too (needs `pip install 'ppojax[wandb]'`)
   c.distributed = False  # jax.distributed.initialize() first (multi-host TPU / GPU / CPU)

@@ -369,9 +369,10 @@ class NonFiniteError(RuntimeError):
 def run(config, workdir: str | None = None, stop_after: int | None = None) -> Result:
   """Trains for ``config.num_iterations`` PPO iterations.
 
-  With a ``workdir``: resumes from its latest complete checkpoint, writes metrics.jsonl,
-  TensorBoard events, samples.jsonl, curves.png, checkpoints/ and, at the end, policy/ (the
-  trained policy in Hugging Face format). ``stop_after``: stop (with a checkpoint) after that
+  With a ``workdir``: resumes from its latest complete checkpoint if it comes from the same
+  config and data (else ``resume.ResumeError``; a corrupt one falls back to the one before it,
+  ``ppojax.resume``), writes metrics.jsonl, TensorBoard events, samples.jsonl, curves.png,
+  checkpoints/ and, at the end, policy/ (the trained policy in Hugging Face format). ``stop_after``: stop (with a checkpoint) after that
   iteration, as an interrupted run would; running again resumes. A task with held-out prompts
   is evaluated greedily before the first and after the last iteration (eval.json).
 
@@ -402,24 +403,30 @@ def init_distributed(config) -> None:
 
 
 def _run(config, workdir, stop_after, signals: StopSignals) -> Result:
-  from ppojax import checkpoint, reporting  # pylint: disable=import-outside-toplevel
+  from ppojax import checkpoint, reporting, resume  # pylint: disable=import-outside-toplevel
 
   r = build(config)
   state, start, n = r.state, 0, config.num_iterations
   bad = {"total": 0, "streak": 0}  # skipped iterations: all of them, and the latest run of them
-  ckpt = writer = None
+  ckpt = writer = fingerprint = None
   evals = _read_evals(workdir)
   if workdir:
     workdir = pathlib.Path(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
-    _write_json(workdir / "config.json", config.to_dict())  # this invocation's resolved config
     ckpt = checkpoint.Checkpointer(workdir / "checkpoints", config.save_every, config.keep)
+    fingerprint = resume.fingerprint(config, r.source)  # saved with every checkpoint
     if ckpt.latest_step() is not None:
-      state, meta = ckpt.restore(_abstract(state, r.state_shardings))
+      try:  # refuses another run's checkpoint; skips (and sets aside) corrupt ones
+        state, meta = resume.restore(ckpt, _abstract(state, r.state_shardings), fingerprint,
+                                     config)
+      except BaseException:
+        ckpt.close()
+        raise
       start = int(meta["iteration"])
       bad.update(total=int(meta.get("nonfinite_total", 0)),
                  streak=int(meta.get("nonfinite_streak", 0)))
       print(f"resumed from {workdir / 'checkpoints'} at iteration {start}", flush=True)
+    _write_json(workdir / "config.json", config.to_dict())  # this invocation's resolved config
     # an evaluation cut short after its metrics row but before eval.json is done again
     redo = [it for it, phase in ((0, "before"), (n, "after"))
             if it == start and phase not in evals]
@@ -438,7 +445,7 @@ def _run(config, workdir, stop_after, signals: StopSignals) -> Result:
   def save(it: int, state, force: bool) -> bool:
     return bool(ckpt) and ckpt.save(it, state, {
         "iteration": it, "data_position": it, "nonfinite_total": bad["total"],
-        "nonfinite_streak": bad["streak"]}, force=force)
+        "nonfinite_streak": bad["streak"], "fingerprint": fingerprint}, force=force)
 
   loop_start = time.perf_counter()
   try:

@@ -2,9 +2,11 @@
 
 Config files are ml_collections files with ``get_config()``; override any field with
 ``--config.section.field=value`` (e.g. ``--config.ppo.kl_coef=0.1``). The resolved config is
-printed first. With ``--workdir`` the run resumes from the latest complete checkpoint there and
-writes config.json (the resolved config), metrics.jsonl, TensorBoard events, samples.jsonl, the
-held-out eval.json and eval_samples_*.jsonl, curves.png and the final policy/.
+printed first. With ``--workdir`` the run resumes from the latest complete checkpoint there (a
+rerun with another seed, batch, model or data is refused, naming the fields and the override
+``--config.resume_allow_changes=...``: ppojax/resume.py) and writes config.json (the resolved
+config), metrics.jsonl, TensorBoard events, samples.jsonl, the held-out eval.json and
+eval_samples_*.jsonl, curves.png and the final policy/.
 """
 
 from __future__ import annotations

@@ -1,10 +1,12 @@
 """Checkpoints: round trips of a TrainState-like pytree (typed PRNG keys, optax states), save/keep
-policy, errors, sharded restore, and atomicity when the saving process is SIGKILLed mid-save."""
+policy, errors, sharded restore, atomicity when the saving process is SIGKILLed mid-save, and the
+fallback from a corrupt latest checkpoint to the previous complete one."""
 
 from __future__ import annotations
 
 import os
 import pathlib
+import shutil
 import signal
 import subprocess
 import sys
@@ -18,7 +20,8 @@ import numpy as np
 import optax
 import pytest
 
-from ppojax.checkpoint import Checkpointer
+from ppojax.checkpoint import (Checkpointer, CheckpointMismatchError, CheckpointWarning,
+                               CorruptCheckpointError)
 
 TMP_SUFFIX = ".orbax-checkpoint-tmp"  # how orbax names a step directory before its commit
 TX = optax.chain(optax.clip_by_global_norm(1.0), optax.adam(1e-3))
@@ -193,12 +196,102 @@ def test_leftover_tmp_directory_is_ignored(tmp_path):
   assert sorted(p.name for p in tmp_path.iterdir()) == ["1", "3"]
 
 
+def _state_data_file(step_dir: pathlib.Path) -> pathlib.Path:
+  """The largest array data file of a step (OCDBT's ``state/d/*``, read on restore)."""
+  return max((step_dir / "state" / "d").iterdir(), key=lambda p: p.stat().st_size)
+
+
+def _truncate(path: pathlib.Path) -> None:
+  path.write_bytes(path.read_bytes()[:path.stat().st_size // 2])
+
+
+def _flip_a_byte(path: pathlib.Path) -> None:
+  data = bytearray(path.read_bytes())
+  data[len(data) // 2] ^= 0xFF
+  path.write_bytes(bytes(data))
+
+
+CORRUPTIONS = {  # what a disk, a copy or a user can do to a step directory after its commit
+    "array data truncated": lambda d: _truncate(_state_data_file(d)),
+    "array data flipped": lambda d: _flip_a_byte(_state_data_file(d)),
+    "array data deleted": lambda d: _state_data_file(d).unlink(),
+    "tree metadata truncated": lambda d: _truncate(d / "state" / "_METADATA"),
+    "tree metadata deleted": lambda d: (d / "state" / "_METADATA").unlink(),
+    "meta deleted": lambda d: (d / "meta" / "metadata").unlink(),
+    "manifest truncated": lambda d: _truncate(d / "manifest" / "metadata"),
+    "emptied": lambda d: [shutil.rmtree(p) if p.is_dir() else p.unlink() for p in d.iterdir()],
+}
+
+
+@pytest.mark.parametrize("corrupt", CORRUPTIONS)
+def test_a_corrupt_latest_checkpoint_falls_back_to_the_previous_one(tmp_path, corrupt):
+  with Checkpointer(tmp_path, save_every=1, keep=3) as ckpt:
+    for step in (1, 2, 3):
+      ckpt.save(step, make_state(step), {"step": step})
+  CORRUPTIONS[corrupt](tmp_path / "3")
+  with Checkpointer(tmp_path, save_every=1, keep=3) as ckpt:
+    assert ckpt.all_steps() == [1, 2, 3]  # still listed: orbax cannot tell
+    checked = []
+    with pytest.warns(CheckpointWarning) as warned:
+      state, meta, step = ckpt.restore_newest(make_state(9), lambda s, m: checked.append(s))
+    meta_unreadable = corrupt in ("meta deleted", "emptied")  # not even checked then
+    assert (step, meta, checked) == (2, {"step": 2}, [2] if meta_unreadable else [3, 2])
+    assert_trees_equal(state, make_state(2))
+    messages = [str(w.message) for w in warned]
+    assert any(f"checkpoint {tmp_path / '3'} cannot be restored (" in m for m in messages)
+    assert any(f"resuming from step 2: the unreadable checkpoint {tmp_path / '3'} is kept as "
+               f"{tmp_path / '3.corrupt'}" in m for m in messages), messages
+    # set aside, not deleted; the run saves step 3 again
+    assert ckpt.all_steps() == [1, 2] and ckpt.latest_step() == 2
+    assert ckpt.save(3, make_state(4))
+    assert_trees_equal(ckpt.restore_newest(make_state(9))[0], make_state(4))
+  assert sorted(p.name for p in tmp_path.iterdir()) == ["1", "2", "3", "3.corrupt"]
+
+
+def test_no_restorable_checkpoint_is_a_clear_error_that_changes_nothing(tmp_path):
+  with Checkpointer(tmp_path, save_every=1, keep=2) as ckpt:
+    with pytest.raises(FileNotFoundError, match="no complete checkpoint"):
+      ckpt.restore_newest(make_state())
+    ckpt.save(1, make_state(1))
+    ckpt.save(2, make_state(2))
+  _truncate(_state_data_file(tmp_path / "2"))
+  (tmp_path / "1" / "meta" / "metadata").unlink()
+  with Checkpointer(tmp_path, save_every=1, keep=2) as ckpt:
+    with pytest.warns(CheckpointWarning), pytest.raises(CorruptCheckpointError) as e:
+      ckpt.restore_newest(make_state())
+    assert ckpt.all_steps() == [1, 2]
+  message = str(e.value)
+  assert f"no checkpoint in {tmp_path} can be restored" in message
+  assert "step 2: ValueError: " in message and "step 1: FileNotFoundError: " in message
+  assert "Nothing was changed" in message and "another --workdir" in message
+  assert sorted(p.name for p in tmp_path.iterdir()) == ["1", "2"]
+
+
+def test_a_refusal_or_mismatch_is_not_taken_for_corruption(tmp_path):
+  """Errors of the caller's check and a target of another shape propagate at once: the older
+  checkpoint is not tried and nothing is set aside."""
+  with Checkpointer(tmp_path, save_every=1, keep=2) as ckpt:
+    ckpt.save(1, make_state(1))
+    ckpt.save(2, make_state(2))
+
+    def refuse(step, meta):
+      raise KeyError(f"not this run ({step})")
+
+    with pytest.raises(KeyError, match=r"not this run \(2\)"):
+      ckpt.restore_newest(make_state(), refuse)
+    with pytest.raises(CheckpointMismatchError, match="actor/layers/w: shape"):
+      ckpt.restore_newest(make_state(hidden=6))
+    assert ckpt.all_steps() == [1, 2]
+  assert sorted(p.name for p in tmp_path.iterdir()) == ["1", "2"]
+
+
 KILL_CHILD = textwrap.dedent("""
     import sys
     import jax
     sys.path.insert(0, sys.argv[2])
     from test_checkpoint import make_state
-    from ppojax.checkpoint import Checkpointer
+    from ppojax.checkpoint import (Checkpointer, CheckpointMismatchError, CheckpointWarning,
+                               CorruptCheckpointError)
 
     ckpt = Checkpointer(sys.argv[1], save_every=1, keep=5)
     ckpt.save(1, make_state(0), {"step": 1})
@@ -252,7 +345,8 @@ def test_sigkill_during_save_restores_last_complete(tmp_path):
 SHARDED_SCRIPT = textwrap.dedent("""
     import jax, jax.numpy as jnp, numpy as np, optax
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
-    from ppojax.checkpoint import Checkpointer
+    from ppojax.checkpoint import (Checkpointer, CheckpointMismatchError, CheckpointWarning,
+                               CorruptCheckpointError)
 
     assert jax.device_count() == 8, jax.devices()
     devices = np.asarray(jax.devices())
