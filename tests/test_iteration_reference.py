@@ -1,0 +1,240 @@
+"""One whole PPO iteration of the compiled step against the independent float64 reference.
+
+Every other step test compares the step with its own variants (fused vs phases, 8 devices vs
+1, single vs two pass), which share ``make_experience`` and the minibatch code: a wiring bug
+common to all of them (old and reference log-probs swapped, the wrong rows in a minibatch, the
+update at another temperature than the sampler) would pass them all. Here the step's rollout
+(its sampled responses only) is pushed through ``tests/reference.py``:
+
+    log π_old, log π_ref, V_old   plain forward passes of the models over whole rows (no prefix,
+                                  no cache, no chunking), log-softmax at T in NumPy
+    rewards, GAE, whitening       reference.shape_rewards, reference.gae
+    E × M minibatches             the step's documented row order (permutations of the update
+                                  key), each minibatch's loss and its analytic cotangents from
+                                  reference.ppo_loss / policy_loss / value_loss, pulled back
+                                  through the models' forward passes; one SGD step each
+
+and the step's metrics, rollout and updated parameters must equal the reference's. The step is
+built with SGD (lr 0.2) instead of Adam so that its parameter change *is* the gradient. The
+mis-wired twins below must fail the same check.
+"""
+
+from __future__ import annotations
+
+import pathlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import reference as ref
+from ppojax import runner, tasks
+from ppojax import step as step_lib
+
+_TOY = pathlib.Path(__file__).parents[1] / "configs" / "toy.py"
+LR = 0.2
+STOP_IDS = (tasks.STOP,)  # configs/toy.py: sampling.stop_ids
+# Two-pass: 2 epochs × 2 minibatches × 2 micro-batches (shuffled rows, parameters that move
+# between minibatches, ratios away from 1); single-pass: the default 1 × 1 × 1 of the quickstart.
+SPLITS = {"two_pass": (2, 2, 2), "single_pass": (1, 1, 1)}
+
+
+def _config(split: str, temperature: float):
+  e, m, k = SPLITS[split]
+  return runner.load_config(
+      _TOY, ppo__batch_size=16, ppo__num_epochs=e, ppo__num_minibatches=m, ppo__grad_accum=k,
+      ppo__clip_eps=0.05, ppo__value_clip=0.05, ppo__kl_coef=0.2, ppo__ent_coef=0.01,
+      sampling__temperature=temperature)
+
+
+@pytest.fixture(scope="module", params=[1.0, 0.7], ids=["T1.0", "T0.7"])
+def trained(request):
+  """(run, a state whose actor has moved away from the reference, prompts) at the sampling
+  temperature ``request.param``: the actor is the reference plus noise (as after some
+  training), so that old and reference log-probs differ and the KL is not 0."""
+  run = runner.build(_config("two_pass", request.param))
+  state = jax.device_get(run.state)
+  leaves, treedef = jax.tree.flatten(state.actor)
+  keys = jax.random.split(jax.random.key(7), len(leaves))
+  moved = [x + 0.05 * np.asarray(jax.random.normal(k, x.shape), x.dtype) * np.std(x)
+           for x, k in zip(leaves, keys)]
+  return run, state._replace(actor=jax.tree.unflatten(treedef, moved)), run.source.batch(0).prompts
+
+
+def _sgd_step(run, config):
+  """The run's compiled step with SGD(LR) for both models: parameter change = −LR·gradient."""
+  sgd = optax.sgd(LR)
+  return sgd, step_lib.make_ppo_step(run.models, sgd, sgd, optax.constant_schedule(LR),
+                                     run.sampling, config.ppo)
+
+
+# ---------------------------------------------------------------------------------------------
+# The reference: plain forward passes, then tests/reference.py.
+# ---------------------------------------------------------------------------------------------
+
+
+def _whole_rows(r):
+  """prompt + response as whole rows: tokens, mask, positions [B, P + R] (the response mask
+  from the reference's first-stop rule)."""
+  tokens = np.concatenate([r.prompts, r.responses], axis=1)
+  mask = np.concatenate([np.asarray(r.prompt_mask, bool),
+                         ref.response_mask(r.responses, STOP_IDS)], axis=1)
+  positions = np.maximum(np.cumsum(mask, axis=1) - 1, 0)
+  return tokens, mask, positions
+
+
+def _policy_outputs(policy, params, rows, n_resp: int, temperature: float):
+  """(log π_T(response_t), H_T at t) [B, R] in JAX float32, differentiable in ``params``."""
+  tokens, mask, positions = rows
+  logits, _ = policy.apply({"params": params}, tokens, positions, mask)
+  z = logits[:, -n_resp - 1:-1].astype(jnp.float32) / temperature
+  logp_all = jax.nn.log_softmax(z, axis=-1)
+  logp = jnp.take_along_axis(logp_all, tokens[:, -n_resp:, None], axis=-1)[..., 0]
+  entropy = -jnp.sum(jnp.exp(logp_all) * logp_all, axis=-1)
+  return logp, entropy
+
+
+def _values(critic, params, rows, n_resp: int):
+  tokens, mask, positions = rows
+  out, _ = critic.apply({"params": params}, tokens, positions, mask)
+  return out[:, -n_resp - 1:-1]
+
+
+def _np_logp(policy, params, rows, responses, temperature):
+  """log π_T(response_t) from the logits in float64 NumPy (reference.selective_log_softmax)."""
+  tokens, mask, positions = rows
+  logits, _ = policy.apply({"params": params}, tokens, positions, mask)
+  n = responses.shape[1]
+  return ref.selective_log_softmax(np.asarray(logits[:, -n - 1:-1], np.float64), responses,
+                                   temperature)
+
+
+def reference_iteration(run, config, state, r):
+  """(metrics, actor, critic, rollout fields) of one iteration from the step's sampled
+  ``r.responses``, computed by the reference."""
+  ppo, temperature = config.ppo, config.sampling.temperature
+  policy, critic = run.models.policy, run.models.critic
+  responses = np.asarray(r.responses)
+  n_resp = responses.shape[1]
+  rows = _whole_rows(r)
+  mask = rows[1][:, -n_resp:]
+  has_stop = ref.has_stop_token(responses, STOP_IDS)
+  old_logp = np.where(mask, _np_logp(policy, state.actor, rows, responses, temperature), 0.0)
+  ref_logp = np.where(mask, _np_logp(policy, run.frozen.ref_actor, rows, responses,
+                                     temperature), 0.0)
+  old_values = np.where(mask, np.asarray(_values(critic, state.critic, rows, n_resp),
+                                         np.float64), 0.0)
+  scores = tasks.count_reward_numpy(r).astype(np.float64)
+  beta = float(state.kl.beta)
+  rewards, kl_metrics = ref.shape_rewards(
+      scores, old_logp, ref_logp, mask, beta, has_stop, ppo.kl_estimator, ppo.score_clip,
+      ppo.missing_stop_penalty, ppo.whiten_rewards)
+  adv, ret = ref.gae(rewards, old_values, mask, ppo.gamma, ppo.lam, whiten=ppo.whiten_advantages)
+
+  # The update: the rows of minibatch j of epoch e are permutation_e(rows)[j·n : (j+1)·n], the
+  # permutations drawn from the third key of split(state.key, 3) (step._keys).
+  e, m = ppo.num_epochs, ppo.num_minibatches
+  k_update = jax.random.split(state.key, 3)[2]
+  perms = [np.asarray(jax.random.permutation(k, len(responses)))
+           for k in jax.random.split(k_update, e)]
+  n = len(responses) // m
+  actor, critic_params, steps = state.actor, state.critic, []
+  for idx in (p[j * n:(j + 1) * n] for p in perms for j in range(m)):
+    sub = tuple(x[idx] for x in rows)
+    (logp, entropy), actor_vjp = jax.vjp(
+        lambda a, sub=sub: _policy_outputs(policy, a, sub, n_resp, temperature), actor)
+    values, critic_vjp = jax.vjp(lambda c, sub=sub: _values(critic, c, sub, n_resp),
+                                 critic_params)
+    args = (np.asarray(logp, np.float64), old_logp[idx], adv[idx])
+    _, metrics = ref.ppo_loss(*args, np.asarray(values, np.float64), old_values[idx],
+                              ret[idx], mask[idx], np.asarray(entropy, np.float64),
+                              vf_coef=ppo.vf_coef, ent_coef=ppo.ent_coef, clip_eps=ppo.clip_eps,
+                              value_clip=ppo.value_clip, aggregation=ppo.aggregation)
+    _, _, d_logp = ref.policy_loss(*args, mask[idx], ppo.clip_eps, aggregation=ppo.aggregation)
+    _, _, d_values = ref.value_loss(np.asarray(values, np.float64), old_values[idx], ret[idx],
+                                    mask[idx], ppo.value_clip, ppo.aggregation)
+    d_entropy = -ppo.ent_coef * ref.aggregate_weights(mask[idx], ppo.aggregation)
+    f32 = lambda x: jnp.asarray(x, jnp.float32)  # noqa: E731
+    g_actor = actor_vjp((f32(d_logp), f32(d_entropy)))[0]
+    g_critic = critic_vjp(f32(ppo.vf_coef * d_values))[0]
+    # a variance does not add up over micro-batches: the step's val/ratio_token_var is the
+    # token-weighted mean of its K micro-batches' variances (micro-batch k: rows k·n/K ...)
+    ratio = np.exp(args[0] - args[1])
+    micro = np.array_split(np.arange(n), ppo.grad_accum)
+    metrics["val/ratio_token_var"] = sum(
+        mask[idx][i].sum() * ref.masked_var(ratio[i], mask[idx][i]) for i in micro
+    ) / mask[idx].sum()
+    metrics["policy/grad_norm"] = float(optax.tree.norm(g_actor))
+    metrics["val/grad_norm"] = float(optax.tree.norm(g_critic))
+    actor = jax.tree.map(lambda p, g: p - LR * g, actor, g_actor)
+    critic_params = jax.tree.map(lambda p, g: p - LR * g, critic_params, g_critic)
+    steps.append(metrics)
+  metrics = {f"{k}_avg": np.mean([s[k] for s in steps]) for k in steps[0]}
+  metrics.update({f"objective/{k}": v for k, v in kl_metrics.items()
+                  if k in ("kl", "scores", "non_score_reward", "rlhf_reward")})
+  metrics["objective/entropy_masked"] = np.mean(np.sum(-old_logp, axis=1))
+  fields = {"mask": mask, "has_stop": has_stop, "old_logp": old_logp, "ref_logp": ref_logp,
+            "old_values": old_values}
+  return metrics, actor, critic_params, fields
+
+
+def check_iteration(run, config, state, prompts):
+  """Runs the step's fused iteration with SGD and asserts it equals the reference's."""
+  sgd, step = _sgd_step(run, config)
+  sgd_state = state._replace(actor_opt=sgd.init(state.actor), critic_opt=sgd.init(state.critic))
+  new, metrics, r, _ = step.fused(jax.tree.map(jnp.copy, sgd_state), run.frozen, prompts)  # donated
+  new, metrics, r = jax.device_get((new, metrics, r))
+  want, actor, critic, fields = reference_iteration(run, config, sgd_state, r)
+  for name, value in fields.items():
+    np.testing.assert_allclose(np.asarray(getattr(r, name), np.float64), value, rtol=0,
+                               atol=2e-5, err_msg=f"rollout.{name}")
+  for name, value in want.items():
+    assert name in metrics, name
+    np.testing.assert_allclose(metrics[name], value, rtol=2e-4, atol=2e-6, err_msg=name)
+  for got, expected, model in ((new.actor, actor, "actor"), (new.critic, critic, "critic")):
+    for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(got), jax.tree.leaves(expected)):
+      np.testing.assert_allclose(a, b, rtol=1e-4, atol=2e-6,
+                                 err_msg=f"{model}{jax.tree_util.keystr(path)}")
+  return want
+
+
+@pytest.mark.parametrize("split", list(SPLITS))
+def test_step_equals_the_reference_iteration(trained, split):
+  run, state, prompts = trained
+  config = _config(split, run.config.sampling.temperature)
+  want = check_iteration(run, config, state, prompts)
+  assert abs(want["objective/kl"]) > 1e-4  # the actor has moved away from the reference
+  if split == "two_pass":  # the clips were exercised, not only the unclipped branch
+    assert want["policy/clipfrac_avg"] > 0 and want["val/clipfrac_avg"] > 0
+    assert abs(want["val/ratio_masked_avg"] - 1) > 1e-3
+
+
+def _miswired(monkeypatch, name, wrap):
+  monkeypatch.setattr(step_lib, name, wrap(getattr(step_lib, name)))
+
+
+MISWIRINGS = {
+    # log π_old and log π_ref exchanged in the rollout
+    "swapped_old_ref": ("rollout", lambda f: lambda *a, **k: (lambda r: r._replace(
+        old_logp=r.ref_logp, ref_logp=r.old_logp))(f(*a, **k))),
+    # each minibatch takes the rows after its own
+    "wrong_minibatch_rows": ("take_rows", lambda f: lambda exp, idx: f(
+        exp, (idx + 1) % exp.advantages.shape[0])),
+    # the update's log-probs and entropy at T = 1 whatever the sampler's temperature
+    "update_at_temperature_1": ("actor_forward", lambda f: lambda a, m, r, t, e: f(
+        a, m, r, 1.0, e)),
+}
+
+
+@pytest.mark.parametrize("name", list(MISWIRINGS))
+def test_a_miswired_step_fails_the_check(trained, monkeypatch, name):
+  run, state, prompts = trained
+  temperature = run.config.sampling.temperature
+  if temperature == 1.0:
+    pytest.skip("the twins run at T = 0.7 only (at T = 1 the temperature twin changes nothing)")
+  config = _config("two_pass", temperature)
+  _miswired(monkeypatch, *MISWIRINGS[name])
+  with pytest.raises(AssertionError):
+    check_iteration(run, config, state, prompts)
