@@ -122,11 +122,15 @@ def test_with_prefix_falls_back_to_whole_rows():
   np.testing.assert_array_equal(np.asarray(rest)[np.asarray(rest_mask)], [7, 7, 8])
 
 
-def test_sampler_old_logprobs_equal_a_recompute(fused_run):
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_sampler_old_logprobs_equal_a_recompute(fused_run, temperature):
   """ppo.old_logprobs="sampler" takes log π_old from generate() instead of a forward pass: the
   same responses, old log-probs equal to the recomputed ones up to float rounding (0 off the
-  mask), and iterations that match the default's."""
-  rec, smp = runner.build(toy_config()), runner.build(toy_config(**{"ppo.old_logprobs": "sampler"}))
+  mask), and iterations that match the default's; at T = 0.7 (the quickstart's) too, where
+  sampler and forward pass must both scale the logits by 1/T."""
+  t = {"sampling.temperature": temperature}
+  rec, smp = (runner.build(toy_config(**t, **{"ppo.old_logprobs": old}))
+              for old in ("recompute", "sampler"))
   prompts = rec.source.batch(0).prompts
   r_rec, r_smp = (jax.device_get(r.step.rollout(r.state, r.frozen, prompts)) for r in (rec, smp))
   np.testing.assert_array_equal(r_rec.responses, r_smp.responses)
@@ -135,22 +139,26 @@ def test_sampler_old_logprobs_equal_a_recompute(fused_run):
   assert not np.any(r_smp.old_logp[~r_smp.mask])
   for name in ("ref_logp", "old_values"):
     np.testing.assert_array_equal(getattr(r_smp, name), getattr(r_rec, name))
-  state, rows = _run_steps(toy_config(**{"ppo.old_logprobs": "sampler"}))
-  _assert_close(_params(state), _params(fused_run[0]), rtol=1e-4, atol=1e-5)
-  for a, b in zip(rows, fused_run[1]):
+  baseline = fused_run if temperature == 1.0 else _run_steps(toy_config(**t))
+  state, rows = _run_steps(toy_config(**t, **{"ppo.old_logprobs": "sampler"}))
+  _assert_close(_params(state), _params(baseline[0]), rtol=1e-4, atol=1e-5)
+  for a, b in zip(rows, baseline[1]):
     assert a.keys() == b.keys()
     _assert_close(a, b, rtol=1e-3, atol=1e-4)
 
 
-@pytest.mark.parametrize("old_logprobs", ["recompute", "sampler"])
-def test_single_pass_update_equals_a_rollout_forward(old_logprobs):
+@pytest.mark.parametrize("old_logprobs,temperature",
+                         [("recompute", 1.0), ("sampler", 1.0), ("sampler", 0.7)])
+def test_single_pass_update_equals_a_rollout_forward(old_logprobs, temperature):
   """With 1 epoch × 1 minibatch × 1 micro-batch the update takes the old values (and recomputed
   old log-probs) from its own forward pass (ppo.reuse_update_forward): the rollout skips those
   passes, and the fused step and its three phases give the iterations of the two-pass step
   (reuse_update_forward=False), the fused step's rollout filled in as before. No warmup, so
-  that every iteration moves the params and the critic's values are far from 0 by the third."""
+  that every iteration moves the params and the critic's values are far from 0 by the third.
+  At T = 0.7 the sampler's log-probs, the rollout's and the update's all use logits / T."""
   one = {"ppo.num_epochs": 1, "ppo.num_minibatches": 1, "ppo.old_logprobs": old_logprobs,
-         "optim.actor.warmup_steps": 0, "optim.critic.warmup_steps": 0}
+         "optim.actor.warmup_steps": 0, "optim.critic.warmup_steps": 0,
+         "sampling.temperature": temperature}
   single, double = (runner.build(toy_config(**one, **{"ppo.reuse_update_forward": reuse}))
                     for reuse in (True, False))
   r = single.step.rollout(single.state, single.frozen, single.source.batch(0).prompts)
@@ -163,7 +171,10 @@ def test_single_pass_update_equals_a_rollout_forward(old_logprobs):
   for phases in (False, True):
     state, rows, rollouts = _iterate(single, 3, phases)
     fused_rollouts = fused_rollouts or rollouts
-    _assert_close(_params(state), _params(state_d), rtol=1e-4, atol=1e-5)
+    # Adam divides each gradient element by its own running scale, so an element whose
+    # gradient is near 0 moves by up to lr = 1e-2 on float rounding alone; after 3 steps a
+    # few of 8192 (2 at T = 0.7) differ by ~1e-4. The metrics below are held to 1e-4 / 1e-6.
+    _assert_close(_params(state), _params(state_d), rtol=1e-4, atol=2e-4)
     for a, b in zip(rows, rows_d):
       assert a.keys() == b.keys()
       _assert_close(a, b, rtol=1e-4, atol=1e-6)
