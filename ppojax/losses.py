@@ -1,8 +1,12 @@
 """PPO losses (Schulman et al. 2017) over masked [B, T] token arrays.
 
 Every loss returns ``(scalar_loss, metrics)``. ``aggregation`` picks how per-token terms become a
-scalar (``ops.aggregate``): ``"token_mean"`` (every token weighs the same; trl) or ``"seq_mean"``
-(mean per sequence, then over sequences). Metrics are always token means over the mask.
+scalar (``ops.aggregate``): ``"token_mean"`` (every token weighs the same; trl),
+``"seq_mean_token_mean"`` or its alias ``"seq_mean"`` (mean per sequence, then over sequences;
+GRPO) or ``"seq_mean_token_sum_norm"`` (token sum per sequence over the constant ``max_len``, then
+the mean over sequences; Dr. GRPO). Metrics are always token means over the mask.
+Hyper-parameters given as Python numbers are checked (``ValueError`` saying what is wrong);
+traced ones cannot be, and are not.
 Inputs at padded positions are replaced by neutral values before any arithmetic, so they affect
 neither the loss nor its gradient (not even NaN/Inf there).
 """
@@ -12,10 +16,22 @@ from __future__ import annotations
 import chex
 import jax
 import jax.numpy as jnp
+import numpy as np
 
+from ppojax import kl as kl_lib
 from ppojax import ops
 
 Array = jax.Array
+
+
+def _check(name: str, value, ok, requirement: str) -> None:
+  """Raise ValueError where ``value`` is a Python (or NumPy) number that fails ``ok``; arrays and
+  tracers pass unchecked (under jit a check would need the value)."""
+  if isinstance(value, (bool, np.bool_)) or not isinstance(
+      value, (int, float, np.integer, np.floating)):
+    return
+  if not ok(value):
+    raise ValueError(f"{name}={value!r}: {requirement}")
 
 
 def _masked_inputs(mask: Array, *xs: Array, fill: float = 0.0):
@@ -34,6 +50,7 @@ def policy_loss(
     clip_eps_high: float | None = None,
     dual_clip: float | None = None,
     aggregation: str = "token_mean",
+    max_len: float | None = None,
     is_weight: Array | None = None,
 ) -> tuple[Array, dict[str, Array]]:
   """Clipped surrogate: L = agg( max(−A·ρ, −A·clip(ρ, 1 − ε_low, 1 + ε_high)) ), ρ = e^{logp − old}.
@@ -44,6 +61,9 @@ def policy_loss(
   advantage's favour (A > 0, ρ > 1 + ε_high; or A < 0, ρ < 1 − ε_low) the gradient is exactly 0.
   ``is_weight`` w [B, T] (constant; ``truncated_is_weight``) multiplies each token's term:
   L = agg(w_t · max(...)), the importance correction for tokens sampled by another engine.
+  ``aggregation`` and ``max_len``: ``ops.aggregate``. Checked where given as Python numbers:
+  0 < ε, ε_low < 1, ε_high > 0, c > 1 (a c ≤ 1 would cap every A < 0 token at −c·A ≤ the
+  unclipped loss near ρ = 1 and zero its gradient).
 
   Args:
     logp: [B, T] log-probs under the current policy (differentiated).
@@ -59,6 +79,7 @@ def policy_loss(
   """
   chex.assert_rank([logp, old_logp, advantages, mask], 2)
   chex.assert_equal_shape([logp, old_logp, advantages, mask])
+  _check_policy_options(clip_eps, clip_eps_low, clip_eps_high, dual_clip)
   eps_low = clip_eps if clip_eps_low is None else clip_eps_low
   eps_high = clip_eps if clip_eps_high is None else clip_eps_high
   mask, logp, old_logp, adv = _masked_inputs(mask, logp, old_logp, advantages)
@@ -79,7 +100,7 @@ def policy_loss(
     chex.assert_equal_shape([is_weight, mask])
     per_token = per_token * jax.lax.stop_gradient(jnp.where(mask, is_weight, 0.0))
 
-  loss = ops.aggregate(per_token, mask, aggregation)
+  loss = ops.aggregate(per_token, mask, aggregation, max_len)
   metrics = {
       "loss": loss,
       "approxkl": 0.5 * ops.masked_mean(jnp.square(log_ratio), mask),
@@ -89,6 +110,23 @@ def policy_loss(
       "ratio_var": ops.masked_var(ratio, mask),
   }
   return loss, jax.tree.map(jax.lax.stop_gradient, metrics)
+
+
+def _check_policy_options(clip_eps=0.2, clip_eps_low=None, clip_eps_high=None,
+                          dual_clip=None) -> None:
+  """``ValueError`` for a clipped-surrogate option that is a Python number out of its range:
+  ``clip_eps`` and ``clip_eps_low`` in (0, 1), ``clip_eps_high`` > 0, ``dual_clip`` > 1 or None
+  (Ye et al. 2020, "Mastering complex control in MOBA games with deep RL": c > 1)."""
+  _check("clip_eps", clip_eps, lambda v: 0 < v < 1,
+         "the ratio clip ε must be in (0, 1) (0.2 is usual)")
+  _check("clip_eps_low", clip_eps_low, lambda v: 0 < v < 1,
+         "the lower ratio clip must be in (0, 1): ρ is clipped at 1 − ε_low")
+  _check("clip_eps_high", clip_eps_high, lambda v: v > 0,
+         "the upper ratio clip must be > 0 (0.28 in DAPO's clip-higher)")
+  _check("dual_clip", dual_clip, lambda v: v > 1,
+         "dual-clip PPO needs c > 1 (Ye et al. 2020; 3 is usual), or None to turn it off: with "
+         "c <= 1 the cap −c·A undercuts the surrogate near ρ = 1 and zeroes the gradient of every "
+         "negative-advantage token")
 
 
 def truncated_is_weight(old_logp: Array, sampler_logp: Array, mask: Array, cap: float
@@ -127,10 +165,12 @@ def value_loss(
     *,
     clip_range: float | None = 0.2,
     aggregation: str = "token_mean",
+    max_len: float | None = None,
 ) -> tuple[Array, dict[str, Array]]:
   """Clipped value loss: L = agg( ½·max((V − R)², (V_clip − R)²) ),
 
-  V_clip = V_old + clip(V − V_old, −c, c) (PPO2 / trl). ``clip_range=None`` gives ½·(V − R)².
+  V_clip = V_old + clip(V − V_old, −c, c) (PPO2 / trl). ``clip_range=None`` gives ½·(V − R)²;
+  a Python number must be > 0.
 
   Returns:
     loss and metrics: ``loss``; ``clipfrac``, the fraction of tokens where the clipped error is
@@ -138,6 +178,8 @@ def value_loss(
   """
   chex.assert_rank([values, old_values, returns, mask], 2)
   chex.assert_equal_shape([values, old_values, returns, mask])
+  _check("clip_range", clip_range, lambda v: v > 0,
+         "the value clip must be > 0 (0.2 is usual), or None for an unclipped value loss")
   mask, values, old_values, returns = _masked_inputs(mask, values, old_values, returns)
   old_values, returns = jax.lax.stop_gradient((old_values, returns))
 
@@ -151,7 +193,7 @@ def value_loss(
     # ulp, which must not count as clipping.
     clip_active = (jnp.abs(values - old_values) > clip_range) & (err_clip > err)
     per_token = jnp.maximum(err, err_clip)
-  loss = 0.5 * ops.aggregate(per_token, mask, aggregation)
+  loss = 0.5 * ops.aggregate(per_token, mask, aggregation, max_len)
   metrics = {
       "loss": loss,
       "clipfrac": ops.masked_mean(clip_active.astype(jnp.float32), mask),
@@ -161,10 +203,11 @@ def value_loss(
   return loss, jax.tree.map(jax.lax.stop_gradient, metrics)
 
 
-def entropy_bonus(entropy: Array, mask: Array, aggregation: str = "token_mean") -> Array:
+def entropy_bonus(entropy: Array, mask: Array, aggregation: str = "token_mean",
+                  max_len: float | None = None) -> Array:
   """Mean policy entropy agg(H_t) over the mask (``ops.entropy_from_logits`` gives H_t)."""
   mask, entropy = _masked_inputs(mask, entropy)
-  return ops.aggregate(entropy, mask, aggregation)
+  return ops.aggregate(entropy, mask, aggregation, max_len)
 
 
 def ppo_loss(
@@ -185,6 +228,7 @@ def ppo_loss(
     dual_clip: float | None = None,
     value_clip: float | None = 0.2,
     aggregation: str = "token_mean",
+    max_len: float | None = None,
     is_weight: Array | None = None,
 ) -> tuple[Array, dict[str, Array]]:
   """Total PPO loss  L = L_policy + vf_coef·L_value − ent_coef·H (``is_weight``: see
@@ -197,14 +241,17 @@ def ppo_loss(
   position, padding included, are masked here and named so: ``policy/approxkl_masked``,
   ``policy/entropy_masked``, ``val/ratio_masked``; ``val/ratio_token_var`` is the variance of
   the per-token ratios (trl's ``val/ratio_var`` is that of per-micro-batch mean ratios).
-  ``ent_coef`` other than a Python 0 without ``entropy`` raises ``ValueError``.
+  ``ent_coef`` other than a Python 0 without ``entropy`` raises ``ValueError``, as does a Python
+  ``vf_coef`` < 0.
   """
+  _check("vf_coef", vf_coef, lambda v: v >= 0, "the value-loss coefficient must be >= 0")
   pg_loss, pg = policy_loss(
       logp, old_logp, advantages, mask, clip_eps=clip_eps, clip_eps_low=clip_eps_low,
       clip_eps_high=clip_eps_high, dual_clip=dual_clip, aggregation=aggregation,
-      is_weight=is_weight)
+      max_len=max_len, is_weight=is_weight)
   vf_loss, vf = value_loss(
-      values, old_values, returns, mask, clip_range=value_clip, aggregation=aggregation)
+      values, old_values, returns, mask, clip_range=value_clip, aggregation=aggregation,
+      max_len=max_len)
   total = pg_loss + vf_coef * vf_loss
   metrics = {
       "loss/policy": pg["loss"],
@@ -219,7 +266,7 @@ def ppo_loss(
       "val/values": vf["values"],
   }
   if entropy is not None:
-    ent = entropy_bonus(entropy, mask, aggregation)
+    ent = entropy_bonus(entropy, mask, aggregation, max_len)
     total = total - ent_coef * ent
     metrics["policy/entropy_masked"] = jax.lax.stop_gradient(ent)
   elif isinstance(ent_coef, jax.Array) or ent_coef != 0:
@@ -228,6 +275,46 @@ def ppo_loss(
         "or leave ent_coef at 0.0")
   metrics["loss/total"] = jax.lax.stop_gradient(total)
   return total, metrics
+
+
+def kl_loss(
+    logp: Array,
+    ref_logp: Array,
+    mask: Array,
+    *,
+    coef: float | Array,
+    estimator: str = "k3",
+    aggregation: str = "token_mean",
+    max_len: float | None = None,
+) -> tuple[Array, dict[str, Array]]:
+  """KL to the reference policy as a loss term, not a reward (GRPO; Shao et al. 2024,
+  "DeepSeekMath", eq. 4):
+
+      L_KL = β·agg(k3_t),   k3_t = π_ref/π − log(π_ref/π) − 1 = e^{−Δ_t} − 1 + Δ_t,
+      Δ_t = log π(y_t) − log π_ref(y_t),   ∂k3_t/∂ log π(y_t) = 1 − e^{−Δ_t}
+
+  added to the policy loss with the same ``aggregation`` (and ``max_len``), so agg(pg + β·k3)
+  = agg(pg) + L_KL. ``estimator`` is any of ``kl.KL_ESTIMATORS`` (k3, unbiased and ≥ 0, by
+  default). β = ``coef`` (a Python number must be >= 0). The gradient flows through ``logp``
+  only; ``ref_logp`` is a constant.
+
+  Args:
+    logp: [B, T] log-probs of the sampled tokens under the current policy (differentiated).
+    ref_logp: [B, T] log-probs under the reference policy.
+    mask: [B, T] response mask.
+
+  Returns:
+    loss and metrics: ``loss`` = β·agg(KL_t); ``kl`` = the token mean of KL_t over the mask.
+  """
+  chex.assert_rank([logp, ref_logp, mask], 2)
+  chex.assert_equal_shape([logp, ref_logp, mask])
+  _check("coef", coef, lambda v: v >= 0, "the KL coefficient β must be >= 0 (0: no KL term)")
+  mask, logp, ref_logp = _masked_inputs(mask, logp, ref_logp)
+  per_token = kl_lib.per_token_kl(logp, jax.lax.stop_gradient(ref_logp), estimator)
+  per_token = jnp.where(mask, per_token, 0.0)
+  loss = coef * ops.aggregate(per_token, mask, aggregation, max_len)
+  metrics = {"loss": loss, "kl": ops.masked_mean(per_token, mask)}
+  return loss, jax.tree.map(jax.lax.stop_gradient, metrics)
 
 
 def bradley_terry_loss(chosen: Array, rejected: Array) -> tuple[Array, dict[str, Array]]:
@@ -254,7 +341,8 @@ def bradley_terry_loss(chosen: Array, rejected: Array) -> tuple[Array, dict[str,
   return loss, jax.tree.map(jax.lax.stop_gradient, metrics)
 
 
-def sft_loss(logp: Array, mask: Array, aggregation: str = "token_mean") -> Array:
+def sft_loss(logp: Array, mask: Array, aggregation: str = "token_mean",
+             max_len: float | None = None) -> Array:
   """Negative log-likelihood of the response tokens: L = −agg(log π(y_t | x, y_<t)).
 
   ``logp`` [B, T] holds the log-probs of the response tokens (prompt tokens are context, never
@@ -262,4 +350,4 @@ def sft_loss(logp: Array, mask: Array, aggregation: str = "token_mean") -> Array
   """
   chex.assert_rank([logp, mask], 2)
   mask, logp = _masked_inputs(mask, logp)
-  return -ops.aggregate(logp, mask, aggregation)
+  return -ops.aggregate(logp, mask, aggregation, max_len)

@@ -16,6 +16,7 @@ from typing import Sequence
 import chex
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from ppojax.sharding import shard_rows
 
@@ -81,24 +82,60 @@ def masked_whiten(x: Array, mask: Array, shift_mean: bool = True, eps: float = 1
   return jnp.where(_as_bool(mask), white, 0)
 
 
-AGGREGATIONS = ("token_mean", "seq_mean")
+AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm", "seq_mean")
+SEQ_AGGREGATIONS = ("seq_mean_token_mean", "seq_mean_token_sum_norm", "seq_mean")
 
 
-def aggregate(x: Array, mask: Array, mode: str = "token_mean") -> Array:
-  """Reduce per-token values ``x`` [B, T] over ``mask`` to a scalar.
+def aggregate(x: Array, mask: Array, mode: str = "token_mean", max_len: float | None = None
+              ) -> Array:
+  """Reduce per-token values ``x`` [B, T] over ``mask`` to a scalar; with B' the non-empty rows:
 
-  * ``token_mean``: Σ_{b,t} x·m / Σ_{b,t} m — every token weighs the same (trl, PPO in RLHF).
-  * ``seq_mean``:   mean over non-empty rows b of (Σ_t x·m / Σ_t m) — every sequence weighs the
-    same, whatever its length (tunix's "sequence-mean-token-mean").
+  * ``token_mean``: Σ_{b,t} x·m / Σ_{b,t} m — every token weighs the same (trl's PPO; DAPO,
+    Yu et al. 2025, "token-level policy gradient loss").
+  * ``seq_mean_token_mean`` (alias ``seq_mean``): (1/|B'|)·Σ_{b∈B'} (Σ_t x·m / Σ_t m) — every
+    sequence weighs the same, whatever its length (GRPO's original, Shao et al. 2024).
+  * ``seq_mean_token_sum_norm``: (1/|B'|)·Σ_{b∈B'} (Σ_t x·m) / C with the constant C =
+    ``max_len`` (Dr. GRPO, Liu et al. 2025, "Understanding R1-Zero-like training": no
+    1/|o_i|, so long and short responses are not weighted apart). C must stay the same all
+    training long (the maximum response length), so it is passed explicitly, never taken from T.
+
+  An empty mask gives 0. ``max_len`` is read by ``seq_mean_token_sum_norm`` only.
   """
   chex.assert_rank(x, 2)
   chex.assert_equal_shape([x, mask])
   if mode == "token_mean":
     return masked_mean(x, mask)
-  if mode == "seq_mean":
-    row_mean = masked_mean(x, mask, axis=1)
+  if mode in SEQ_AGGREGATIONS:
     row_nonempty = jnp.any(_as_bool(mask), axis=1)
-    return masked_mean(row_mean, row_nonempty)
+    if mode == "seq_mean_token_sum_norm":
+      _check_max_len(max_len)
+      per_row = masked_sum(x, mask, axis=1) / max_len
+    else:
+      per_row = masked_mean(x, mask, axis=1)
+    return masked_mean(per_row, row_nonempty)
+  raise ValueError(f"unknown aggregation {mode!r}; choose one of {AGGREGATIONS}")
+
+
+def _check_max_len(max_len) -> None:
+  if max_len is None:
+    raise ValueError(
+        "aggregation 'seq_mean_token_sum_norm' divides each sequence's token sum by a constant: "
+        "pass max_len (the maximum response length, e.g. sampling.max_new_tokens)")
+  if isinstance(max_len, (int, float, np.integer, np.floating)) and not max_len > 0:
+    raise ValueError(f"max_len={max_len!r} must be > 0 (the maximum response length)")
+
+
+def aggregation_count(mask: Array, mode: str = "token_mean") -> Array:
+  """The units ``aggregate`` averages over: tokens Σ m (``token_mean``) or non-empty rows |B'|
+  (the sequence modes), as float32. For a split of the rows into parts k,
+
+      aggregate(x, m, mode) = Σ_k  count(m_k)/count(m) · aggregate(x_k, m_k, mode)
+
+  (count(m) > 0): the weight of a micro-batch's loss in gradient accumulation."""
+  if mode == "token_mean":
+    return masked_count(mask)
+  if mode in SEQ_AGGREGATIONS:
+    return masked_count(jnp.any(_as_bool(mask), axis=-1))
   raise ValueError(f"unknown aggregation {mode!r}; choose one of {AGGREGATIONS}")
 
 

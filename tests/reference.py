@@ -59,22 +59,23 @@ def masked_whiten(x, mask, shift_mean=True, eps=1e-8):
   return np.where(m, out, 0.0)
 
 
-def aggregate(x, mask, mode="token_mean"):
+def aggregate(x, mask, mode="token_mean", max_len=None):
   x, m = _f64(x), _b(mask)
   if mode == "token_mean":
     n = m.sum()
     return float(np.where(m, x, 0.0).sum() / n) if n > 0 else 0.0
-  if mode == "seq_mean":
-    row_means = []
+  if mode in ("seq_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"):
+    per_row = []
     for b in range(x.shape[0]):
       n = m[b].sum()
       if n > 0:
-        row_means.append(np.where(m[b], x[b], 0.0).sum() / n)
-    return float(np.mean(row_means)) if row_means else 0.0
+        total = np.where(m[b], x[b], 0.0).sum()
+        per_row.append(total / max_len if mode == "seq_mean_token_sum_norm" else total / n)
+    return float(np.mean(per_row)) if per_row else 0.0
   raise ValueError(mode)
 
 
-def aggregate_weights(mask, mode="token_mean"):
+def aggregate_weights(mask, mode="token_mean", max_len=None):
   """w such that aggregate(x, mask, mode) == Σ w·x (the gradient of the aggregation)."""
   m = _b(mask)
   w = np.zeros(m.shape)
@@ -85,7 +86,8 @@ def aggregate_weights(mask, mode="token_mean"):
     return w
   nonempty = [b for b in range(m.shape[0]) if m[b].sum() > 0]
   for b in nonempty:
-    w[b, m[b]] = 1.0 / (m[b].sum() * len(nonempty))
+    per_seq = max_len if mode == "seq_mean_token_sum_norm" else m[b].sum()
+    w[b, m[b]] = 1.0 / (per_seq * len(nonempty))
   return w
 
 
@@ -333,6 +335,80 @@ def gae(rewards, values, mask, gamma=1.0, lam=0.95, last_values=None, whiten=Fal
 
 
 # ----------------------------------------------------------------------------------------------
+# Critic-free estimators, each from its paper's formula: plain loops over groups and samples.
+
+
+def _group_list(scores, n):
+  s = _f64(scores)
+  assert s.shape[0] % n == 0
+  return [list(s[g * n:(g + 1) * n]) for g in range(s.shape[0] // n)]
+
+
+def _broadcast(seq_adv, mask):
+  m = _b(mask)
+  out = np.zeros(m.shape)
+  for b in range(m.shape[0]):
+    for t in range(m.shape[1]):
+      if m[b, t]:
+        out[b, t] = seq_adv[b]
+  return out
+
+
+def grpo(scores, mask, n, eps=1e-6):
+  """A_i = (r_i − mean)/(std + eps), std with n − 1; 0 where all equal or n = 1."""
+  adv = []
+  for group in _group_list(scores, n):
+    mean = sum(group) / n
+    if n == 1 or all(r == group[0] for r in group):
+      adv += [0.0] * n
+      continue
+    std = (sum((r - mean) ** 2 for r in group) / (n - 1)) ** 0.5
+    adv += [(r - mean) / (std + eps) for r in group]
+  return _broadcast(adv, mask)
+
+
+def dr_grpo(scores, mask, n):
+  """A_i = r_i − mean."""
+  adv = []
+  for group in _group_list(scores, n):
+    mean = sum(group) / n
+    adv += [0.0 if all(r == group[0] for r in group) else r - mean for r in group]
+  return _broadcast(adv, mask)
+
+
+def rloo(scores, mask, n):
+  """A_i = r_i − mean of the other n − 1 scores; 0 for n = 1."""
+  adv = []
+  for group in _group_list(scores, n):
+    for i, r in enumerate(group):
+      others = [group[j] for j in range(n) if j != i]
+      adv.append(r - sum(others) / len(others) if others else 0.0)
+  return _broadcast(adv, mask)
+
+
+def discounted_returns(rewards, mask, gamma=1.0):
+  r, m = _f64(rewards), _b(mask)
+  out = np.zeros(m.shape)
+  for b in range(m.shape[0]):
+    for t in range(m.shape[1]):
+      if m[b, t]:
+        out[b, t] = sum(gamma ** (k - t) * r[b, k] for k in range(t, m.shape[1]) if m[b, k])
+  return out
+
+
+def reinforce_pp(rewards, mask, gamma=1.0, eps=1e-8):
+  """(whitened G over all masked tokens, G); A = 0 where all masked G are equal."""
+  m = _b(mask)
+  G = discounted_returns(rewards, m, gamma)
+  vals = G[m]
+  if vals.size == 0 or np.all(vals == vals[0]):
+    return np.zeros(m.shape), G
+  mean = vals.mean()
+  var = ((vals - mean) ** 2).sum() / max(vals.size - 1, 1)
+  return np.where(m, (G - mean) / np.sqrt(var + eps), 0.0), G
+
+
+# ----------------------------------------------------------------------------------------------
 # Losses (with analytic gradients).
 
 
@@ -342,7 +418,7 @@ def _token_mean(x, m):
 
 
 def policy_loss(logp, old_logp, advantages, mask, clip_eps=0.2, clip_eps_low=None,
-                clip_eps_high=None, dual_clip=None, aggregation="token_mean"):
+                clip_eps_high=None, dual_clip=None, aggregation="token_mean", max_len=None):
   """Returns (loss, metrics, dloss/dlogp)."""
   m = _b(mask)
   lo = clip_eps if clip_eps_low is None else clip_eps_low
@@ -378,8 +454,8 @@ def policy_loss(logp, old_logp, advantages, mask, clip_eps=0.2, clip_eps_low=Non
         dual[b, t] = True
       per_tok[b, t] = loss
       dtok[b, t] = grad
-  loss = aggregate(per_tok, m, aggregation)
-  w = aggregate_weights(m, aggregation)
+  loss = aggregate(per_tok, m, aggregation, max_len)
+  w = aggregate_weights(m, aggregation, max_len)
   logratio = logp - old
   metrics = {
       "loss": loss,
@@ -392,7 +468,8 @@ def policy_loss(logp, old_logp, advantages, mask, clip_eps=0.2, clip_eps_low=Non
   return loss, metrics, w * dtok
 
 
-def value_loss(values, old_values, returns, mask, clip_range=0.2, aggregation="token_mean"):
+def value_loss(values, old_values, returns, mask, clip_range=0.2, aggregation="token_mean",
+               max_len=None):
   """Returns (loss, metrics, dloss/dvalues)."""
   m = _b(mask)
   V, Vo, R = _f64(values), _f64(old_values), _f64(returns)
@@ -419,8 +496,8 @@ def value_loss(values, old_values, returns, mask, clip_range=0.2, aggregation="t
       else:
         per_tok[b, t] = 0.5 * e1 * e1
         dtok[b, t] = e1
-  loss = aggregate(per_tok, m, aggregation)
-  w = aggregate_weights(m, aggregation)
+  loss = aggregate(per_tok, m, aggregation, max_len)
+  w = aggregate_weights(m, aggregation, max_len)
   metrics = {
       "loss": loss,
       "clipfrac": _token_mean(clipped.astype(float), m),
@@ -430,17 +507,29 @@ def value_loss(values, old_values, returns, mask, clip_range=0.2, aggregation="t
   return loss, metrics, w * dtok
 
 
-def entropy_bonus(entropy, mask, aggregation="token_mean"):
-  return aggregate(entropy, mask, aggregation)
+def kl_loss(logp, ref_logp, mask, coef, estimator="k3", aggregation="token_mean", max_len=None):
+  """Returns (loss, metrics, dloss/dlogp) of coef·agg(KL_t)."""
+  m = _b(mask)
+  d = np.where(m, _f64(logp) - _f64(ref_logp), 0.0)
+  per_tok = np.where(m, per_token_kl(d, np.zeros_like(d), estimator), 0.0)
+  dkl = {"k1": np.ones_like(d), "kl": np.ones_like(d), "k2": d, "mse": d,
+         "k3": 1.0 - np.exp(-d), "abs": np.sign(d), "clamp": (d > 0).astype(float)}[estimator]
+  loss = coef * aggregate(per_tok, m, aggregation, max_len)
+  grad = coef * aggregate_weights(m, aggregation, max_len) * dkl
+  return loss, {"loss": loss, "kl": _token_mean(per_tok, m)}, grad
+
+
+def entropy_bonus(entropy, mask, aggregation="token_mean", max_len=None):
+  return aggregate(entropy, mask, aggregation, max_len)
 
 
 def ppo_loss(logp, old_logp, advantages, values, old_values, returns, mask, entropy=None,
              vf_coef=0.1, ent_coef=0.0, clip_eps=0.2, clip_eps_low=None, clip_eps_high=None,
-             dual_clip=None, value_clip=0.2, aggregation="token_mean"):
+             dual_clip=None, value_clip=0.2, aggregation="token_mean", max_len=None):
   pg, pm, _ = policy_loss(logp, old_logp, advantages, mask, clip_eps, clip_eps_low,
-                          clip_eps_high, dual_clip, aggregation)
-  vf, vm, _ = value_loss(values, old_values, returns, mask, value_clip, aggregation)
-  ent = 0.0 if entropy is None else entropy_bonus(entropy, mask, aggregation)
+                          clip_eps_high, dual_clip, aggregation, max_len)
+  vf, vm, _ = value_loss(values, old_values, returns, mask, value_clip, aggregation, max_len)
+  ent = 0.0 if entropy is None else entropy_bonus(entropy, mask, aggregation, max_len)
   total = pg + vf_coef * vf - ent_coef * ent
   metrics = {
       "loss/policy": pg,

@@ -19,6 +19,7 @@ B, T, V = 2, 5, 11
 N_CALLS = 3
 F32 = np.float32
 STOP_IDS = np.asarray([3, 7], np.int32)
+ML = 8.0  # seq_mean_token_sum_norm's constant
 
 
 class Case(NamedTuple):
@@ -34,10 +35,12 @@ def _logp(rng, shape=(B, T)):
   return rng.uniform(-8.0, 0.0, shape).astype(F32)
 
 
-def _mask(rng, kind=np.bool_):
-  lengths = rng.integers(0, T + 1, B)
+def _mask(rng, kind=np.bool_, shape=(B, T), min_rows=0):
+  lengths = rng.integers(0, shape[1] + 1, shape[0])
   lengths[0] = max(lengths[0], 2)  # not all empty, so values differ between calls
-  return (np.arange(T)[None, :] < lengths[:, None]).astype(kind)
+  if min_rows:  # a random number of non-empty rows, the others empty
+    lengths[rng.integers(min_rows, shape[0] + 1):] = 0
+  return (np.arange(shape[1])[None, :] < lengths[:, None]).astype(kind)
 
 
 def _scalar(rng, lo, hi):
@@ -75,8 +78,13 @@ case("ops.masked_whiten", lambda x, m, eps: ops.masked_whiten(x, m, eps=eps),
 case("ops.masked_whiten/no_shift", lambda x, m: ops.masked_whiten(x, m, shift_mean=False),
      lambda r: (_x(r), _mask(r)))
 for _agg in ops.AGGREGATIONS:
-  case(f"ops.aggregate/{_agg}", lambda x, m, a=_agg: ops.aggregate(x, m, a),
+  case(f"ops.aggregate/{_agg}", lambda x, m, a=_agg: ops.aggregate(x, m, a, ML),
        lambda r: (_x(r), _mask(r)))
+  case(f"ops.aggregation_count/{_agg}", lambda m, a=_agg: ops.aggregation_count(m, a),
+       lambda r: (_mask(r, shape=(32, T), min_rows=1),))
+case("ops.aggregate/seq_mean_token_sum_norm/traced_max_len",
+     lambda x, m, c: ops.aggregate(x, m, "seq_mean_token_sum_norm", c),
+     lambda r: (_x(r), _mask(r), _scalar(r, 5, 10)))
 
 # --- ops: log-probs and entropy (value and custom VJP, float32 and bf16, chunked) ------------------
 case("ops.selective_log_softmax", ops.selective_log_softmax,
@@ -155,7 +163,7 @@ case("advantages.gae/last_values",
 # --- losses (value, metrics and gradients) -------------------------------------------------------
 def _policy(lp, old, adv, m, eps_lo, eps_hi, c, agg):
   return losses.policy_loss(lp, old, adv, m, clip_eps_low=eps_lo, clip_eps_high=eps_hi,
-                            dual_clip=c, aggregation=agg)
+                            dual_clip=c, aggregation=agg, max_len=ML)
 
 
 def _policy_gen(r):
@@ -166,7 +174,7 @@ def _policy_gen(r):
 
 def _ppo(lp, old, adv, v, old_v, ret, m, ent, vf, ec, eps, vclip, agg):
   return losses.ppo_loss(lp, old, adv, v, old_v, ret, m, ent, vf_coef=vf, ent_coef=ec,
-                         clip_eps=eps, value_clip=vclip, aggregation=agg)
+                         clip_eps=eps, value_clip=vclip, aggregation=agg, max_len=ML)
 
 
 def _ppo_gen(r):
@@ -182,13 +190,13 @@ for _agg in ops.AGGREGATIONS:
        jax.grad(lambda *a, g=_agg: _policy(*a, g)[0]), _policy_gen)
   case(f"losses.value_loss/{_agg}",
        lambda v, ov, ret, m, c, g=_agg: losses.value_loss(v, ov, ret, m, clip_range=c,
-                                                          aggregation=g),
+                                                          aggregation=g, max_len=ML),
        lambda r: (_x(r), _x(r), _x(r), _mask(r), _scalar(r, 0.1, 0.3)))
   case(f"losses.value_loss/{_agg}/grad",
        jax.grad(lambda v, ov, ret, m, g=_agg: losses.value_loss(
-           v, ov, ret, m, clip_range=None, aggregation=g)[0]),
+           v, ov, ret, m, clip_range=None, aggregation=g, max_len=ML)[0]),
        lambda r: (_x(r), _x(r), _x(r), _mask(r)))
-  case(f"losses.entropy_bonus/{_agg}", lambda e, m, g=_agg: losses.entropy_bonus(e, m, g),
+  case(f"losses.entropy_bonus/{_agg}", lambda e, m, g=_agg: losses.entropy_bonus(e, m, g, ML),
        lambda r: (_x(r, lo=0, hi=3), _mask(r)))
   case(f"losses.ppo_loss/{_agg}", lambda *a, g=_agg: _ppo(*a, g), _ppo_gen)
   case(f"losses.ppo_loss/{_agg}/grad",
@@ -200,9 +208,20 @@ case("losses.bradley_terry_loss", losses.bradley_terry_loss,
 case("losses.bradley_terry_loss/grad",
      jax.grad(lambda c, rj: losses.bradley_terry_loss(c, rj)[0], argnums=(0, 1)),
      lambda r: (_x(r, shape=(B,)), _x(r, shape=(B,))))
-for _agg in ("token_mean", "seq_mean"):
-  case(f"losses.sft_loss/{_agg}", lambda lp, m, g=_agg: losses.sft_loss(lp, m, g),
+for _agg in ("token_mean", "seq_mean", "seq_mean_token_sum_norm"):
+  case(f"losses.sft_loss/{_agg}", lambda lp, m, g=_agg: losses.sft_loss(lp, m, g, ML),
        lambda r: (_logp(r), _mask(r)))
+for _agg in ops.AGGREGATIONS:
+  case(f"losses.kl_loss/{_agg}",
+       lambda lp, rl, m, beta, g=_agg: losses.kl_loss(lp, rl, m, coef=beta, aggregation=g,
+                                                      max_len=ML),
+       lambda r: (_logp(r), _logp(r), _mask(r), _scalar(r, 0.01, 0.1)))
+case("losses.kl_loss/k1/grad",
+     jax.grad(lambda lp, rl, m: losses.kl_loss(lp, rl, m, coef=0.05, estimator="k1")[0]),
+     lambda r: (_logp(r), _logp(r), _mask(r)))
+case("losses.kl_loss/k3/grad",
+     jax.grad(lambda lp, rl, m, beta: losses.kl_loss(lp, rl, m, coef=beta)[0]),
+     lambda r: (_logp(r), _logp(r), _mask(r), _scalar(r, 0.01, 0.1)))
 case("losses.truncated_is_weight",
      lambda old, smp, m: losses.truncated_is_weight(old, smp, m, 2.0),
      lambda r: (_logp(r), _logp(r), _mask(r)))

@@ -118,8 +118,8 @@ def _masked_stats_all(x, mask):
       "whiten": ops.masked_whiten(x, mask),
       "whiten_noshift": ops.masked_whiten(x, mask, shift_mean=False),
   }
-  for agg in AGGS:
-    out[agg] = ops.aggregate(x, mask, agg)
+  for agg in ops.AGGREGATIONS:
+    out[agg] = ops.aggregate(x, mask, agg, max_len=8.0)
   return out
 
 
@@ -142,6 +142,11 @@ _STAT_GRADS = {
     "masked_mean": lambda x, m: ops.masked_mean(x, m),
     "aggregate_token_mean": lambda x, m: ops.aggregate(x, m, "token_mean"),
     "aggregate_seq_mean": lambda x, m: ops.aggregate(x, m, "seq_mean"),
+    "aggregate_seq_mean_token_sum_norm":
+        lambda x, m: ops.aggregate(x, m, "seq_mean_token_sum_norm", max_len=8.0),
+    "kl_loss_k3": lambda x, m: losses.kl_loss(x, 0.5 * x, m, coef=0.1)[0],
+    "kl_loss_k3_seq_mean": lambda x, m: losses.kl_loss(x, 0.5 * x, m, coef=0.1,
+                                                       aggregation="seq_mean")[0],
     "masked_var": lambda x, m: ops.masked_var(x, m),
     "masked_whiten": lambda x, m: jnp.sum(jnp.sin(ops.masked_whiten(x, m))),
 }

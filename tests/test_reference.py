@@ -22,7 +22,9 @@ from ppojax import advantages, kl, losses, ops, rewards  # noqa: E402
 
 SHAPES = [(1, 1), (3, 7), (8, 33), (5, 64)]
 SEEDS = [0, 1]
-AGGS = ["token_mean", "seq_mean"]
+AGGS = ["token_mean", "seq_mean", "seq_mean_token_sum_norm"]  # for the losses
+AGG_MODES = ["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm", "seq_mean"]
+ML = 80.0  # seq_mean_token_sum_norm's constant (a maximum response length ≥ every T here)
 
 RTOL = 1e-5
 ATOL = 1e-5
@@ -140,20 +142,64 @@ def test_masked_whiten(shape, seed, shift_mean):
 
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("seed", SEEDS)
-@pytest.mark.parametrize("mode", AGGS)
+@pytest.mark.parametrize("mode", AGG_MODES)
 def test_aggregate(shape, seed, mode):
   rng = _rng(shape, seed)
   m = prefix_mask(rng, *shape)
   x, x64 = f32(poison(rng.normal(size=shape), m))
-  close(ops.aggregate(x, m, mode), ref.aggregate(x64, m, mode))
-  close(ops.aggregate(x, as_mask(m, "float"), mode), ref.aggregate(x64, m, mode))
+  expected = ref.aggregate(x64, m, mode, ML)
+  close(ops.aggregate(x, m, mode, ML), expected)
+  close(ops.aggregate(x, as_mask(m, "float"), mode, max_len=ML), expected)
+  g = jax.grad(lambda v: ops.aggregate(v, jnp.asarray(m), mode, ML))(x)
+  close(g, ref.aggregate_weights(m, mode, ML))
 
 
-@pytest.mark.parametrize("mode", AGGS)
+def test_aggregate_by_hand():
+  """Two rows of 1 and 3 tokens: token_mean weighs tokens, seq_mean_token_mean rows,
+  seq_mean_token_sum_norm sums each row over the constant."""
+  x = jnp.array([[4.0, 9.0, 9.0], [1.0, 2.0, 3.0]])
+  m = jnp.array([[True, False, False], [True, True, True]])
+  close(ops.aggregate(x, m, "token_mean"), 10.0 / 4)
+  close(ops.aggregate(x, m, "seq_mean_token_mean"), (4.0 + 2.0) / 2)
+  close(ops.aggregate(x, m, "seq_mean"), (4.0 + 2.0) / 2)
+  close(ops.aggregate(x, m, "seq_mean_token_sum_norm", max_len=8), (4.0 / 8 + 6.0 / 8) / 2)
+
+
+@pytest.mark.parametrize("mode", AGG_MODES)
 def test_aggregate_empty_mask(mode):
   x = jnp.full((2, 3), jnp.nan)
   m = jnp.zeros((2, 3), bool)
-  assert float(ops.aggregate(x, m, mode)) == 0.0
+  assert float(ops.aggregate(x, m, mode, ML)) == 0.0
+  assert float(ops.aggregation_count(m, mode)) == 0.0
+
+
+@pytest.mark.parametrize("mode", AGG_MODES)
+def test_aggregation_count_splits_exactly(mode):
+  """Σ_k count_k/count · aggregate(part k) = aggregate(all): the micro-batch weights of gradient
+  accumulation (step._micro_weight) for every mode; parts with empty rows included."""
+  rng = _rng((8, 9), 0, salt=21)
+  m = prefix_mask(rng, 8, 9)
+  x, x64 = f32(poison(rng.normal(size=(8, 9)), m))
+  mj = jnp.asarray(m)
+  total = ops.aggregation_count(mj, mode)
+  expected = {"token_mean": m.sum()}.get(mode, m.any(axis=1).sum())
+  assert float(total) == expected
+  parts = [slice(0, 2), slice(2, 3), slice(3, 8)]
+  acc = sum(ops.aggregation_count(mj[p], mode) / total * ops.aggregate(x[p], mj[p], mode, ML)
+            for p in parts)
+  close(acc, ref.aggregate(x64, m, mode, ML))
+
+
+def test_aggregate_sum_norm_needs_max_len():
+  x, m = jnp.ones((2, 3)), jnp.ones((2, 3), bool)
+  with pytest.raises(ValueError, match="pass max_len"):
+    ops.aggregate(x, m, "seq_mean_token_sum_norm")
+  with pytest.raises(ValueError, match="max_len=0 must be > 0"):
+    ops.aggregate(x, m, "seq_mean_token_sum_norm", max_len=0)
+  with pytest.raises(ValueError, match="pass max_len"):
+    losses.policy_loss(x, x, x, m, aggregation="seq_mean_token_sum_norm")
+  with pytest.raises(ValueError, match="unknown aggregation"):
+    ops.aggregation_count(m, "bogus")
 
 
 def test_aggregate_unknown_mode():
@@ -601,8 +647,10 @@ def test_policy_loss_and_grad(shape, seed, opts, aggregation):
   m, (lp, lp64), (ol, ol64), (a, a64) = _policy_inputs(shape, seed)
   mj = jnp.asarray(m)
   loss_ref, met_ref, grad_ref = ref.policy_loss(lp64, ol64, a64, m, aggregation=aggregation,
+                                                max_len=ML,
                                                 **opts)
-  fn = lambda x: losses.policy_loss(x, ol, a, mj, aggregation=aggregation, **opts)  # noqa: E731
+  fn = lambda x: losses.policy_loss(x, ol, a, mj, aggregation=aggregation,  # noqa: E731
+                                    max_len=ML, **opts)
   (loss, metrics), grad = jax.value_and_grad(fn, has_aux=True)(lp)
   close(loss, loss_ref)
   for key in ["loss", "approxkl", "clipfrac", "dual_clipfrac", "ratio"]:
@@ -626,9 +674,9 @@ def test_value_loss_and_grad(shape, seed, clip_range, aggregation):
   ov, ov64 = f32(poison(old, m))
   R, R64 = f32(poison(rets, m))
   mj = jnp.asarray(m)
-  loss_ref, met_ref, grad_ref = ref.value_loss(v64, ov64, R64, m, clip_range, aggregation)
+  loss_ref, met_ref, grad_ref = ref.value_loss(v64, ov64, R64, m, clip_range, aggregation, ML)
   fn = lambda x: losses.value_loss(x, ov, R, mj, clip_range=clip_range,  # noqa: E731
-                                   aggregation=aggregation)
+                                   aggregation=aggregation, max_len=ML)
   (loss, metrics), grad = jax.value_and_grad(fn, has_aux=True)(v)
   close(loss, loss_ref)
   for key, val in met_ref.items():
@@ -655,10 +703,39 @@ def test_entropy_bonus(shape, seed, aggregation):
   rng = _rng(shape, seed, salt=12)
   m = prefix_mask(rng, *shape)
   h, h64 = f32(poison(rng.random(size=shape) * 3, m))
-  close(losses.entropy_bonus(h, jnp.asarray(m), aggregation),
-        ref.entropy_bonus(h64, m, aggregation))
-  g = jax.grad(lambda x: losses.entropy_bonus(x, jnp.asarray(m), aggregation))(h)
-  close(g, ref.aggregate_weights(m, aggregation))
+  close(losses.entropy_bonus(h, jnp.asarray(m), aggregation, ML),
+        ref.entropy_bonus(h64, m, aggregation, ML))
+  g = jax.grad(lambda x: losses.entropy_bonus(x, jnp.asarray(m), aggregation, ML))(h)
+  close(g, ref.aggregate_weights(m, aggregation, ML))
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("estimator", ["k3", "k1", "k2"])
+@pytest.mark.parametrize("aggregation", AGGS)
+def test_kl_loss_and_grad(shape, estimator, aggregation):
+  """β·agg(KL_t) and its gradient w.r.t. log π (none w.r.t. log π_ref), NaN padding inert."""
+  m, (lp, lp64), (rl, rl64), _ = _policy_inputs(shape, 1)
+  mj = jnp.asarray(m)
+  loss_ref, met_ref, grad_ref = ref.kl_loss(lp64, rl64, m, 0.04, estimator, aggregation, ML)
+  fn = lambda x, y: losses.kl_loss(x, y, mj, coef=0.04, estimator=estimator,  # noqa: E731
+                                   aggregation=aggregation, max_len=ML)
+  (loss, metrics), (g, g_ref) = jax.value_and_grad(fn, argnums=(0, 1), has_aux=True)(lp, rl)
+  close(loss, loss_ref)
+  close(metrics["loss"], met_ref["loss"])
+  close(metrics["kl"], met_ref["kl"])
+  close(g, grad_ref)
+  assert np.all(np.asarray(g_ref) == 0.0)
+
+
+def test_kl_loss_k3_by_hand():
+  # Δ = log 2: k3 = ½ − 1 + log 2; ∂/∂logp = 1 − ½; a padded NaN is never read.
+  lp = jnp.array([[jnp.log(2.0), jnp.nan]])
+  m = jnp.array([[True, False]])
+  (loss, metrics), g = jax.value_and_grad(
+      lambda x: losses.kl_loss(x, jnp.zeros((1, 2)), m, coef=0.5), has_aux=True)(lp)
+  close(loss, 0.5 * (np.log(2.0) - 0.5))
+  close(metrics["kl"], np.log(2.0) - 0.5)
+  close(g, [[0.25, 0.0]])
 
 
 @pytest.mark.parametrize("shape", SHAPES)
@@ -672,7 +749,7 @@ def test_ppo_loss(shape, aggregation, with_entropy):
   R, R64 = f32(poison(rng.normal(size=shape), m))
   h, h64 = f32(poison(rng.random(size=shape) * 3, m)) if with_entropy else (None, None)
   kw = dict(vf_coef=0.3, ent_coef=0.01 if with_entropy else 0.0, clip_eps_high=0.28,
-            dual_clip=3.0, value_clip=0.1, aggregation=aggregation)
+            dual_clip=3.0, value_clip=0.1, aggregation=aggregation, max_len=ML)
   mj = jnp.asarray(m)
   total, metrics = losses.ppo_loss(lp, ol, a, v, ov, R, mj, h, **kw)
   total_ref, met_ref = ref.ppo_loss(lp64, ol64, a64, v64, ov64, R64, m, h64, **kw)
@@ -688,15 +765,15 @@ def test_ppo_loss(shape, aggregation, with_entropy):
     assert "policy/entropy_masked" in metrics
   # Gradients of the total w.r.t. logp, values (and entropy): sums of the pieces.
   _, _, g_pol = ref.policy_loss(lp64, ol64, a64, m, clip_eps_high=0.28, dual_clip=3.0,
-                                aggregation=aggregation)
-  _, _, g_val = ref.value_loss(v64, ov64, R64, m, 0.1, aggregation)
+                                aggregation=aggregation, max_len=ML)
+  _, _, g_val = ref.value_loss(v64, ov64, R64, m, 0.1, aggregation, ML)
   g_lp, g_v = jax.grad(lambda x, y: losses.ppo_loss(x, ol, a, y, ov, R, mj, h, **kw)[0],
                        argnums=(0, 1))(lp, v)
   close(g_lp, g_pol)
   close(g_v, 0.3 * g_val)
   if with_entropy:
     g_h = jax.grad(lambda e: losses.ppo_loss(lp, ol, a, v, ov, R, mj, e, **kw)[0])(h)
-    close(g_h, -0.01 * ref.aggregate_weights(m, aggregation))
+    close(g_h, -0.01 * ref.aggregate_weights(m, aggregation, ML))
 
 
 def test_ppo_loss_defaults():

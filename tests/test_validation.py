@@ -125,3 +125,59 @@ def test_every_option_can_be_overridden_on_the_command_line():
   config_lib.validate(c, num_devices=1)
   c = parse("--config.sampling.stop_ids=2")
   assert tuple(c.sampling.stop_ids) == (2,) and c.sampling.pad_id is None
+
+
+# ---------------------------------------------------------------------------------------------
+# The loss functions check their options where they are Python numbers (a research user calling
+# them directly gets the error too); traced values pass unchecked under jit.
+
+
+def _loss_inputs():
+  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
+  x = jnp.zeros((2, 3))
+  return x, jnp.ones((2, 3), bool)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(dual_clip=1.0), r"dual_clip=1\.0: dual-clip PPO needs c > 1 .*or None to turn it off"),
+    (dict(dual_clip=0.5), r"dual_clip=0\.5: .*zeroes the gradient of every negative-advantage"),
+    (dict(clip_eps=0.0), r"clip_eps=0\.0: the ratio clip ε must be in \(0, 1\)"),
+    (dict(clip_eps=1.5), r"clip_eps=1\.5: the ratio clip ε must be in \(0, 1\)"),
+    (dict(clip_eps_low=1.0), r"clip_eps_low=1\.0: the lower ratio clip must be in \(0, 1\)"),
+    (dict(clip_eps_high=-0.1), r"clip_eps_high=-0\.1: the upper ratio clip must be > 0"),
+])
+def test_policy_loss_rejects_bad_options(kwargs, message):
+  from ppojax import losses  # pylint: disable=import-outside-toplevel
+  x, m = _loss_inputs()
+  with pytest.raises(ValueError, match=message):
+    losses.policy_loss(x, x, x, m, **kwargs)
+  with pytest.raises(ValueError, match=message):
+    losses.ppo_loss(x, x, x, x, x, x, m, **kwargs)
+
+
+def test_other_losses_reject_bad_options():
+  from ppojax import losses  # pylint: disable=import-outside-toplevel
+  x, m = _loss_inputs()
+  with pytest.raises(ValueError, match=r"clip_range=0\.0: the value clip must be > 0"):
+    losses.value_loss(x, x, x, m, clip_range=0.0)
+  with pytest.raises(ValueError, match=r"clip_range=-1: the value clip must be > 0"):
+    losses.ppo_loss(x, x, x, x, x, x, m, value_clip=-1)
+  with pytest.raises(ValueError, match=r"vf_coef=-0\.1: the value-loss coefficient must be >= 0"):
+    losses.ppo_loss(x, x, x, x, x, x, m, vf_coef=-0.1)
+  with pytest.raises(ValueError, match=r"coef=-0\.01: the KL coefficient β must be >= 0"):
+    losses.kl_loss(x, x, m, coef=-0.01)
+
+
+def test_loss_options_in_range_and_traced_values_pass():
+  import jax  # pylint: disable=import-outside-toplevel
+  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
+
+  from ppojax import losses  # pylint: disable=import-outside-toplevel
+  x, m = _loss_inputs()
+  losses.policy_loss(x, x, x, m, clip_eps=0.1, clip_eps_low=0.2, clip_eps_high=1.5,
+                     dual_clip=3)
+  losses.value_loss(x, x, x, m, clip_range=None)
+  losses.ppo_loss(x, x, x, x, x, x, m, vf_coef=0, value_clip=None, dual_clip=None)
+  # Under jit the values are tracers: not checked (and not an error), whatever they hold.
+  loss = jax.jit(lambda c: losses.policy_loss(x, x, x, m, dual_clip=c)[0])(jnp.float32(0.5))
+  assert float(loss) == 0.0
