@@ -1,10 +1,22 @@
-"""Advantage estimators. Generalised Advantage Estimation (Schulman et al. 2016)."""
+"""Advantage estimators: GAE with a critic; group-relative (GRPO, Dr. GRPO), leave-one-out
+(RLOO) and batch-whitened returns (REINFORCE++) without one.
+
+Every estimator returns ``(advantages, returns)``, both [N, T] (returns None where there is no
+critic target), 0 off the response mask, so any of them plugs in where GAE's output goes.
+Group estimators read sequence scores [N] whose N = B·n rows are B groups of n samples of one
+prompt each, **contiguous** (rows g·n … g·n + n − 1 are group g): group statistics are
+``scores.reshape(B, n)`` reductions. A degenerate group (all scores equal, or n = 1) gives
+advantage exactly 0, never NaN. ``ESTIMATORS`` picks one by name (``estimator``).
+"""
 
 from __future__ import annotations
+
+from typing import Callable, NamedTuple
 
 import chex
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from ppojax import ops
 
@@ -69,3 +81,200 @@ def gae(
   if whiten:
     advantages = ops.masked_whiten(advantages, mask, shift_mean=True)
   return advantages, returns
+
+
+def discounted_returns(rewards: Array, mask: Array, gamma: float | Array = 1.0) -> Array:
+  """Reward-to-go over a response mask: G_t = Σ_{k ≥ t} γ^{k−t}·r_k·m_k (0 off the mask).
+
+  The episode ends at the last response token (``gae`` with V ≡ 0 and λ = 1, which this is).
+
+  Args:
+    rewards, mask: [B, T]; ``mask`` a prefix mask (``ops.response_mask``).
+
+  Returns:
+    G, float32 [B, T].
+  """
+  chex.assert_rank([rewards, mask], 2)
+  chex.assert_equal_shape([rewards, mask])
+  returns, _ = gae(rewards, jnp.zeros(rewards.shape, jnp.float32), mask, gamma, 1.0)
+  return returns
+
+
+def reinforce_pp(rewards: Array, mask: Array, gamma: float | Array = 1.0, *, eps: float = 1e-8
+                 ) -> tuple[Array, Array]:
+  """REINFORCE++ (Hu 2025, "REINFORCE++: a simple and efficient approach for aligning large
+  language models"): discounted returns of the KL-shaped token rewards, whitened over every
+  response token of the batch — the batch is the baseline, no critic.
+
+    r_t = −β·KL_t + 1[t = last]·s         (``rewards.shape_rewards``)
+    G_t = Σ_{k ≥ t} γ^{k−t}·r_k            (``discounted_returns``)
+    A_t = (G_t − mean_m(G)) / √(var_m(G) + eps)   over all masked tokens of the batch
+
+  (``ops.masked_whiten``: unbiased variance, eps inside the root.) Where every masked G_t is the
+  same (or there is at most one), A = 0 exactly.
+
+  Args:
+    rewards, mask: [B, T] token rewards and the (prefix) response mask.
+
+  Returns:
+    (advantages A, returns G), float32 [B, T], 0 off the mask.
+  """
+  returns = discounted_returns(rewards, mask, gamma)
+  mask = mask.astype(jnp.bool_)
+  lo = jnp.min(jnp.where(mask, returns, jnp.inf))
+  hi = jnp.max(jnp.where(mask, returns, -jnp.inf))
+  white = ops.masked_whiten(returns, mask, shift_mean=True, eps=eps)
+  return jnp.where(hi > lo, white, 0.0), returns
+
+
+def _groups(scores: Array, mask: Array, group_size: int) -> tuple[Array, Array]:
+  """scores [N] as [N/n, n] float32 groups, and per group whether it is degenerate [N/n, 1]
+  (all scores equal, which includes n = 1)."""
+  chex.assert_rank([scores, mask], [1, 2])
+  chex.assert_equal_shape_prefix([scores, mask], 1)
+  if not isinstance(group_size, (int, np.integer)) or group_size < 1:
+    raise ValueError(f"group_size={group_size!r} must be a Python int >= 1 (samples per prompt)")
+  if scores.shape[0] % group_size:
+    raise ValueError(f"{scores.shape[0]} scores do not split into groups of {group_size}: "
+                     "give B·n rows, the n samples of each prompt next to each other")
+  groups = scores.astype(jnp.float32).reshape(-1, group_size)
+  degenerate = jnp.max(groups, axis=1, keepdims=True) == jnp.min(groups, axis=1, keepdims=True)
+  return groups, degenerate
+
+
+def _per_token(seq_adv: Array, degenerate: Array, mask: Array) -> Array:
+  """Group advantages [N/n, n] (0 in degenerate groups) broadcast over the mask: [N, T]."""
+  seq_adv = jnp.where(degenerate, 0.0, seq_adv).reshape(-1)
+  return jnp.where(mask.astype(jnp.bool_), seq_adv[:, None], 0.0)
+
+
+def grpo(scores: Array, mask: Array, group_size: int, *, eps: float = 1e-6
+         ) -> tuple[Array, None]:
+  """Group-normalised advantage (GRPO; Shao et al. 2024, "DeepSeekMath", §4.1.2, outcome
+  supervision): for sample i of a group of n,
+
+    A_i = (r_i − mean_j r_j) / (std_j r_j + eps),   std with Bessel's correction (n − 1)
+
+  as trl, verl and OpenRLHF compute it; every response token of sample i gets A_i. A group whose
+  scores are all equal (and a group of 1) gets 0.
+
+  Args:
+    scores: [N] sequence scores, N = B·n, the n samples of a prompt contiguous.
+    mask: [N, T] response mask.
+    group_size: n, a Python int.
+
+  Returns:
+    (advantages [N, T] float32, None): no critic target.
+  """
+  groups, degenerate = _groups(scores, mask, group_size)
+  centred = groups - jnp.mean(groups, axis=1, keepdims=True)
+  ss = jnp.sum(jnp.square(centred), axis=1, keepdims=True)
+  std = jnp.sqrt(ss / max(group_size - 1, 1))
+  return _per_token(centred / (std + eps), degenerate, mask), None
+
+
+def dr_grpo(scores: Array, mask: Array, group_size: int) -> tuple[Array, None]:
+  """Group-centred advantage without the std scaling (Dr. GRPO; Liu et al. 2025,
+  "Understanding R1-Zero-like training: a critical perspective", §3.2):
+
+    A_i = r_i − mean_j r_j
+
+  Dividing by the group's std favours prompts that are nearly all right or all wrong; Dr. GRPO
+  drops it (and the 1/|o_i| length normalisation: aggregate with
+  ``seq_mean_token_sum_norm``). A group of equal scores (or of 1) gets 0.
+
+  Args, Returns: as ``grpo``.
+  """
+  groups, degenerate = _groups(scores, mask, group_size)
+  centred = groups - jnp.mean(groups, axis=1, keepdims=True)
+  return _per_token(centred, degenerate, mask), None
+
+
+def rloo(scores: Array, mask: Array, group_size: int) -> tuple[Array, None]:
+  """REINFORCE leave-one-out (RLOO; Kool et al. 2019, "Buy 4 REINFORCE samples, get a baseline
+  for free!"; Ahmadian et al. 2024, "Back to basics"): each sample's baseline is the mean of the
+  other n − 1 scores of its group,
+
+    A_i = r_i − (1/(n−1))·Σ_{j≠i} r_j = n/(n−1)·(r_i − mean_j r_j)
+
+  i.e. Dr. GRPO's advantage scaled by n/(n−1): the papers' estimator (1/n)·Σ_i A_i·∇log π(y_i)
+  is unbiased with this per-sample A_i (the baseline does not depend on y_i). The advantages of
+  a group sum to 0. A group of 1 (no other sample) or of equal scores gets 0.
+
+  Args, Returns: as ``grpo``.
+  """
+  groups, degenerate = _groups(scores, mask, group_size)
+  centred = groups - jnp.mean(groups, axis=1, keepdims=True)
+  scale = group_size / (group_size - 1) if group_size > 1 else 0.0
+  return _per_token(scale * centred, degenerate, mask), None
+
+
+# ---------------------------------------------------------------------------------------------
+# The registry: an estimator chosen by name, called the same way whatever it is
+# ---------------------------------------------------------------------------------------------
+
+
+class AdvantageInputs(NamedTuple):
+  """What an estimator may read. N rows (B·n, groups contiguous), T response tokens."""
+
+  scores: Array  # [N] sequence scores, adjusted (rewards.adjust_scores: clip, missing-stop)
+  rewards: Array  # [N, T] token rewards r_t = −β·KL_t + score on the last token (shape_rewards)
+  mask: Array  # [N, T] response mask
+  values: Array | None = None  # [N, T] the critic's V(s_t); None without a critic
+
+
+class AdvantageParams(NamedTuple):
+  """Hyper-parameters (Python numbers, or traced scalars where noted); each estimator reads
+  only its own."""
+
+  gamma: float | Array = 1.0  # discount (gae, reinforce_pp)
+  lam: float | Array = 0.95  # GAE's λ
+  whiten: bool = False  # whiten GAE's advantages over the batch (trl's whiten_advantages)
+  group_size: int = 1  # samples per prompt n, static (grpo, dr_grpo, rloo)
+  eps: float = 1e-6  # GRPO's std offset
+
+
+class Estimator(NamedTuple):
+  """An advantage estimator as data: ``fn(inputs, params) → (advantages [N, T], returns [N, T]
+  or None)``; ``needs_critic``: reads ``inputs.values`` and returns the critic's regression
+  target (no critic is allocated where False); ``token_rewards``: reads the KL-shaped token
+  rewards, so the KL penalty goes into the rewards — where False it reads only the scores and a
+  KL penalty belongs in the loss (``losses.kl_loss``)."""
+
+  fn: Callable[[AdvantageInputs, AdvantageParams], tuple[Array, Array | None]]
+  needs_critic: bool
+  token_rewards: bool
+
+
+def _gae(x: AdvantageInputs, p: AdvantageParams):
+  if x.values is None:
+    raise ValueError("GAE needs the critic's values: AdvantageInputs(values=...)")
+  return gae(x.rewards, x.values, x.mask, p.gamma, p.lam, whiten=p.whiten)
+
+
+ESTIMATORS: dict[str, Estimator] = {
+    # GAE (Schulman et al. 2016): critic V(s_t), KL shaped into the token rewards (PPO, RLHF).
+    "gae": Estimator(_gae, needs_critic=True, token_rewards=True),
+    # (r − mean_g)/(std_g + eps) per group of n: no critic; KL as a k3 loss term (GRPO).
+    "grpo": Estimator(lambda x, p: grpo(x.scores, x.mask, p.group_size, eps=p.eps),
+                      needs_critic=False, token_rewards=False),
+    # r − mean_g: no critic; KL in the loss; aggregate with seq_mean_token_sum_norm (Dr. GRPO).
+    "dr_grpo": Estimator(lambda x, p: dr_grpo(x.scores, x.mask, p.group_size),
+                         needs_critic=False, token_rewards=False),
+    # r_i − mean_{j≠i} r_j: no critic; KL in the loss (or none).
+    "rloo": Estimator(lambda x, p: rloo(x.scores, x.mask, p.group_size),
+                      needs_critic=False, token_rewards=False),
+    # whitened discounted returns of KL-shaped token rewards: no critic, KL in the rewards.
+    "reinforce_pp": Estimator(lambda x, p: reinforce_pp(x.rewards, x.mask, p.gamma),
+                              needs_critic=False, token_rewards=True),
+}
+
+
+def estimator(name: str) -> Estimator:
+  """The ``ESTIMATORS`` entry ``name`` (gae, grpo, dr_grpo, rloo, reinforce_pp); a clear
+  ``ValueError`` for any other name."""
+  try:
+    return ESTIMATORS[name]
+  except KeyError:
+    raise ValueError(
+        f"unknown advantage estimator {name!r}; choose one of {sorted(ESTIMATORS)}") from None

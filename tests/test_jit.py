@@ -158,6 +158,20 @@ for _whiten in (False, True):
 case("advantages.gae/last_values",
      lambda rw, v, m, g, l, lv: advantages.gae(rw, v, m, g, l, last_values=lv),
      lambda r: (_x(r), _x(r), _mask(r), _scalar(r, 0.9, 1), _scalar(r, 0.5, 1), _x(r, (B,))))
+case("advantages.discounted_returns", advantages.discounted_returns,
+     lambda r: (_x(r), _mask(r), _scalar(r, 0.9, 1)))
+case("advantages.reinforce_pp", advantages.reinforce_pp,
+     lambda r: (_x(r), _mask(r), _scalar(r, 0.9, 1)))
+_N = 2  # samples per prompt: B = 2 rows form one group
+for _name in ("grpo", "dr_grpo", "rloo"):
+  case(f"advantages.{_name}", lambda s, m, f=getattr(advantages, _name): f(s, m, _N)[0],
+       lambda r: (_x(r, (B,)), _mask(r)))
+for _name in sorted(advantages.ESTIMATORS):
+  case(f"advantages.estimator/{_name}",
+       lambda s, rw, m, v, g, e=advantages.estimator(_name): e.fn(
+           advantages.AdvantageInputs(s, rw, m, v), advantages.AdvantageParams(
+               gamma=g, lam=0.9, whiten=True, group_size=_N)),
+       lambda r: (_x(r, (B,)), _x(r), _mask(r), _x(r), _scalar(r, 0.9, 1)))
 
 
 # --- losses (value, metrics and gradients) -------------------------------------------------------
