@@ -338,6 +338,55 @@ def check_sizes(config: ml_collections.ConfigDict, num_devices: int,
         "data.max_prompt_len or sampling.max_new_tokens")
 
 
+# (option, test, what it must be and what to do); None passes where the option allows it
+RANGES = (
+    ("ppo.clip_eps", lambda v: 0 < v < 1,
+     "must be in (0, 1): the policy ratio is clipped to [1 − ε, 1 + ε] (0.2 is usual)"),
+    ("ppo.dual_clip", lambda v: v is None or v > 1,
+     "must be > 1 (dual-clip PPO, Ye et al. 2020; 3 is usual) or None to turn it off: with "
+     "c <= 1 the cap −c·A undercuts the clipped loss and silently zeroes the gradient of every "
+     "token with a negative advantage"),
+    ("ppo.value_clip", lambda v: v is None or v > 0,
+     "must be > 0 (0.2 is usual), or None for an unclipped value loss"),
+    ("ppo.vf_coef", lambda v: v >= 0, "must be >= 0 (the value loss's weight; 0.1 is trl's)"),
+    ("ppo.ent_coef", lambda v: v >= 0,
+     "must be >= 0 (the entropy bonus's weight; 0: none): a negative one penalises entropy"),
+    ("ppo.kl_coef", lambda v: v >= 0,
+     "must be >= 0 (β of the KL penalty; 0: none): a negative one rewards drifting from the "
+     "reference policy"),
+    ("ppo.gamma", lambda v: 0 <= v <= 1, "must be in [0, 1] (the discount; 1 is usual for LMs)"),
+    ("ppo.lam", lambda v: 0 <= v <= 1, "must be in [0, 1] (GAE's λ; 0.95 is usual)"),
+    ("ppo.score_clip", lambda v: v is None or v > 0,
+     "must be > 0 (scores are clipped to [−c, c]), or None"),
+    ("ppo.missing_stop_penalty", lambda v: v >= 0,
+     "must be >= 0: it is subtracted from the score of a response without a stop token (a "
+     "negative one would reward running into the length limit)"),
+    ("optim.max_grad_norm", lambda v: v > 0, "must be > 0 (gradients are clipped to this "
+     "global norm; 1.0 is usual)"),
+)
+
+
+def check_ranges(config: ml_collections.ConfigDict) -> None:
+  """Numbers in their ranges (``RANGES``): the loss options, discounts, KL coefficients;
+  ``ppo.target_kl`` and ``ppo.kl_horizon`` > 0 with ``ppo.adaptive_kl``."""
+  for name, ok, requirement in RANGES:
+    node = config
+    for part in name.split("."):
+      node = node[part]
+    try:
+      good = ok(node)  # NaN fails every test too
+    except TypeError:  # None where a number is needed
+      good = False
+    if not good:
+      raise ConfigError(f"{name}={node!r} {requirement}")
+  ppo = config.ppo
+  if ppo.adaptive_kl:
+    for name in ("target_kl", "kl_horizon"):
+      if not ppo[name] > 0:
+        raise ConfigError(f"ppo.{name}={ppo[name]!r} must be > 0 with ppo.adaptive_kl (the "
+                          "controller's target KL per sequence and its horizon in samples)")
+
+
 def check_packages(config: ml_collections.ConfigDict) -> None:
   """Options that need a package outside ppojax's core dependencies: the package is installed."""
   if config.get("wandb_project") and importlib.util.find_spec("wandb") is None:
@@ -356,5 +405,6 @@ def validate(config: ml_collections.ConfigDict, num_devices: int,
   """All checks that need no model weights; raises ``ConfigError`` with one clear message."""
   check_names_and_types(config)
   check_choices(config)
+  check_ranges(config)
   check_sizes(config, num_devices, context_length)
   check_packages(config)

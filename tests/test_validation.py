@@ -71,6 +71,56 @@ def test_unknown_choices(name, value, message):
     config_lib.validate(c, num_devices=1)
 
 
+@pytest.mark.parametrize("name, value, message", [
+    ("ppo.dual_clip", 1.0, r"ppo\.dual_clip=1\.0 must be > 1 \(dual-clip PPO, Ye et al\. 2020; "
+     r"3 is usual\) or None to turn it off: .* silently zeroes the gradient of every token with a "
+     r"negative advantage"),
+    ("ppo.dual_clip", 0.5, r"ppo\.dual_clip=0\.5 must be > 1"),
+    ("ppo.clip_eps", 0.0, r"ppo\.clip_eps=0\.0 must be in \(0, 1\)"),
+    ("ppo.clip_eps", 1.0, r"ppo\.clip_eps=1\.0 must be in \(0, 1\)"),
+    ("ppo.clip_eps", None, r"ppo\.clip_eps=None must be in \(0, 1\)"),
+    ("ppo.clip_eps", float("nan"), r"ppo\.clip_eps=nan must be in \(0, 1\)"),
+    ("ppo.value_clip", 0.0, r"ppo\.value_clip=0\.0 must be > 0 \(0\.2 is usual\), or None"),
+    ("ppo.vf_coef", -0.1, r"ppo\.vf_coef=-0\.1 must be >= 0"),
+    ("ppo.ent_coef", -0.01, r"ppo\.ent_coef=-0\.01 must be >= 0"),
+    ("ppo.kl_coef", -0.05, r"ppo\.kl_coef=-0\.05 must be >= 0 .* rewards drifting"),
+    ("ppo.gamma", 1.1, r"ppo\.gamma=1\.1 must be in \[0, 1\]"),
+    ("ppo.lam", -0.5, r"ppo\.lam=-0\.5 must be in \[0, 1\]"),
+    ("ppo.score_clip", 0.0, r"ppo\.score_clip=0\.0 must be > 0"),
+    ("ppo.missing_stop_penalty", -1.0, r"ppo\.missing_stop_penalty=-1\.0 must be >= 0: it is "
+     r"subtracted from the score"),
+    ("optim.max_grad_norm", 0.0, r"optim\.max_grad_norm=0\.0 must be > 0"),
+])
+def test_out_of_range_values(name, value, message):
+  c = toy()
+  section, field = name.split(".")
+  c[section][field] = value
+  with pytest.raises(config_lib.ConfigError, match=message):
+    config_lib.validate(c, num_devices=1)
+
+
+def test_in_range_edge_values_pass():
+  c = toy()
+  c.ppo.dual_clip = 1.5
+  c.ppo.value_clip = None
+  c.ppo.vf_coef = 0.0
+  c.ppo.gamma, c.ppo.lam = 1.0, 0.0
+  c.ppo.score_clip = 5.0
+  config_lib.validate(c, num_devices=1)
+
+
+def test_adaptive_kl_needs_positive_target_and_horizon():
+  c = toy(ppo__target_kl=0.0)
+  config_lib.validate(c, num_devices=1)  # not read without adaptive_kl
+  c.ppo.adaptive_kl = True
+  with pytest.raises(config_lib.ConfigError, match=r"ppo\.target_kl=0\.0 must be > 0 with "
+                     r"ppo\.adaptive_kl"):
+    config_lib.validate(c, num_devices=1)
+  c = toy(ppo__adaptive_kl=True, ppo__kl_horizon=-1.0)
+  with pytest.raises(config_lib.ConfigError, match=r"ppo\.kl_horizon=-1\.0 must be > 0"):
+    config_lib.validate(c, num_devices=1)
+
+
 @pytest.mark.parametrize("overrides, devices, context, message", [
     ({"ppo__batch_size": 31}, 1, None, r"ppo\.batch_size=31 is not divisible by "
      r"ppo\.num_minibatches × ppo\.grad_accum = 2 × 1"),
