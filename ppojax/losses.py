@@ -62,8 +62,8 @@ def policy_loss(
   ``is_weight`` w [B, T] (constant; ``truncated_is_weight``) multiplies each token's term:
   L = agg(w_t · max(...)), the importance correction for tokens sampled by another engine.
   ``aggregation`` and ``max_len``: ``ops.aggregate``. Checked where given as Python numbers:
-  0 < ε, ε_low < 1, ε_high > 0, c > 1 (a c ≤ 1 would cap every A < 0 token at −c·A ≤ the
-  unclipped loss near ρ = 1 and zero its gradient).
+  ε and ε_low in (0, 1), ε_high > 0, c > 1 (a c ≤ 1 would cap every A < 0 token at −c·A, below
+  the surrogate near ρ = 1, and zero its gradient).
 
   Args:
     logp: [B, T] log-probs under the current policy (differentiated).
