@@ -134,6 +134,10 @@ def defaults() -> ml_collections.ConfigDict:
   c.ppo.missing_stop_penalty = 0.0
   c.ppo.whiten_rewards = False
   c.ppo.whiten_advantages = True
+  # How token losses become one loss (ops.aggregate): "token_mean" (over all response tokens),
+  # "seq_mean_token_mean" (= "seq_mean": each sequence's token mean, then the mean over
+  # sequences; GRPO's original) or "seq_mean_token_sum_norm" (token sums over the constant
+  # sampling.max_new_tokens, then the mean over sequences; Dr. GRPO)
   c.ppo.aggregation = "token_mean"
   # Where log π_old(token) comes from: "recompute" (a forward pass of the actor over prompt +
   # response after sampling) or "sampler" (the log-probs generate() computed while sampling:
@@ -227,7 +231,8 @@ CHOICES = {
     "model.critic_init": ("auto", "reward", "policy"),
     "data.task": ("count", "arith", "file"),
     "data.truncate": ("left", "error"),
-    "ppo.aggregation": ("token_mean", "seq_mean"),
+    "ppo.aggregation": ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm",
+                        "seq_mean"),  # ops.AGGREGATIONS
     "ppo.old_logprobs": ("recompute", "sampler"),
     "ppo.kl_estimator": ("k1", "kl", "k2", "mse", "k3", "abs", "clamp"),
     "model.dtype": ("float32", "bfloat16", "float16"),

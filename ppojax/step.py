@@ -155,11 +155,10 @@ def init_state(key: Array, actor: Params, critic: Params, actor_tx, critic_tx, c
 
 def _micro_weight(micro_mask: Array, minibatch_mask: Array, aggregation: str) -> Array:
   """The share of a micro-batch in its minibatch's loss, so that Σ_k w_k·L_k is exactly the
-  minibatch loss: its token count over the minibatch's (token_mean), or its non-empty rows over
-  the minibatch's (seq_mean)."""
-  if aggregation == "seq_mean":
-    micro_mask, minibatch_mask = (jnp.any(m, axis=-1) for m in (micro_mask, minibatch_mask))
-  return ops.masked_count(micro_mask) / jnp.maximum(ops.masked_count(minibatch_mask), 1)
+  minibatch loss: its count of the aggregation's units (tokens for token_mean, non-empty rows
+  for the sequence means) over the minibatch's (``ops.aggregation_count``)."""
+  return ops.aggregation_count(micro_mask, aggregation) / jnp.maximum(
+      ops.aggregation_count(minibatch_mask, aggregation), 1)
 
 
 def actor_forward(actor, models: Models, r: Rollout, temperature: float, ent_coef: float
@@ -201,7 +200,7 @@ def _clipped_loss(logp, entropy, values, exp: Experience, cfg) -> tuple[Array, d
       logp, r.old_logp, exp.advantages, values, r.old_values, exp.returns, r.mask, entropy,
       vf_coef=cfg.vf_coef, ent_coef=cfg.ent_coef, clip_eps=cfg.clip_eps,
       dual_clip=cfg.dual_clip, value_clip=cfg.value_clip, aggregation=cfg.aggregation,
-      is_weight=weight)
+      max_len=r.mask.shape[1], is_weight=weight)  # seq_mean_token_sum_norm's constant: R
   return loss, {**metrics, **tis}
 
 

@@ -213,7 +213,8 @@ def test_metrics_have_trl_names_and_sane_values(fused_run):
   assert 0 <= first["val/num_stopped"] <= 16
 
 
-@pytest.mark.parametrize("aggregation", ["token_mean", "seq_mean"])
+@pytest.mark.parametrize("aggregation",
+                         ["token_mean", "seq_mean", "seq_mean_token_sum_norm"])
 def test_gradient_accumulation_is_exact(aggregation):
   """The sum of K weighted micro-batch gradients is the minibatch gradient (ragged masks)."""
   from ppojax import step as step_lib  # pylint: disable=import-outside-toplevel

@@ -231,3 +231,9 @@ def test_loss_options_in_range_and_traced_values_pass():
   # Under jit the values are tracers: not checked (and not an error), whatever they hold.
   loss = jax.jit(lambda c: losses.policy_loss(x, x, x, m, dual_clip=c)[0])(jnp.float32(0.5))
   assert float(loss) == 0.0
+
+
+def test_aggregation_choices_are_the_ones_ops_knows():
+  """config's accepted ppo.aggregation values are exactly ops.aggregate's modes."""
+  from ppojax import config as config_lib, ops  # pylint: disable=import-outside-toplevel
+  assert tuple(config_lib.CHOICES["ppo.aggregation"]) == ops.AGGREGATIONS
