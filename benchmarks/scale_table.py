@@ -29,6 +29,7 @@ TOPOLOGIES = ("v5e:2x2", "v5e:2x4", "v5e:4x4", "v4:2x2x2", "v5p:2x2x2")
 EXTRA = (
     ("qwen2_5_7b", "v5p:2x2x1", ()),
     ("llama3_1_8b", "v5e:4x8", ()),
+    ("qwen2_5_7b", "v5e:4x8", ()),
     ("qwen2_5_0_5b", "v5e:2x4", ("--config.ppo.grad_accum=2",)),
     ("qwen2_5_0_5b", "v5e:2x4", ("--config.ppo.grad_accum=4",)),
     ("qwen2_5_0_5b", "v5e:2x4", ("--config.ppo.num_minibatches=4",)),

@@ -92,29 +92,38 @@ class Compiled(NamedTuple):
   compiled: Any  # jax.stages.Compiled, or None when the compiler ran out of HBM
   run: runner.Run
   seconds: float
-  # when out of HBM: (the temporaries' bytes, the device's available bytes) the compiler named
-  out_of_memory: tuple[int, int] | None = None
+  # when out of HBM: what the compiler's message named (``OutOfMemory``)
+  out_of_memory: OutOfMemory | None = None
 
 
-# XLA:TPU refuses a program whose temporaries exceed the HBM, with this message.
-# XLA:TPU's two out-of-memory messages: (temporaries, HBM) from either
+class OutOfMemory(NamedTuple):
+  """What XLA:TPU's out-of-memory error names, in bytes: the program's temporaries, the
+  device's HBM, and (second message only) the total it would have used."""
+
+  temp: int
+  hbm: int
+  used: int | None = None
+
+
+# XLA:TPU's two out-of-memory messages: temporaries and HBM from either, the total from one
 _OOM_TEMPS = re.compile(r"HLO temporaries \(([\d.]+)([KMGT])\) exceeds available HBM "
                         r"\(([\d.]+)([KMGT])\)")
-_OOM_USED = re.compile(r"Used [\d.]+[KMGT] of ([\d.]+)([KMGT]) hbm")
+_OOM_USED = re.compile(r"Used ([\d.]+)([KMGT]) of ([\d.]+)([KMGT]) hbm")
 _OOM_TEMP = re.compile(r"HLO temp\s+([\d.]+)([KMGT])")
 
 
-def parse_out_of_memory(message: str) -> tuple[int, int] | None:
-  """(temporaries, HBM) in bytes from XLA:TPU's out-of-memory error, or None if it is not one:
+def parse_out_of_memory(message: str) -> OutOfMemory | None:
+  """What XLA:TPU's out-of-memory error names (``OutOfMemory``), or None if it is not one:
   "... HLO temporaries (18.04G) exceeds available HBM (15.75G)" (temporaries alone too big) or
   "Ran out of memory in memory space hbm. Used 15.84G of 15.75G hbm. ... HLO temp 5.26G ..."
   (arguments and program together)."""
   found = _OOM_TEMPS.search(message)
   if found:
-    return _bytes(*found.group(1, 2)), _bytes(*found.group(3, 4))
+    return OutOfMemory(_bytes(*found.group(1, 2)), _bytes(*found.group(3, 4)))
   used, temp = _OOM_USED.search(message), _OOM_TEMP.search(message)
   if used and temp:
-    return _bytes(*temp.group(1, 2)), _bytes(*used.group(1, 2))
+    return OutOfMemory(_bytes(*temp.group(1, 2)), _bytes(*used.group(3, 4)),
+                       _bytes(*used.group(1, 2)))
   return None
 
 
@@ -184,10 +193,12 @@ def report(config, topology: str, result: Compiled) -> dict[str, Any]:
              mem.alias_size_in_bytes)
     hbm = chip["hbm_bytes"]
   else:  # the compiler stopped: arguments from the shapes, temporaries from its message
-    temp, hbm = result.out_of_memory
-    arguments = _param_bytes((run.state, run.frozen))[2]
-    sizes = (arguments, None, temp, None)
+    oom = result.out_of_memory
+    hbm = oom.hbm
+    sizes = (_param_bytes((run.state, run.frozen))[2], None, oom.temp, None)
   per_device = sizes[0] + (sizes[1] or 0) + sizes[2] - (sizes[3] or 0)
+  if result.out_of_memory is not None and result.out_of_memory.used is not None:
+    per_device = result.out_of_memory.used  # the compiler's own total
   total_flops = iteration_flops(config, run.policy.cfg)
   seconds_40 = None if not chip["peak_flops"] else (
       total_flops / (0.4 * chip["peak_flops"] * len(devices)))
@@ -199,9 +210,11 @@ def report(config, topology: str, result: Compiled) -> dict[str, Any]:
       "remat": bool(config.model.remat), "compile_seconds": round(result.seconds, 1),
       "argument_bytes": sizes[0], "output_bytes": sizes[1], "temp_bytes": sizes[2],
       "alias_bytes": sizes[3], "per_device_bytes": per_device, "hbm_bytes_per_device": hbm,
-      "fits": None if hbm is None else per_device <= hbm,
-      # out of memory: the compiler stopped and named only its temporaries; per_device_bytes
-      # is then the state's shards plus those (outputs, aliasing unknown)
+      # a program the compiler refused does not fit, whatever the estimate below says
+      "fits": None if hbm is None else (result.out_of_memory is None and per_device <= hbm),
+      # out of memory: the compiler stopped; per_device_bytes is then the total it named, or
+      # where it named only its temporaries, the state's shards plus those (outputs and
+      # aliasing unknown)
       "compiler_out_of_memory": result.out_of_memory is not None,
       "param_bytes_total": total_bytes, "param_bytes_per_device": device_bytes,
       "param_shard_ratio": round(device_bytes / (total_bytes / len(devices)), 3),

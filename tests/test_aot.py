@@ -116,11 +116,24 @@ def test_both_out_of_memory_messages_parse():
   g = 2**30
   temps = ("RESOURCE_EXHAUSTED: Ran out of memory on HBM, the total memory required for HLO "
            "temporaries (18.04G) exceeds available HBM (15.75G).")
-  assert aot.parse_out_of_memory(temps) == (int(18.04 * g), int(15.75 * g))
+  assert aot.parse_out_of_memory(temps) == (int(18.04 * g), int(15.75 * g), None)
   used = ("RESOURCE_EXHAUSTED: E1000: CompileTimeHbmOom: XLA:TPU compile permanent error. Ran "
           "out of memory in memory space hbm. Used 15.84G of 15.75G hbm. Exceeded hbm capacity "
           "by 91.46M.\n\nTotal hbm usage >= 16.09G:\n    reserved        258.00M \n    program"
           "           5.36G \n    arguments        10.48G \n\nProgram hbm requirement 5.36G:\n"
           "    global            4.66M\n    HLO temp          5.26G (100.0% utilization)")
-  assert aot.parse_out_of_memory(used) == (int(5.26 * g), int(15.75 * g))
+  assert aot.parse_out_of_memory(used) == (int(5.26 * g), int(15.75 * g), int(15.84 * g))
   assert aot.parse_out_of_memory("INVALID_ARGUMENT: something else") is None
+
+
+def test_a_refused_compile_never_fits():
+  """When XLA:TPU refuses the program, the report says it does not fit, whatever the estimate
+  from the shapes says, and takes the compiler's own total where its message names one."""
+  config = runner.load_config(SCALE + ":tiny")
+  run = runner.build(config, devices=jax.devices()[:1], abstract=True)
+  g = 2**30
+  for oom, per_device in ((aot.OutOfMemory(1, 16 * g, 16 * g + 1), 16 * g + 1),
+                          (aot.OutOfMemory(1, 16 * g), None)):
+    r = aot.report(config, "v5e:2x4", aot.Compiled(None, run, 1.0, oom))
+    assert r["compiler_out_of_memory"] and r["fits"] is False  # the estimate alone would fit
+    assert r["per_device_bytes"] == (per_device or r["argument_bytes"] + 1)
