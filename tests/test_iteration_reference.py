@@ -21,6 +21,7 @@ mis-wired twins below must fail the same check.
 
 from __future__ import annotations
 
+import functools
 import pathlib
 
 import jax
@@ -85,6 +86,7 @@ def _whole_rows(r):
   return tokens, mask, positions
 
 
+@functools.partial(jax.jit, static_argnums=(0, 3, 4))
 def _policy_outputs(policy, params, rows, n_resp: int, temperature: float):
   """(log π_T(response_t), H_T at t) [B, R] in JAX float32, differentiable in ``params``."""
   tokens, mask, positions = rows
@@ -96,6 +98,7 @@ def _policy_outputs(policy, params, rows, n_resp: int, temperature: float):
   return logp, entropy
 
 
+@functools.partial(jax.jit, static_argnums=(0, 3))
 def _values(critic, params, rows, n_resp: int):
   tokens, mask, positions = rows
   out, _ = critic.apply({"params": params}, tokens, positions, mask)
@@ -104,11 +107,22 @@ def _values(critic, params, rows, n_resp: int):
 
 def _np_logp(policy, params, rows, responses, temperature):
   """log π_T(response_t) from the logits in float64 NumPy (reference.selective_log_softmax)."""
-  tokens, mask, positions = rows
-  logits, _ = policy.apply({"params": params}, tokens, positions, mask)
   n = responses.shape[1]
+  logits = _logits(policy, params, rows)
   return ref.selective_log_softmax(np.asarray(logits[:, -n - 1:-1], np.float64), responses,
                                    temperature)
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _logits(policy, params, rows):
+  tokens, mask, positions = rows
+  return policy.apply({"params": params}, tokens, positions, mask)[0]
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1, 5))
+def _pullback(fn, model, params, rows, cotangent, static):
+  """∂⟨cotangent, fn(model, params, rows, *static)⟩/∂params (one jitted VJP)."""
+  return jax.vjp(lambda p: fn(model, p, rows, *static), params)[1](cotangent)[0]
 
 
 def reference_iteration(run, config, state, r):
@@ -143,10 +157,8 @@ def reference_iteration(run, config, state, r):
   actor, critic_params, steps = state.actor, state.critic, []
   for idx in (p[j * n:(j + 1) * n] for p in perms for j in range(m)):
     sub = tuple(x[idx] for x in rows)
-    (logp, entropy), actor_vjp = jax.vjp(
-        lambda a, sub=sub: _policy_outputs(policy, a, sub, n_resp, temperature), actor)
-    values, critic_vjp = jax.vjp(lambda c, sub=sub: _values(critic, c, sub, n_resp),
-                                 critic_params)
+    logp, entropy = _policy_outputs(policy, actor, sub, n_resp, temperature)
+    values = _values(critic, critic_params, sub, n_resp)
     args = (np.asarray(logp, np.float64), old_logp[idx], adv[idx])
     _, metrics = ref.ppo_loss(*args, np.asarray(values, np.float64), old_values[idx],
                               ret[idx], mask[idx], np.asarray(entropy, np.float64),
@@ -157,8 +169,10 @@ def reference_iteration(run, config, state, r):
                                     mask[idx], ppo.value_clip, ppo.aggregation)
     d_entropy = -ppo.ent_coef * ref.aggregate_weights(mask[idx], ppo.aggregation)
     f32 = lambda x: jnp.asarray(x, jnp.float32)  # noqa: E731
-    g_actor = actor_vjp((f32(d_logp), f32(d_entropy)))[0]
-    g_critic = critic_vjp(f32(ppo.vf_coef * d_values))[0]
+    g_actor = _pullback(_policy_outputs.__wrapped__, policy, actor, sub,
+                        (f32(d_logp), f32(d_entropy)), (n_resp, temperature))
+    g_critic = _pullback(_values.__wrapped__, critic, critic_params, sub,
+                         f32(ppo.vf_coef * d_values), (n_resp,))
     # a variance does not add up over micro-batches: the step's val/ratio_token_var is the
     # token-weighted mean of its K micro-batches' variances (micro-batch k: rows k·n/K ...)
     ratio = np.exp(args[0] - args[1])
