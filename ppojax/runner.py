@@ -372,9 +372,10 @@ def run(config, workdir: str | None = None, stop_after: int | None = None) -> Re
   With a ``workdir``: resumes from its latest complete checkpoint if it comes from the same
   config and data (else ``resume.ResumeError``; a corrupt one falls back to the one before it,
   ``ppojax.resume``), writes metrics.jsonl, TensorBoard events, samples.jsonl, curves.png,
-  checkpoints/ and, at the end, policy/ (the trained policy in Hugging Face format). ``stop_after``: stop (with a checkpoint) after that
-  iteration, as an interrupted run would; running again resumes. A task with held-out prompts
-  is evaluated greedily before the first and after the last iteration (eval.json).
+  checkpoints/ and, at the end, policy/ (the trained policy in Hugging Face format).
+  ``stop_after``: stop (with a checkpoint) after that iteration, as an interrupted run would;
+  running again resumes. A task with held-out prompts is evaluated greedily before the first and
+  after the last iteration (eval.json).
 
   Faults: SIGTERM or SIGINT (Ctrl-C) stops the run after the current iteration with a
   checkpoint, and ``run`` returns normally; a second one aborts the process at once (exit code
