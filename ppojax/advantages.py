@@ -128,8 +128,8 @@ def reinforce_pp(rewards: Array, mask: Array, gamma: float | Array = 1.0, *, eps
 
 
 def _groups(scores: Array, mask: Array, group_size: int) -> tuple[Array, Array]:
-  """scores [N] as [N/n, n] float32 groups, and per group whether it is degenerate [N/n, 1]
-  (all scores equal, which includes n = 1)."""
+  """scores [N] as [N/n, n] float32 groups centred on their means (r_i − mean_j r_j), and per
+  group whether it is degenerate [N/n, 1] (all scores equal, which includes n = 1)."""
   chex.assert_rank([scores, mask], [1, 2])
   chex.assert_equal_shape_prefix([scores, mask], 1)
   if not isinstance(group_size, (int, np.integer)) or group_size < 1:
@@ -139,7 +139,7 @@ def _groups(scores: Array, mask: Array, group_size: int) -> tuple[Array, Array]:
                      "give B·n rows, the n samples of each prompt next to each other")
   groups = scores.astype(jnp.float32).reshape(-1, group_size)
   degenerate = jnp.max(groups, axis=1, keepdims=True) == jnp.min(groups, axis=1, keepdims=True)
-  return groups, degenerate
+  return groups - jnp.mean(groups, axis=1, keepdims=True), degenerate
 
 
 def _per_token(seq_adv: Array, degenerate: Array, mask: Array) -> Array:
@@ -166,8 +166,7 @@ def grpo(scores: Array, mask: Array, group_size: int, *, eps: float = 1e-6
   Returns:
     (advantages [N, T] float32, None): no critic target.
   """
-  groups, degenerate = _groups(scores, mask, group_size)
-  centred = groups - jnp.mean(groups, axis=1, keepdims=True)
+  centred, degenerate = _groups(scores, mask, group_size)
   ss = jnp.sum(jnp.square(centred), axis=1, keepdims=True)
   std = jnp.sqrt(ss / max(group_size - 1, 1))
   return _per_token(centred / (std + eps), degenerate, mask), None
@@ -185,8 +184,7 @@ def dr_grpo(scores: Array, mask: Array, group_size: int) -> tuple[Array, None]:
 
   Args, Returns: as ``grpo``.
   """
-  groups, degenerate = _groups(scores, mask, group_size)
-  centred = groups - jnp.mean(groups, axis=1, keepdims=True)
+  centred, degenerate = _groups(scores, mask, group_size)
   return _per_token(centred, degenerate, mask), None
 
 
@@ -203,8 +201,7 @@ def rloo(scores: Array, mask: Array, group_size: int) -> tuple[Array, None]:
 
   Args, Returns: as ``grpo``.
   """
-  groups, degenerate = _groups(scores, mask, group_size)
-  centred = groups - jnp.mean(groups, axis=1, keepdims=True)
+  centred, degenerate = _groups(scores, mask, group_size)
   scale = group_size / (group_size - 1) if group_size > 1 else 0.0
   return _per_token(scale * centred, degenerate, mask), None
 

@@ -192,13 +192,13 @@ def report(config, topology: str, result: Compiled) -> dict[str, Any]:
     sizes = (mem.argument_size_in_bytes, mem.output_size_in_bytes, mem.temp_size_in_bytes,
              mem.alias_size_in_bytes)
     hbm = chip["hbm_bytes"]
+    per_device = sizes[0] + sizes[1] + sizes[2] - sizes[3]
   else:  # the compiler stopped: arguments from the shapes, temporaries from its message
     oom = result.out_of_memory
     hbm = oom.hbm
     sizes = (_param_bytes((run.state, run.frozen))[2], None, oom.temp, None)
-  per_device = sizes[0] + (sizes[1] or 0) + sizes[2] - (sizes[3] or 0)
-  if result.out_of_memory is not None and result.out_of_memory.used is not None:
-    per_device = result.out_of_memory.used  # the compiler's own total
+    # the compiler's own total where its message names one
+    per_device = oom.used if oom.used is not None else sizes[0] + oom.temp
   total_flops = iteration_flops(config, run.policy.cfg)
   seconds_40 = None if not chip["peak_flops"] else (
       total_flops / (0.4 * chip["peak_flops"] * len(devices)))

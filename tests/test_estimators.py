@@ -213,6 +213,12 @@ def _seq(adv):
   return np.asarray(adv)[:, 0]
 
 
+def _group_rows(scores, name, n):
+  """Estimator ``name``'s sequence advantages as [N/n, n] groups (a one-token full mask)."""
+  full = jnp.ones((scores.size, 1), bool)
+  return _seq(_group(jnp.asarray(scores), full, name, n)).reshape(-1, n)
+
+
 @SETTINGS
 @given(case=grouped(), name=st.sampled_from(sorted(GROUP_FNS)))
 def test_degenerate_groups_are_exactly_zero_never_nan(case, name):
@@ -243,8 +249,7 @@ def test_group_advantage_is_per_sequence_and_ignores_the_mask(case, name):
 @given(case=grouped(sizes=(2, 3, 4, 8)))
 def test_grpo_groups_have_mean_zero_and_unit_std(case):
   scores, _, n = case
-  full = jnp.ones((scores.size, 1), bool)
-  adv = _seq(_group(jnp.asarray(scores), full, "grpo", n)).reshape(-1, n)
+  adv = _group_rows(scores, "grpo", n)
   groups = scores.astype(np.float64).reshape(-1, n)
   for a, g in zip(adv, groups):
     std = g.std(ddof=1)
@@ -257,8 +262,7 @@ def test_grpo_groups_have_mean_zero_and_unit_std(case):
 @given(case=grouped(sizes=(2, 3, 4, 8)))
 def test_rloo_groups_sum_to_zero(case):
   scores, _, n = case
-  full = jnp.ones((scores.size, 1), bool)
-  adv = _seq(_group(jnp.asarray(scores), full, "rloo", n)).reshape(-1, n)
+  adv = _group_rows(scores, "rloo", n)
   scale = np.abs(scores).max() + 1.0
   np.testing.assert_allclose(adv.sum(axis=1), 0.0, atol=1e-5 * n * scale)
 
