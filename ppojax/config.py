@@ -17,10 +17,15 @@ import ml_collections
 from ml_collections import config_dict
 import numpy as np
 
+from ppojax import advantages, algorithms, kl, ops
+
 
 def defaults() -> ml_collections.ConfigDict:
   c = ml_collections.ConfigDict()
   c.seed = 0
+  # ppo, grpo, dr_grpo, rloo or reinforce_pp (ppojax/algorithms.py): the defaults of
+  # ppo.estimator, ppo.kl_in, ppo.aggregation and ppo.kl_estimator (each left "" below)
+  c.algorithm = "ppo"
   c.num_iterations = 100
   c.log_every = 1
   c.sample_every = 10  # print a table of sample generations (0: never)
@@ -97,6 +102,9 @@ def defaults() -> ml_collections.ConfigDict:
   c.sampling.top_k = 0
   c.sampling.top_p = 1.0
   c.sampling.min_new_tokens = 0  # stop tokens are banned before this many tokens
+  # responses sampled per prompt (a group, one prefill): ppo.batch_size prompts give
+  # batch_size × n responses per iteration; the group estimators (grpo, dr_grpo, rloo) need n >= 2
+  c.sampling.num_samples_per_prompt = 1
   # the sampler's compute dtype ("": model.dtype), e.g. "bfloat16" sampling for a float32
   # learner: "rollout/logp_mismatch" reports the log-prob gap, ppo.tis_cap corrects for it
   c.sampling.dtype = ""
@@ -106,7 +114,12 @@ def defaults() -> ml_collections.ConfigDict:
   c.sampling.pad_id = config_dict.placeholder(int)
 
   c.ppo = ml_collections.ConfigDict()
-  c.ppo.batch_size = 64  # prompts (= responses) per iteration
+  c.ppo.batch_size = 64  # prompts per iteration (× sampling.num_samples_per_prompt responses)
+  # "" below: the algorithm's (ppojax/algorithms.py)
+  # the advantage estimator (ppojax/advantages.py ESTIMATORS): gae (with a critic), grpo,
+  # dr_grpo, rloo, reinforce_pp (no critic: none is allocated)
+  c.ppo.estimator = ""
+  c.ppo.kl_in = ""  # the KL penalty β·KL as a reward ("reward", PPO) or a loss term ("loss", GRPO)
   c.ppo.num_epochs = 1
   c.ppo.num_minibatches = 1
   c.ppo.grad_accum = 1  # micro-batches per minibatch (gradients summed exactly)
@@ -125,8 +138,8 @@ def defaults() -> ml_collections.ConfigDict:
   c.ppo.value_clip = 0.2
   c.ppo.vf_coef = 0.1
   c.ppo.ent_coef = 0.0
-  c.ppo.kl_coef = 0.05
-  c.ppo.kl_estimator = "k1"
+  c.ppo.kl_coef = 0.05  # β; 0 (and no adaptive_kl): no KL, and no reference model is held
+  c.ppo.kl_estimator = ""  # k1 (kl), k2 (mse), k3, abs, clamp (ppojax/kl.py)
   c.ppo.adaptive_kl = False
   c.ppo.target_kl = 6.0
   c.ppo.kl_horizon = 10000.0
@@ -134,7 +147,8 @@ def defaults() -> ml_collections.ConfigDict:
   c.ppo.missing_stop_penalty = 0.0
   c.ppo.whiten_rewards = False
   c.ppo.whiten_advantages = True
-  # How token losses become one loss (ops.aggregate): "token_mean" (over all response tokens),
+  # How token losses become one loss (ops.aggregate), "" the algorithm's: "token_mean" (over all
+  # response tokens),
   # "seq_mean_token_mean" (= "seq_mean": each sequence's token mean, then the mean over
   # sequences; GRPO's original) or "seq_mean_token_sum_norm" (token sums over the constant
   # sampling.max_new_tokens, then the mean over sequences; Dr. GRPO)
@@ -227,14 +241,16 @@ def supervised_defaults() -> ml_collections.ConfigDict:
 
 FREE_FORM = ("eval.metrics",)  # sections whose keys are the user's names
 CHOICES = {
+    "algorithm": tuple(algorithms.ALGORITHMS),
+    "ppo.estimator": ("", *advantages.ESTIMATORS),
+    "ppo.kl_in": ("", *algorithms.KL_PLACEMENTS),
     "reward.kind": ("jax", "python", "text", "model"),
     "model.critic_init": ("auto", "reward", "policy"),
     "data.task": ("count", "arith", "file"),
     "data.truncate": ("left", "error"),
-    "ppo.aggregation": ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm",
-                        "seq_mean"),  # ops.AGGREGATIONS
+    "ppo.aggregation": ("", *ops.AGGREGATIONS),
     "ppo.old_logprobs": ("recompute", "sampler"),
-    "ppo.kl_estimator": ("k1", "kl", "k2", "mse", "k3", "abs", "clamp"),
+    "ppo.kl_estimator": ("", *kl.KL_ESTIMATORS),
     "model.dtype": ("float32", "bfloat16", "float16"),
     "model.remat_policy": ("nothing", "dots", "dots_no_batch"),
     "model.frozen_dtype": ("", "float32", "bfloat16", "float16"),
@@ -301,15 +317,21 @@ def check_sizes(config: ml_collections.ConfigDict, num_devices: int,
   for name in ("batch_size", "num_minibatches", "grad_accum", "num_epochs"):
     if ppo[name] < 1:
       raise ConfigError(f"ppo.{name}={ppo[name]} must be >= 1")
+  n = config.sampling.get("num_samples_per_prompt", 1)
+  if n < 1:
+    raise ConfigError(f"sampling.num_samples_per_prompt={n} must be >= 1")
+  rows = rollout_rows(config)
+  batch = (f"ppo.batch_size={ppo.batch_size}" if n == 1 else
+           f"ppo.batch_size × sampling.num_samples_per_prompt = {ppo.batch_size} × {n} = {rows}")
   per_step = ppo.num_minibatches * ppo.grad_accum
-  if ppo.batch_size % per_step:
+  if rows % per_step:
     raise ConfigError(
-        f"ppo.batch_size={ppo.batch_size} is not divisible by ppo.num_minibatches × "
+        f"{batch} is not divisible by ppo.num_minibatches × "
         f"ppo.grad_accum = {ppo.num_minibatches} × {ppo.grad_accum}; change one of them")
   k = ppo.get("forward_micro_batches", 0)
-  if k < 0 or (k and ppo.batch_size % k):
+  if k < 0 or (k and rows % k):
     raise ConfigError(f"ppo.forward_micro_batches={k} must be 0 (automatic) or a divisor of "
-                      f"ppo.batch_size={ppo.batch_size}")
+                      f"{batch}")
   if ppo.get("tis_cap") is not None and ppo.tis_cap <= 0:
     raise ConfigError(f"ppo.tis_cap={ppo.tis_cap} must be > 0 (about 2 is usual), or None")
   shape = list(config.mesh.shape)
@@ -323,15 +345,15 @@ def check_sizes(config: ml_collections.ConfigDict, num_devices: int,
   if -1 in shape:
     shape[shape.index(-1)] = num_devices // known
   data_parallel = shape[0] * shape[1]
-  if ppo.batch_size % (ppo.num_minibatches * data_parallel):
+  if rows % (ppo.num_minibatches * data_parallel):
     raise ConfigError(
-        f"ppo.batch_size={ppo.batch_size} is not divisible by ppo.num_minibatches × "
+        f"{batch} is not divisible by ppo.num_minibatches × "
         f"data-parallel devices = {ppo.num_minibatches} × {data_parallel} (mesh data × fsdp = "
         f"{shape[0]} × {shape[1]}): every minibatch must split evenly over the devices")
-  if k and ppo.batch_size % (k * data_parallel):
+  if k and rows % (k * data_parallel):
     raise ConfigError(
-        f"ppo.forward_micro_batches={k}: {ppo.batch_size // k} rows per part do not split over "
-        f"the {data_parallel} data-parallel devices; choose a k with batch_size divisible by "
+        f"ppo.forward_micro_batches={k}: {rows // k} rows per part do not split over "
+        f"the {data_parallel} data-parallel devices; choose a k with {rows} rows divisible by "
         f"k × {data_parallel}")
   if config.sampling.max_new_tokens < 1:
     raise ConfigError(f"sampling.max_new_tokens={config.sampling.max_new_tokens} must be >= 1")
@@ -400,6 +422,22 @@ def check_packages(config: ml_collections.ConfigDict) -> None:
                       "leave wandb_project empty")
 
 
+def rollout_rows(config) -> int:
+  """Responses per iteration: ppo.batch_size prompts × sampling.num_samples_per_prompt."""
+  return config.ppo.batch_size * config.sampling.get("num_samples_per_prompt", 1)
+
+
+def check_algorithm(config: ml_collections.ConfigDict) -> None:
+  """The algorithm's resolved choices fit together: a group estimator has groups to compare."""
+  ppo = algorithms.resolve(config).ppo
+  n = config.sampling.get("num_samples_per_prompt", 1)
+  if ppo.estimator in ("grpo", "dr_grpo", "rloo") and n < 2:
+    raise ConfigError(
+        f"ppo.estimator={ppo.estimator!r} (algorithm {config.algorithm!r}) compares the samples "
+        f"of a prompt, but sampling.num_samples_per_prompt={n}: every advantage would be 0. "
+        "Set --config.sampling.num_samples_per_prompt=4 (or more), or another estimator")
+
+
 def prompt_length(config) -> int:
   """Prompt tokens per row: the compiled step's static P."""
   return config.data.prompt_len if config.data.task == "count" else config.data.max_prompt_len
@@ -411,5 +449,6 @@ def validate(config: ml_collections.ConfigDict, num_devices: int,
   check_names_and_types(config)
   check_choices(config)
   check_ranges(config)
+  check_algorithm(config)
   check_sizes(config, num_devices, context_length)
   check_packages(config)

@@ -24,8 +24,8 @@ from ppojax.sources import call_text_fn, decode_text
 
 
 def greedy(sampling: SamplingConfig, max_new_tokens: int | None = None) -> SamplingConfig:
-  """The same stop tokens and length limit, decoded greedily."""
-  return dataclasses.replace(sampling, greedy=True, top_k=0, top_p=1.0, min_p=0.0,
+  """The same stop tokens and length limit, decoded greedily, one completion per prompt."""
+  return dataclasses.replace(sampling, greedy=True, top_k=0, top_p=1.0, min_p=0.0, num_samples=1,
                              max_new_tokens=max_new_tokens or sampling.max_new_tokens)
 
 

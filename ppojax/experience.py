@@ -1,11 +1,15 @@
-"""Rollout → experience: everything PPO computes once per iteration, without gradients.
+"""Rollout → experience: everything the step computes once per iteration, without gradients.
 
-    responses           = generate(policy, prompts)                    [B, R]
-    old_logp, ref_logp  = log π_T(response | prefix) under actor / reference
-    old_values          = V(s_t), the critic at the position before each response token
+    responses           = generate(policy, prompts), n per prompt      [B·n, R]
+    old_logp, ref_logp  = log π_T(response | prefix) under actor / reference (no reference:
+                          None, and KL ≡ 0)
+    old_values          = V(s_t), the critic at the position before each response token (no
+                          critic: None)
     scores              = reward model at the last response token, or a reward function
-    rewards             = −β·KL_t (+ score on the last response token)
-    advantages, returns = GAE over the response mask (whitened advantages)
+    rewards             = −β·KL_t (+ score on the last response token); β = 0 here when the
+                          KL goes into the loss instead
+    advantages, returns = the estimator's (``ppo.estimator``: GAE, GRPO, …; returns None
+                          without a critic)
 
 A prompt + response sequence is scored in one forward pass over [B, P + R] tokens: the logits at
 position P − 1 + t predict response token t, and the critic's output there is V(s_t) (the
@@ -30,6 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ppojax import advantages as adv_lib
+from ppojax import kl as kl_lib
 from ppojax import ops, rewards
 from ppojax.models.transformer import positions_from_mask
 from ppojax.sampling import SamplingConfig, generate
@@ -95,7 +100,9 @@ class Experience(NamedTuple):
 
   rollout: Rollout
   advantages: Array
-  returns: Array
+  returns: Array | None  # the critic's regression target (None: no critic)
+  # β of a KL term in the loss (``ppo.kl_in = "loss"``, a scalar); None: no KL in the loss
+  kl_coef: Array | None = None
 
 
 def sequence(prompts: Array, prompt_mask: Array, responses: Array, response_mask: Array,
@@ -221,13 +228,16 @@ def map_rows(fn: Callable, rows: tuple, micro_batches: int = 1, *shared):
   return jax.tree.map(merge, outs)
 
 
-def rollout(policy: nn.Module, critic: nn.Module, actor, ref_actor, critic_params,
+def rollout(policy: nn.Module, critic: nn.Module | None, actor, ref_actor, critic_params,
             prompts: Prompts, key: Array, sampling: SamplingConfig,
             old_logp: str = "recompute", old_values: bool = True,
             sampler: nn.Module | None = None, micro_batches: int = 1) -> Rollout:
   """Sample responses from the actor (with the ``sampler`` module where given: the policy's
   architecture at another compute dtype), then score them with actor, reference and critic,
-  those forward passes in ``micro_batches`` parts (``map_rows``).
+  those forward passes in ``micro_batches`` parts (``map_rows``). ``sampling.num_samples`` = n
+  samples per prompt: the rollout's B·n rows hold prompt i's samples at i·n … i·n + n − 1, each
+  with its prompt. Without a reference (``ref_actor`` None) ``ref_logp`` is None; without a
+  critic (``critic`` None) so are the values.
 
   ``old_logp`` says where log π_old comes from:
 
@@ -247,23 +257,26 @@ def rollout(policy: nn.Module, critic: nn.Module, actor, ref_actor, critic_param
   else:
     rest, rest_mask, _ = without_prefix(prompts.tokens, prompts.mask, prompts.prefix.shape[0])
     gen = generate(sampler, actor, rest, rest_mask, key, sampling, prefix=prompts.prefix)
-  rows = (prompts.tokens, prompts.mask, gen.tokens, gen.mask)
+  n = sampling.num_samples
+  tokens, mask = (prompts.tokens, prompts.mask) if n == 1 else (
+      jnp.repeat(prompts.tokens, n, axis=0), jnp.repeat(prompts.mask, n, axis=0))
+  rows = (tokens, mask, gen.tokens, gen.mask)
 
   def passes(*rows_and_prefix):
     *args, prefix = rows_and_prefix
     logp = lambda params: response_logprobs(  # noqa: E731
         policy, params, *args, sampling.temperature, prefix)
     return {"old": logp(actor) if old_logp == "recompute" else None,
-            "ref": logp(ref_actor),
-            "values": response_values(critic, critic_params, *args, prefix) if old_values
-                      else None}
+            "ref": logp(ref_actor) if ref_actor is not None else None,
+            "values": response_values(critic, critic_params, *args, prefix)
+                      if old_values and critic is not None else None}
 
   out = map_rows(passes, rows, micro_batches, prompts.prefix)
   old = out["old"]  # None with "update"
   if old_logp == "sampler":
     old = gen.logprobs  # 0 off the mask, like the recomputed log-probs
   return Rollout(
-      prompts=prompts.tokens, prompt_mask=prompts.mask, responses=gen.tokens, mask=gen.mask,
+      prompts=tokens, prompt_mask=mask, responses=gen.tokens, mask=gen.mask,
       has_stop=ops.has_stop_token(gen.tokens, sampling.stop_ids),
       old_logp=jax.lax.stop_gradient(old), ref_logp=jax.lax.stop_gradient(out["ref"]),
       old_values=jax.lax.stop_gradient(out["values"]), prefix=prompts.prefix,
@@ -272,24 +285,41 @@ def rollout(policy: nn.Module, critic: nn.Module, actor, ref_actor, critic_param
 
 def take_rows(exp: Experience, idx: Array) -> Experience:
   """The rows ``idx`` of every per-row array of the experience (a shared prefix [C] belongs to
-  every row: it stays whole)."""
+  every row and the loss's KL coefficient to the batch: they stay whole)."""
   prefix = exp.rollout.prefix
-  rows = jax.tree.map(lambda x: x[idx], exp._replace(rollout=exp.rollout._replace(prefix=None)))
-  return rows._replace(rollout=rows.rollout._replace(prefix=prefix))
+  rows = jax.tree.map(lambda x: x[idx], exp._replace(
+      rollout=exp.rollout._replace(prefix=None), kl_coef=None))
+  return rows._replace(rollout=rows.rollout._replace(prefix=prefix), kl_coef=exp.kl_coef)
 
 
-def make_experience(r: Rollout, scores: Array, beta: Array, cfg) -> tuple[Experience, dict]:
-  """Shaped rewards and GAE from a rollout and its sequence scores [B].
+def make_experience(r: Rollout, scores: Array, beta: Array, cfg, group_size: int = 1
+                    ) -> tuple[Experience, dict]:
+  """Rewards and the estimator's advantages from a rollout and its sequence scores [N].
 
-  ``cfg`` (the ``ppo`` config section) supplies kl_estimator, missing_stop_penalty, score_clip,
-  whiten_rewards, gamma, lam and whiten_advantages.
+      r_t = −β_r·KL_t + 1[t = last]·s          (``rewards.shape_rewards``; β_r = β where
+                                               ``cfg.kl_in`` is "reward", else 0)
+      (A, R) = estimator(s_seq = Σ_t r_t, r_t, mask, V_old)   (``advantages.ESTIMATORS``)
+
+  A sequence estimator (GRPO, RLOO, …) reads s_seq, the token estimators (GAE, REINFORCE++)
+  r_t. With ``cfg.kl_in`` "loss" the experience carries β for the loss's KL term. Without a
+  reference (``r.ref_logp`` None) KL ≡ 0.
+
+  ``cfg`` (the resolved ``ppo`` section, ``algorithms.resolve``) supplies estimator, kl_in,
+  kl_estimator, missing_stop_penalty, score_clip, whiten_rewards, gamma, lam and
+  whiten_advantages; ``group_size``: the samples per prompt n (rows i·n … i·n + n − 1 are
+  prompt i's).
   """
+  est = adv_lib.estimator(cfg.estimator)
+  kl_in_loss = cfg.kl_in == "loss"
+  ref_logp = r.old_logp if r.ref_logp is None else r.ref_logp
   token_rewards, metrics = rewards.shape_rewards(
-      scores, r.old_logp, r.ref_logp, r.mask, beta, has_stop=r.has_stop,
+      scores, r.old_logp, ref_logp, r.mask, 0.0 if kl_in_loss else beta, has_stop=r.has_stop,
       kl_estimator=cfg.kl_estimator, score_clip=cfg.score_clip,
       missing_stop_penalty=cfg.missing_stop_penalty, whiten=cfg.whiten_rewards)
-  adv, ret = adv_lib.gae(token_rewards, r.old_values, r.mask, cfg.gamma, cfg.lam,
-                         whiten=cfg.whiten_advantages)
+  inputs = adv_lib.AdvantageInputs(scores=jnp.sum(token_rewards, axis=1), rewards=token_rewards,
+                                   mask=r.mask, values=r.old_values)
+  adv, ret = est.fn(inputs, adv_lib.AdvantageParams(
+      gamma=cfg.gamma, lam=cfg.lam, whiten=cfg.whiten_advantages, group_size=group_size))
   metrics = {f"objective/{k}": v for k, v in metrics.items()}
   lengths = jnp.sum(r.mask, axis=1)
   metrics.update({
@@ -299,9 +329,30 @@ def make_experience(r: Rollout, scores: Array, beta: Array, cfg) -> tuple[Experi
       "objective/scores_raw": jnp.mean(scores.astype(jnp.float32)),
       "val/num_stopped": jnp.sum(r.has_stop),  # responses ending on a stop token
       "val/response_length": jnp.mean(lengths),
-      "val/values_rollout": ops.masked_mean(r.old_values, r.mask),
+      **group_metrics(rewards.adjust_scores(scores, r.has_stop, score_clip=cfg.score_clip,
+                                            missing_stop_penalty=cfg.missing_stop_penalty),
+                      kl_lib.per_token_kl(r.old_logp, ref_logp, cfg.kl_estimator), r.mask,
+                      group_size),
   })
+  if r.old_values is not None:
+    metrics["val/values_rollout"] = ops.masked_mean(r.old_values, r.mask)
   if r.sampler_logp is not None:  # the sampler's log-probs vs the learner's (same params)
     metrics["rollout/logp_mismatch"] = ops.masked_mean(jnp.abs(r.old_logp - r.sampler_logp),
                                                        r.mask)
-  return Experience(r, adv, ret), metrics
+  kl_coef = jnp.asarray(beta, jnp.float32) if kl_in_loss and r.ref_logp is not None else None
+  return Experience(r, adv, ret, kl_coef), metrics
+
+
+def group_metrics(scores: Array, kl: Array, mask: Array, group_size: int) -> dict[str, Array]:
+  """trl GRPOTrainer's names for what it logs: ``reward`` (mean score), ``kl`` (mean per-token
+  KL over response tokens), ``completion_length`` (mean tokens); with groups (n > 1)
+  ``reward_std`` (the mean over groups of the scores' std, Bessel-corrected) and
+  ``frac_reward_zero_std`` (the share of groups whose scores are all equal: no signal)."""
+  out = {"reward": jnp.mean(scores), "kl": ops.masked_mean(kl, mask),
+         "completion_length": jnp.mean(jnp.sum(mask, axis=1).astype(jnp.float32))}
+  if group_size > 1:
+    groups = scores.reshape(-1, group_size)
+    std = jnp.std(groups, axis=1, ddof=1)
+    out.update(reward_std=jnp.mean(std), frac_reward_zero_std=jnp.mean(
+        (jnp.max(groups, axis=1) == jnp.min(groups, axis=1)).astype(jnp.float32)))
+  return out

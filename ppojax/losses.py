@@ -214,9 +214,9 @@ def ppo_loss(
     logp: Array,
     old_logp: Array,
     advantages: Array,
-    values: Array,
-    old_values: Array,
-    returns: Array,
+    values: Array | None,
+    old_values: Array | None,
+    returns: Array | None,
     mask: Array,
     entropy: Array | None = None,
     *,
@@ -230,9 +230,17 @@ def ppo_loss(
     aggregation: str = "token_mean",
     max_len: float | None = None,
     is_weight: Array | None = None,
+    ref_logp: Array | None = None,
+    kl_coef: float | Array = 0.0,
+    kl_estimator: str = "k3",
 ) -> tuple[Array, dict[str, Array]]:
-  """Total PPO loss  L = L_policy + vf_coef·L_value − ent_coef·H (``is_weight``: see
-  ``policy_loss``).
+  """Total PPO loss  L = L_policy + vf_coef·L_value − ent_coef·H + β·agg(KL_t)
+  (``is_weight``: see ``policy_loss``).
+
+  Without a critic (``values`` None: GRPO, RLOO, REINFORCE++) there is no value term and no
+  ``loss/value`` / ``val/*`` metric. With ``ref_logp`` the KL to the reference is a loss term
+  (``kl_loss``: β = ``kl_coef``, estimator ``kl_estimator``; GRPO), reported as ``loss/kl``
+  and ``policy/kl``.
 
   The defaults are trl's (vf_coef 0.1, no entropy bonus, ε = 0.2 for ratio and value clip).
   Metric names follow trl (without its ``_avg`` suffix) where they mean what trl's mean:
@@ -249,22 +257,27 @@ def ppo_loss(
       logp, old_logp, advantages, mask, clip_eps=clip_eps, clip_eps_low=clip_eps_low,
       clip_eps_high=clip_eps_high, dual_clip=dual_clip, aggregation=aggregation,
       max_len=max_len, is_weight=is_weight)
-  vf_loss, vf = value_loss(
-      values, old_values, returns, mask, clip_range=value_clip, aggregation=aggregation,
-      max_len=max_len)
-  total = pg_loss + vf_coef * vf_loss
+  total = pg_loss
   metrics = {
       "loss/policy": pg["loss"],
-      "loss/value": vf["loss"],
       "policy/approxkl_masked": pg["approxkl"],
       "policy/clipfrac": pg["clipfrac"],
       "policy/dual_clipfrac": pg["dual_clipfrac"],
       "val/ratio_masked": pg["ratio"],
       "val/ratio_token_var": pg["ratio_var"],
-      "val/clipfrac": vf["clipfrac"],
-      "val/error": vf["error"],
-      "val/values": vf["values"],
   }
+  if values is not None:
+    vf_loss, vf = value_loss(
+        values, old_values, returns, mask, clip_range=value_clip, aggregation=aggregation,
+        max_len=max_len)
+    total = total + vf_coef * vf_loss
+    metrics.update({"loss/value": vf["loss"], "val/clipfrac": vf["clipfrac"],
+                    "val/error": vf["error"], "val/values": vf["values"]})
+  if ref_logp is not None:
+    kl_term, kl = kl_loss(logp, ref_logp, mask, coef=kl_coef, estimator=kl_estimator,
+                          aggregation=aggregation, max_len=max_len)
+    total = total + kl_term
+    metrics.update({"loss/kl": kl["loss"], "policy/kl": kl["kl"]})
   if entropy is not None:
     ent = entropy_bonus(entropy, mask, aggregation, max_len)
     total = total - ent_coef * ent

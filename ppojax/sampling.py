@@ -30,6 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ppojax import ops
+from ppojax.sharding import shard_rows
 from ppojax.models.transformer import (KVCache, columns_pay_off, fuse_projections, init_cache,
                                        model_rope, positions_from_mask, transpose_kernels,
                                        unstack_layers, with_shared_prefix)
@@ -50,6 +51,9 @@ class SamplingConfig:
   top_p: float = 1.0  # keep the smallest set with probability ≥ top_p (1: off)
   min_p: float = 0.0  # drop tokens with p < min_p · p_max (0: off)
   min_new_tokens: int = 0  # stop tokens are excluded before this many new tokens
+  # samples per prompt: prompt i's n samples are rows i·n … i·n + n − 1 of the output (a
+  # group, contiguous), all decoding from one prefill of the prompt
+  num_samples: int = 1
 
   def __post_init__(self):
     object.__setattr__(self, "stop_ids", tuple(int(i) for i in self.stop_ids))  # hashable
@@ -62,6 +66,9 @@ class SamplingConfig:
                        f"got {self.temperature}")
     if not 0 <= self.min_new_tokens <= self.max_new_tokens:
       raise ValueError(f"need 0 <= min_new_tokens <= max_new_tokens, got {self.min_new_tokens}")
+    if not isinstance(self.num_samples, (int, np.integer)) or self.num_samples < 1:
+      raise ValueError(f"num_samples (samples per prompt) must be an int >= 1, got "
+                       f"{self.num_samples!r}")
     if not 0 < self.top_p <= 1 or not 0 <= self.min_p < 1 or self.top_k < 0:
       raise ValueError(f"need 0 < top_p <= 1, 0 <= min_p < 1, top_k >= 0; got "
                        f"top_p={self.top_p}, min_p={self.min_p}, top_k={self.top_k}")
@@ -266,10 +273,18 @@ def decode_layout(module: nn.Module, params) -> tuple[nn.Module, dict]:
   return module, _cast_floats(params, module.cfg.compute_dtype)
 
 
+def _repeat_rows(tree, n: int, heads: int | None = None):
+  """Every [B, ...] array of ``tree`` with each row repeated n times, [B·n, ...] (row i's copies
+  at i·n … i·n + n − 1), the rows over the mesh's batch axes and dimension ``heads`` (a KV
+  cache's) over "tensor" (``sharding.shard_rows``)."""
+  return jax.tree.map(lambda x: shard_rows(jnp.repeat(x, n, axis=0), tensor_dim=heads), tree)
+
+
 @functools.partial(jax.jit, static_argnames=("module", "config"))
 def generate(module: nn.Module, params, prompts: Array, prompt_mask: Array, key: Array,
              config: SamplingConfig, prefix: Array | None = None) -> Generation:
-  """Sample up to ``config.max_new_tokens`` tokens after left-padded ``prompts`` [B, P].
+  """Sample up to ``config.max_new_tokens`` tokens after left-padded ``prompts`` [B, P]:
+  ``config.num_samples`` = n samples of each, [B·n, R], prompt i's in rows i·n … i·n + n − 1.
 
   Args:
     module: a ``CausalLM`` (its ``cfg`` sizes the KV cache). Decoding always runs in
@@ -285,9 +300,13 @@ def generate(module: nn.Module, params, prompts: Array, prompt_mask: Array, key:
       them with one matmul over all rows. Not for models with sliding attention windows.
 
   The prefill's logits give token 0; each loop step feeds token t − 1 and samples token t, so
-  the last token costs no forward pass.
+  the last token costs no forward pass. With n > 1 the prefill runs once per prompt; its cache
+  rows and last logits are then repeated n times (``_repeat_rows``) and the n samples of a
+  prompt differ from their first token on (each row draws its own noise).
   """
-  batch, prompt_len = prompts.shape
+  n = config.num_samples
+  prompt_rows, prompt_len = prompts.shape
+  batch = prompt_rows * n
   length = config.max_new_tokens
   if prefix is not None and prefix.ndim != 1:
     raise ValueError(f"prefix must be one row of token ids [C], got shape {prefix.shape}")
@@ -298,8 +317,8 @@ def generate(module: nn.Module, params, prompts: Array, prompt_mask: Array, key:
 
   # the last token is sampled but never fed back: P + R − 1 cache slots
   slots = prompt_len + length - 1
-  kv_mask = jnp.zeros((batch, slots), jnp.bool_).at[:, :prompt_len].set(prompt_mask)
-  cache = init_cache(module.cfg, batch, slots)
+  kv_mask = jnp.zeros((prompt_rows, slots), jnp.bool_).at[:, :prompt_len].set(prompt_mask)
+  cache = init_cache(module.cfg, prompt_rows, slots)
   if shared:
     cache = _shared_prefix_cache(apply, module.cfg, prefix.astype(jnp.int32), cache,
                                  shared + slots)
@@ -308,6 +327,10 @@ def generate(module: nn.Module, params, prompts: Array, prompt_mask: Array, key:
   logits, cache = apply(prompts, prompt_positions, kv_mask, cache, 0, last_only=True,
                         rope=model_rope(module.cfg, prompt_positions, shared + slots))
   first_position = shared + jnp.sum(prompt_mask, axis=1, dtype=jnp.int32)  # first new token
+  if n > 1:  # each prompt's prefill serves its n samples
+    logits, kv_mask, first_position = _repeat_rows((logits, kv_mask, first_position), n)
+    cache = cache._replace(k=_repeat_rows(cache.k, n, heads=1),
+                           v=_repeat_rows(cache.v, n, heads=1))
   stop_ids = jnp.asarray(config.stop_ids, jnp.int32)
   is_stop_id = jnp.isin(jnp.arange(logits.shape[-1]), stop_ids)  # [V]
 

@@ -1,9 +1,12 @@
-"""The PPO iteration over a ``TrainState``, composed from pure functions and compiled.
+"""The RL iteration over a ``TrainState``, composed from pure functions and compiled: PPO and
+its critic-free cousins (GRPO, Dr. GRPO, RLOO, REINFORCE++) are the same step with another
+estimator, KL placement and aggregation (``ppojax.algorithms``), read from the config once.
 
     key → k_sample, k_update
-    rollout    = sample responses, old / ref log-probs, values        (experience.rollout)
+    rollout    = sample n responses per prompt, old / ref log-probs, values (experience.rollout)
     scores     = reward model, JAX reward function, or Python reward function
-    experience = −β·KL_t shaping (+ score on the last token), GAE     (experience.make_experience)
+    experience = −β·KL_t shaping (+ score on the last token), the estimator's advantages
+                 (GAE, group-relative, …)                         (experience.make_experience)
     update     = E epochs × M shuffled minibatches (lax.scan), each the sum of K micro-batch
                  gradients (lax.scan), clipped by global norm, Adam with warmup + decay
                  (E·M·K = 1: one step at the rollout's params, whose forward pass also gives
@@ -12,6 +15,10 @@
     guard      = every optimizer step taken only where scores, advantages and its own losses
                  and gradient norms are finite (a lax.cond); any non-finite: KL controller and
                  step stay, only the key advances (``skipped/nonfinite`` = 1)
+
+Without a critic (an estimator that needs none) the state holds no critic parameters or
+optimizer state and no value pass runs; without a KL penalty (β = 0) no reference is held and
+no reference pass runs.
 
 With a JAX reward (a reward model or a jnp rule) all of it is one jit-compiled function
 (``PPOStep.fused``). A Python reward (e.g. one that parses decoded text) splits it into two
@@ -32,6 +39,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from ppojax import advantages as adv_lib
+from ppojax import algorithms
 from ppojax import kl as kl_lib
 from ppojax import losses, ops, sharding
 from ppojax.experience import (Experience, Prompts, RewardFn, Rollout, make_experience,
@@ -45,18 +54,19 @@ Params = Any
 
 class TrainState(NamedTuple):
   actor: Params
-  critic: Params
+  critic: Params | None  # None: no critic (the estimator needs none)
   actor_opt: optax.OptState
-  critic_opt: optax.OptState
+  critic_opt: optax.OptState | None
   kl: kl_lib.KLControllerState
   step: Array  # completed PPO iterations, int32
   key: Array  # typed PRNG key
 
 
 class Frozen(NamedTuple):
-  """Parameters that never train: the reference policy and the reward model (or None)."""
+  """Parameters that never train: the reference policy (None without a KL penalty) and the
+  reward model (or None)."""
 
-  ref_actor: Params
+  ref_actor: Params | None
   reward: Params | None
 
 
@@ -65,7 +75,7 @@ class Models:
   """The modules (hashable, static) and how a sequence is scored."""
 
   policy: nn.Module  # a CausalLM
-  critic: nn.Module  # a ValueModel
+  critic: nn.Module | None  # a ValueModel; None without a critic
   reward: nn.Module | None = None  # a ValueModel used as reward model, or
   reward_fn: RewardFn | None = None  # a JAX rule (prompts, prompt_mask, responses, mask) → [B]
   sampler: nn.Module | None = None  # generates with the policy's params (None: ``policy``)
@@ -141,10 +151,13 @@ def kl_controller(cfg) -> kl_lib.KLController:
   return kl_lib.fixed_kl_controller(cfg.kl_coef)
 
 
-def init_state(key: Array, actor: Params, critic: Params, actor_tx, critic_tx, cfg
+def init_state(key: Array, actor: Params, critic: Params | None, actor_tx, critic_tx, cfg
                ) -> TrainState:
+  """The state before the first iteration; ``critic`` None: no critic and no critic optimizer
+  state."""
   return TrainState(
-      actor=actor, critic=critic, actor_opt=actor_tx.init(actor), critic_opt=critic_tx.init(critic),
+      actor=actor, critic=critic, actor_opt=actor_tx.init(actor),
+      critic_opt=None if critic is None else critic_tx.init(critic),
       kl=kl_controller(cfg).init(), step=jnp.zeros((), jnp.int32), key=key)
 
 
@@ -173,8 +186,10 @@ def actor_forward(actor, models: Models, r: Rollout, temperature: float, ent_coe
   return logp, entropy if ent_coef else jax.lax.stop_gradient(entropy)
 
 
-def critic_forward(critic, models: Models, r: Rollout) -> Array:
-  """The update's critic pass: V(s_t) [B, R], 0 off the mask."""
+def critic_forward(critic, models: Models, r: Rollout) -> Array | None:
+  """The update's critic pass: V(s_t) [B, R], 0 off the mask (None without a critic)."""
+  if models.critic is None:
+    return None
   return response_values(models.critic, critic, r.prompts, r.prompt_mask, r.responses, r.mask,
                           r.prefix)
 
@@ -189,8 +204,9 @@ def update_forward(params, models: Models, r: Rollout, temperature: float, ent_c
 
 
 def _clipped_loss(logp, entropy, values, exp: Experience, cfg) -> tuple[Array, dict]:
-  """The PPO loss, with each token's policy term weighted by the truncated importance ratio
-  π_old/π_sampler (``losses.truncated_is_weight``) when ``cfg.tis_cap`` is set."""
+  """The PPO loss (without a value term where ``values`` is None, with a KL term where the
+  experience carries its β), each token's policy term weighted by the truncated importance
+  ratio π_old/π_sampler (``losses.truncated_is_weight``) when ``cfg.tis_cap`` is set."""
   r = exp.rollout
   weight, tis = None, {}
   if cfg.get("tis_cap") is not None:
@@ -200,7 +216,9 @@ def _clipped_loss(logp, entropy, values, exp: Experience, cfg) -> tuple[Array, d
       logp, r.old_logp, exp.advantages, values, r.old_values, exp.returns, r.mask, entropy,
       vf_coef=cfg.vf_coef, ent_coef=cfg.ent_coef, clip_eps=cfg.clip_eps,
       dual_clip=cfg.dual_clip, value_clip=cfg.value_clip, aggregation=cfg.aggregation,
-      max_len=r.mask.shape[1], is_weight=weight)  # seq_mean_token_sum_norm's constant: R
+      max_len=r.mask.shape[1], is_weight=weight,  # seq_mean_token_sum_norm's constant: R
+      ref_logp=None if exp.kl_coef is None else r.ref_logp, kl_coef=exp.kl_coef,
+      kl_estimator=cfg.kl_estimator)
   return loss, {**metrics, **tis}
 
 
@@ -212,7 +230,7 @@ def ppo_loss_on(params, models: Models, exp: Experience, cfg, temperature: float
   return _clipped_loss(logp, entropy, values, exp, cfg)
 
 
-def single_pass_loss(outputs, r: Rollout, scores: Array, beta: Array, cfg
+def single_pass_loss(outputs, r: Rollout, scores: Array, beta: Array, cfg, group_size: int = 1
                      ) -> tuple[Array, tuple[dict, Experience, dict]]:
   """The clipped PPO loss when the update is one gradient step at the rollout's own params
   (``single_pass``), as a function of that step's forward outputs (log π_θ, H, V_θ)
@@ -226,15 +244,15 @@ def single_pass_loss(outputs, r: Rollout, scores: Array, beta: Array, cfg
   given is a constant of θ here too. Aux: (loss metrics, experience, experience metrics)."""
   logp, entropy, values = outputs
   old_logp = r.old_logp if r.old_logp is not None else jnp.where(r.mask, logp, 0.0)
-  r = r._replace(old_logp=jax.lax.stop_gradient(old_logp),
-                 old_values=jax.lax.stop_gradient(values))  # response_values: 0 off the mask
-  exp, exp_metrics = make_experience(r, scores, beta, cfg)
+  r = r._replace(old_logp=jax.lax.stop_gradient(old_logp),  # values: 0 off the mask (or None)
+                 old_values=None if values is None else jax.lax.stop_gradient(values))
+  exp, exp_metrics = make_experience(r, scores, beta, cfg, group_size)
   loss, metrics = _clipped_loss(logp, entropy, values, exp, cfg)
   return loss, (metrics, exp, exp_metrics)
 
 
 def _minibatch_grads(params, models: Models, exp: Experience, idx: Array, cfg, temperature,
-                     shardings=None):
+                     shardings=None):  # params, shardings: (actor, critic or None)
   """Gradient and metrics of the minibatch ``idx`` [K, n], summed over its K micro-batches;
   the gradients laid out as ``shardings`` (the parameters')."""
   mb_mask = exp.rollout.mask[idx.reshape(-1)]
@@ -259,13 +277,18 @@ def _minibatch_grads(params, models: Models, exp: Experience, idx: Array, cfg, t
 
 
 def _grad_norms(grads) -> dict:
-  """The actor's and the critic's gradient norms (before clipping)."""
+  """The actor's and (where there is one) the critic's gradient norms (before clipping)."""
   g_actor, g_critic = grads
-  return {"policy/grad_norm": optax.tree.norm(g_actor), "val/grad_norm": optax.tree.norm(g_critic)}
+  norms = {"policy/grad_norm": optax.tree.norm(g_actor)}
+  if g_critic is not None:
+    norms["val/grad_norm"] = optax.tree.norm(g_critic)
+  return norms
 
 
 def _apply_one(tx, params, opt, grads) -> tuple:
-  """One optimizer step of one model: (params, opt)."""
+  """One optimizer step of one model: (params, opt); no model (None): nothing."""
+  if params is None:
+    return params, opt
   updates, opt = tx.update(grads, opt, params)
   return optax.apply_updates(params, updates), opt
 
@@ -343,8 +366,8 @@ def forward_micro_batches(cfg, mesh: jax.sharding.Mesh | None = None) -> int:
 
 
 def single_pass_update(models: Models, actor_tx, critic_tx, state: TrainState, r: Rollout,
-                       scores: Array, cfg, temperature: float, shardings=None
-                       ) -> tuple[TrainState, Experience, dict, dict]:
+                       scores: Array, cfg, temperature: float, shardings=None,
+                       group_size: int = 1) -> tuple[TrainState, Experience, dict, dict]:
   """The update of a ``single_pass`` config: one gradient of ``single_pass_loss`` on the whole
   batch and one optimizer step per model, the critic's after the actor's:
 
@@ -355,14 +378,18 @@ def single_pass_update(models: Models, actor_tx, critic_tx, state: TrainState, r
 
   The critic's backward pass waits for the actor's step (``lax.optimization_barrier``), so the
   two float32 gradients are never alive together (for Llama-3.1-8B on 16 chips, 1.9 GiB per
-  chip saved); each step is a ``lax.cond``, so no old state is copied to survive it. Returns
-  (state, experience, experience metrics, update metrics)."""
+  chip saved); each step is a ``lax.cond``, so no old state is copied to survive it. Without a
+  critic only the actor's half runs. Returns (state, experience, experience metrics, update
+  metrics)."""
   actor_shardings, critic_shardings = (None, None) if shardings is None else shardings
   (logp, entropy), actor_vjp = jax.vjp(
       lambda a: actor_forward(a, models, r, temperature, cfg.ent_coef), state.actor)
-  values, critic_vjp = jax.vjp(lambda c: critic_forward(c, models, r), state.critic)
+  values = None
+  if state.critic is not None:
+    values, critic_vjp = jax.vjp(lambda c: critic_forward(c, models, r), state.critic)
   (d_logp, d_entropy, d_values), (metrics, exp, exp_metrics) = jax.grad(
-      single_pass_loss, has_aux=True)((logp, entropy, values), r, scores, state.kl.beta, cfg)
+      single_pass_loss, has_aux=True)((logp, entropy, values), r, scores, state.kl.beta, cfg,
+                                      group_size)
   ok = _all_finite([*experience_checks(scores, exp).values(),
                     *(v for k, v in metrics.items() if k.startswith("loss/"))])
 
@@ -374,12 +401,16 @@ def single_pass_update(models: Models, actor_tx, critic_tx, state: TrainState, r
   actor_norm = optax.tree.norm(g_actor)
   ok = ok & jnp.isfinite(actor_norm)
   actor, actor_opt = step(actor_tx, state.actor, state.actor_opt, g_actor, ok)
+  metrics = {**metrics, "policy/grad_norm": actor_norm}
+  state = state._replace(actor=actor, actor_opt=actor_opt)
+  if state.critic is None:
+    return state, exp, exp_metrics, metrics
   d_values, actor, actor_opt = jax.lax.optimization_barrier((d_values, actor, actor_opt))
   g_critic = sharding.constrain(critic_vjp(d_values)[0], critic_shardings)
   critic_norm = optax.tree.norm(g_critic)
   critic, critic_opt = step(critic_tx, state.critic, state.critic_opt, g_critic,
                             ok & jnp.isfinite(critic_norm))
-  metrics = {**metrics, "policy/grad_norm": actor_norm, "val/grad_norm": critic_norm}
+  metrics["val/grad_norm"] = critic_norm
   state = state._replace(actor=actor, critic=critic, actor_opt=actor_opt, critic_opt=critic_opt)
   return state, exp, exp_metrics, metrics
 
@@ -448,13 +479,25 @@ def make_ppo_step(models: Models, actor_tx, critic_tx, actor_schedule: optax.Sch
                   state_shardings=None, mesh: jax.sharding.Mesh | None = None) -> PPOStep:
   """Builds the compiled step. ``cfg`` is the ``ppo`` config section.
 
+  ``cfg`` must be resolved (``algorithms.resolve``: estimator, kl_in, aggregation and
+  kl_estimator set). Where the estimator needs no critic ``models.critic`` is ignored, and the
+  state must have none (``init_state(..., critic=None, ...)``).
   ``python_reward(rollout_on_host) → scores [B]`` receives the rollout as NumPy arrays;
   ``state_shardings`` (a TrainState of shardings) pins the state's layout across steps, and
   the gradients' to the parameters';
   ``mesh``: the functions are traced under it, so that the models keep every activation's rows
   on the batch axes (``sharding.shard_rows``).
   """
+  missing = algorithms.unresolved(cfg)
+  if missing:
+    raise ValueError(f"{', '.join(missing)} unset: pass the ppo section of "
+                     "ppojax.algorithms.resolve(config), which fills them from config.algorithm")
+  if not adv_lib.estimator(cfg.estimator).needs_critic:  # the state's critic must be None too
+    models = dataclasses.replace(models, critic=None)
+  elif models.critic is None:
+    raise ValueError(f"ppo.estimator={cfg.estimator!r} needs a critic: give Models.critic")
   controller = kl_controller(cfg)
+  group_size = sampling.num_samples
   sources = [models.reward, models.reward_fn, python_reward]
   if sum(x is not None for x in sources) != 1:
     raise ValueError("give exactly one reward: Models.reward (a reward model), Models.reward_fn "
@@ -489,9 +532,9 @@ def make_ppo_step(models: Models, actor_tx, critic_tx, actor_schedule: optax.Sch
     if one_pass:  # params and optimizer states stepped only where all is finite (a cond)
       new, exp, exp_metrics, upd = single_pass_update(
           models, actor_tx, critic_tx, state, r, scores, cfg, sampling.temperature,
-          grad_shardings)
+          grad_shardings, group_size)
     else:  # each optimizer step a cond on its own finiteness (and the experience's)
-      exp, exp_metrics = make_experience(r, scores, state.kl.beta, cfg)
+      exp, exp_metrics = make_experience(r, scores, state.kl.beta, cfg, group_size)
       ok_before = _all_finite(list(experience_checks(scores, exp).values()))
       new, upd = update(models, actor_tx, critic_tx, state, exp, k_update, cfg,
                         sampling.temperature, ok_before, grad_shardings)
@@ -500,6 +543,7 @@ def make_ppo_step(models: Models, actor_tx, critic_tx, actor_schedule: optax.Sch
     # next iteration samples anew; its non-finite optimizer steps were not taken.
     keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(ok, a, b), new, old)  # noqa
     metrics = {**exp_metrics, **{f"{k}_avg": v for k, v in upd.items()},
+               "clip_ratio": upd["policy/clipfrac"],  # trl GRPOTrainer's name
                "objective/kl_coef": state.kl.beta, "lr": lr, **flags}
     kl_state = controller.update(state.kl, exp_metrics["objective/kl"], scores.shape[0])
     new = new._replace(kl=keep(kl_state, state.kl), step=keep(state.step + 1, state.step))

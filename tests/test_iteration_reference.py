@@ -31,7 +31,7 @@ import optax
 import pytest
 
 import reference as ref
-from ppojax import runner, tasks
+from ppojax import algorithms, runner, tasks
 from ppojax import step as step_lib
 
 _TOY = pathlib.Path(__file__).parents[1] / "configs" / "toy.py"
@@ -44,10 +44,10 @@ SPLITS = {"two_pass": (2, 2, 2), "single_pass": (1, 1, 1)}
 
 def _config(split: str, temperature: float):
   e, m, k = SPLITS[split]
-  return runner.load_config(
+  return algorithms.resolve(runner.load_config(
       _TOY, ppo__batch_size=16, ppo__num_epochs=e, ppo__num_minibatches=m, ppo__grad_accum=k,
       ppo__clip_eps=0.05, ppo__value_clip=0.05, ppo__kl_coef=0.2, ppo__ent_coef=0.01,
-      sampling__temperature=temperature)
+      sampling__temperature=temperature))
 
 
 @pytest.fixture(scope="module", params=[1.0, 0.7], ids=["T1.0", "T0.7"])

@@ -223,11 +223,12 @@ def test_gradient_accumulation_is_exact(aggregation):
   r = runner.build(config)
   rollout = r.step.rollout(r.state, r.frozen, r.source.batch(0).prompts)
   assert len(set(np.asarray(rollout.mask).sum(1).tolist())) > 1  # ragged lengths
-  exp, _ = experience.make_experience(rollout, r.step.score(r.frozen, rollout), 0.05, config.ppo)
+  ppo = r.config.ppo  # resolved: the algorithm's estimator, KL placement, ...
+  exp, _ = experience.make_experience(rollout, r.step.score(r.frozen, rollout), 0.05, ppo)
   params = (r.state.actor, r.state.critic)
   order = jnp.asarray(np.random.default_rng(0).permutation(16))
   grads = lambda k: step_lib._minibatch_grads(  # noqa: E731  pylint: disable=protected-access
-      params, r.models, exp, order.reshape(k, 16 // k), config.ppo, 1.0)
+      params, r.models, exp, order.reshape(k, 16 // k), ppo, 1.0)
   (g1, m1), (g4, m4) = grads(1), grads(4)
   _assert_close(g1, g4, rtol=1e-4, atol=1e-7)
   _assert_close(m1["loss/policy"], m4["loss/policy"], rtol=1e-5, atol=1e-7)

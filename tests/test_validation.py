@@ -234,6 +234,14 @@ def test_loss_options_in_range_and_traced_values_pass():
 
 
 def test_aggregation_choices_are_the_ones_ops_knows():
-  """config's accepted ppo.aggregation values are exactly ops.aggregate's modes."""
+  """config's accepted ppo.aggregation values are exactly ops.aggregate's modes (and "": the
+  algorithm's), its estimators the registry's, its KL estimators ppojax.kl's."""
+  from ppojax import advantages, algorithms, kl  # pylint: disable=import-outside-toplevel
   from ppojax import config as config_lib, ops  # pylint: disable=import-outside-toplevel
-  assert tuple(config_lib.CHOICES["ppo.aggregation"]) == ops.AGGREGATIONS
+  assert tuple(config_lib.CHOICES["ppo.aggregation"]) == ("", *ops.AGGREGATIONS)
+  assert tuple(config_lib.CHOICES["ppo.estimator"]) == ("", *advantages.ESTIMATORS)
+  assert tuple(config_lib.CHOICES["ppo.kl_estimator"]) == ("", *kl.KL_ESTIMATORS)
+  assert tuple(config_lib.CHOICES["algorithm"]) == tuple(algorithms.ALGORITHMS)
+  for a in algorithms.ALGORITHMS.values():  # every default is a valid choice
+    assert a.estimator in advantages.ESTIMATORS and a.aggregation in ops.AGGREGATIONS
+    assert a.kl_estimator in kl.KL_ESTIMATORS and a.kl_in in algorithms.KL_PLACEMENTS
