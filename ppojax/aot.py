@@ -168,15 +168,18 @@ def _param_bytes(trees) -> tuple[int, int, int]:
   return count, total, device
 
 
-def iteration_flops(config, cfg) -> float:
+def iteration_flops(run) -> float:
   """Model FLOPs of one iteration (``ppojax.flops``; XLA's ``cost_analysis`` counts a loop's
   body once, so it cannot give them for a scanned, decoding step)."""
+  config = run.config
   one_pass = step_lib.single_pass(config.ppo)
   parts = flops.model_flops(
-      cfg, config.ppo.batch_size, config_lib.prompt_length(config),
+      run.policy.cfg, config.ppo.batch_size, config_lib.prompt_length(config),
       config.sampling.max_new_tokens, old_logp_fwd=not one_pass and
       config.ppo.old_logprobs == "recompute", critic_fwd=not one_pass,
-      epochs=config.ppo.num_epochs)
+      epochs=config.ppo.num_epochs, samples=config.sampling.num_samples_per_prompt,
+      critic=run.models.critic is not None, reference=run.frozen.ref_actor is not None,
+      reward_model=run.models.reward is not None)
   return sum(parts.values())
 
 
@@ -199,7 +202,7 @@ def report(config, topology: str, result: Compiled) -> dict[str, Any]:
     sizes = (_param_bytes((run.state, run.frozen))[2], None, oom.temp, None)
     # the compiler's own total where its message names one
     per_device = oom.used if oom.used is not None else sizes[0] + oom.temp
-  total_flops = iteration_flops(config, run.policy.cfg)
+  total_flops = iteration_flops(run)
   seconds_40 = None if not chip["peak_flops"] else (
       total_flops / (0.4 * chip["peak_flops"] * len(devices)))
   return {

@@ -26,6 +26,7 @@ from ppojax import step as step_lib
 from ppojax.models import (SMOLLM2_NAMES, CausalLM, LoadedModel, ModelConfig, ValueModel, hf,
                            abstract_model, init_params, load_model, model_config, partition_rules,
                            public)
+from ppojax.optim import lr_schedule, make_optimizer
 from ppojax.sampling import SamplingConfig
 
 
@@ -267,10 +268,10 @@ def build(config, *, devices=None, abstract: bool = False) -> Run:
 
   optim = config.optim
   updates = config.num_iterations * ppo.num_epochs * ppo.num_minibatches
-  schedules = {name: step_lib.lr_schedule(o.lr, updates, o.warmup_steps, o.decay, o.end_factor)
+  schedules = {name: lr_schedule(o.lr, updates, o.warmup_steps, o.decay, o.end_factor)
                for name, o in (("actor", optim.actor), ("critic", optim.critic))}
-  txs = {name: step_lib.make_optimizer(schedules[name], optim.max_grad_norm,
-                                       optim[name].weight_decay, state_dtype=optim.state_dtype)
+  txs = {name: make_optimizer(schedules[name], optim.max_grad_norm, optim[name].weight_decay,
+                              state_dtype=optim.state_dtype)
          for name in schedules}
 
   mesh = sharding_lib.make_mesh(tuple(config.mesh.shape), devices=devices)

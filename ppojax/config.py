@@ -152,7 +152,7 @@ def defaults() -> ml_collections.ConfigDict:
   # "seq_mean_token_mean" (= "seq_mean": each sequence's token mean, then the mean over
   # sequences; GRPO's original) or "seq_mean_token_sum_norm" (token sums over the constant
   # sampling.max_new_tokens, then the mean over sequences; Dr. GRPO)
-  c.ppo.aggregation = "token_mean"
+  c.ppo.aggregation = ""
   # Where log π_old(token) comes from: "recompute" (a forward pass of the actor over prompt +
   # response after sampling) or "sampler" (the log-probs generate() computed while sampling:
   # the same params and temperature, as trl's PPOTrainer does; one policy forward pass fewer

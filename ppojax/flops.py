@@ -29,13 +29,17 @@ from __future__ import annotations
 
 def model_flops(cfg, batch: int, prompt_len: int, response_len: int, lm_head: str = "ppojax",
                 old_logp_fwd: bool = True, critic_fwd: bool = True, shared: int = 0,
-                epochs: int = 1) -> dict[str, float]:
+                epochs: int = 1, samples: int = 1, critic: bool = True, reference: bool = True,
+                reward_model: bool = True) -> dict[str, float]:
   """Model FLOPs of one PPO iteration by part (the formulas above). ``lm_head``: where the
   policy's LM head runs — "ppojax" (the last prompt slot in the prefill, the R response
   positions in scoring passes), "all" (every position, as a plain Hugging Face forward) or
   "none" (2 × non-embedding parameters per token). ``old_logp_fwd`` / ``critic_fwd``: the
   rollout runs the policy / critic forward (not in the single-pass update). ``shared``: the
-  length C of a prefix run once for the batch. ``epochs``: the update's passes over the batch."""
+  length C of a prefix run once for the batch. ``epochs``: the update's passes over the batch.
+  ``samples``: responses per prompt (the prefill runs over the ``batch`` prompts, everything
+  after over batch × samples rows). ``critic`` / ``reference`` / ``reward_model`` False: the
+  iteration has none (a critic-free estimator; no KL penalty; a reward function)."""
   d, f, n_layers = cfg.hidden_size, cfg.intermediate_size, cfg.num_layers
   h, hk, hd, vocab = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.vocab_size
   n_body = n_layers * (d * h * hd + 2 * d * hk * hd + h * hd * d + 3 * d * f)
@@ -48,11 +52,13 @@ def model_flops(cfg, batch: int, prompt_len: int, response_len: int, lm_head: st
   c = shared
   once = 2 * n_body * c + sum(attn(i + 1) for i in range(c))  # the prefix, for the batch
 
+  prompts, batch = batch, batch * samples
+
   def full(head, n_head):
     return batch * (2 * n_body * (t - c) + 2 * head * n_head
                     + sum(attn(i + 1) for i in range(c, t))) + once
 
-  prefill = batch * (2 * n_body * (p - c) + 2 * n_lm * (p if everywhere else 1)
+  prefill = prompts * (2 * n_body * (p - c) + 2 * n_lm * (p if everywhere else 1)
                      + sum(attn(i + 1) for i in range(c, p))) + once + (2 * n_lm if c else 0)
   # decode step k feeds token k (slot p + k) and gives token k + 1; the last token is never fed
   decode = sum(batch * (2 * (n_body + n_lm) + attn(p + k + 1)) for k in range(r - 1))
@@ -60,8 +66,9 @@ def model_flops(cfg, batch: int, prompt_len: int, response_len: int, lm_head: st
   parts = {
       "generation (prefill)": prefill, "generation (decode)": decode,
       "old log-probs (policy fwd)": policy if old_logp_fwd else 0,
-      "reference log-probs (fwd)": policy,
-      "critic values (fwd)": value if critic_fwd else 0, "reward model (fwd)": value,
-      "policy fwd+bwd": 3 * epochs * policy, "critic fwd+bwd": 3 * epochs * value,
+      "reference log-probs (fwd)": policy if reference else 0,
+      "critic values (fwd)": value if critic_fwd and critic else 0,
+      "reward model (fwd)": value if reward_model else 0,
+      "policy fwd+bwd": 3 * epochs * policy, "critic fwd+bwd": 3 * epochs * value if critic else 0,
   }
   return {k: float(v) for k, v in parts.items()}

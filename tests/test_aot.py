@@ -87,7 +87,25 @@ def test_tiny_step_compiles_for_a_tpu_topology_and_shards_its_parameters():
   # the parameters are split four ways, not replicated (a few replicated norms and biases)
   assert 1.0 <= r["param_shard_ratio"] < 1.1, r
   assert r["param_bytes_per_device"] < r["param_bytes_total"] / 3
-  assert r["flops_per_iteration"] == aot.iteration_flops(config, result.run.policy.cfg) > 0
+  assert r["flops_per_iteration"] == aot.iteration_flops(result.run) > 0
+
+
+def test_critic_free_step_compiles_deviceless_without_critic_memory_or_flops():
+  """GRPO on the same rows (4 prompts × 4 samples = 16): no critic or critic optimizer state
+  among the arguments, no critic FLOPs, the prefill over 4 prompts."""
+  devices = _tpu_devices("v5e:2x2")
+  ppo = aot.report(runner.load_config(SCALE + ":tiny"), "v5e:2x2",
+                   aot.compile_step(runner.load_config(SCALE + ":tiny"), devices))
+  config = runner.load_config(SCALE + ":tiny", algorithm="grpo", ppo__batch_size=4,
+                              sampling__num_samples_per_prompt=4)
+  result = aot.compile_step(config, devices)
+  grpo = aot.report(config, "v5e:2x2", result)
+  assert result.run.state.critic is None and grpo["fits"] is True
+  assert grpo["argument_bytes"] < 0.75 * ppo["argument_bytes"]
+  assert grpo["flops_per_iteration"] < 0.8 * ppo["flops_per_iteration"]
+  cfg = result.run.policy.cfg
+  per_prompt = flops.model_flops(cfg, 4, 32, 16, samples=4)["generation (prefill)"]
+  assert per_prompt == pytest.approx(flops.model_flops(cfg, 16, 32, 16)["generation (prefill)"] / 4)
 
 
 def test_cli_prints_a_table_and_a_json_line_and_names_bad_topologies():

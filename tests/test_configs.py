@@ -49,7 +49,10 @@ def _check_text_fn(path: str, what: str) -> None:
 def test_there_are_configs_of_every_kind():
   names = {p.stem for p in CONFIGS}
   assert {"toy", "quickstart", "qwen2_5_arith", "llama3_2_rm", "gpt2_file", "sft_arith",
-          "rm_arith"} <= names
+          "rm_arith", "grpo_arith", "dr_grpo_arith", "rloo_arith", "reinforce_pp_arith"} <= names
+  from ppojax import algorithms  # pylint: disable=import-outside-toplevel
+  for name in set(algorithms.ALGORITHMS) - {"ppo"}:  # one config per critic-free algorithm
+    assert runner.load_config(ROOT / "configs" / f"{name}_arith.py").algorithm == name
 
 
 @pytest.mark.parametrize("path", CONFIGS, ids=[p.stem for p in CONFIGS])

@@ -42,26 +42,33 @@ STOP_IDS = (tasks.STOP,)  # configs/toy.py: sampling.stop_ids
 SPLITS = {"two_pass": (2, 2, 2), "single_pass": (1, 1, 1)}
 
 
-def _config(split: str, temperature: float):
+def _config(split: str, temperature: float, algorithm: str = "ppo"):
   e, m, k = SPLITS[split]
+  grouped = {} if algorithm == "ppo" else {
+      "algorithm": algorithm, "ppo__batch_size": 4, "sampling__num_samples_per_prompt": 4}
   return algorithms.resolve(runner.load_config(
-      _TOY, ppo__batch_size=16, ppo__num_epochs=e, ppo__num_minibatches=m, ppo__grad_accum=k,
-      ppo__clip_eps=0.05, ppo__value_clip=0.05, ppo__kl_coef=0.2, ppo__ent_coef=0.01,
-      sampling__temperature=temperature))
+      _TOY, **{"ppo__batch_size": 16, "ppo__num_epochs": e, "ppo__num_minibatches": m,
+               "ppo__grad_accum": k, "ppo__clip_eps": 0.05, "ppo__value_clip": 0.05,
+               "ppo__kl_coef": 0.2, "ppo__ent_coef": 0.01, "sampling__temperature": temperature,
+               **grouped}))
 
 
-@pytest.fixture(scope="module", params=[1.0, 0.7], ids=["T1.0", "T0.7"])
-def trained(request):
-  """(run, a state whose actor has moved away from the reference, prompts) at the sampling
-  temperature ``request.param``: the actor is the reference plus noise (as after some
-  training), so that old and reference log-probs differ and the KL is not 0."""
-  run = runner.build(_config("two_pass", request.param))
+def _moved(run):
+  """(run, a state whose actor has moved away from the reference, prompts): the actor is the
+  reference plus noise (as after some training), so that old and reference log-probs differ
+  and the KL is not 0."""
   state = jax.device_get(run.state)
   leaves, treedef = jax.tree.flatten(state.actor)
   keys = jax.random.split(jax.random.key(7), len(leaves))
   moved = [x + 0.05 * np.asarray(jax.random.normal(k, x.shape), x.dtype) * np.std(x)
            for x, k in zip(leaves, keys)]
   return run, state._replace(actor=jax.tree.unflatten(treedef, moved)), run.source.batch(0).prompts
+
+
+@pytest.fixture(scope="module", params=[1.0, 0.7], ids=["T1.0", "T0.7"])
+def trained(request):
+  """``_moved`` at the sampling temperature ``request.param``."""
+  return _moved(runner.build(_config("two_pass", request.param)))
 
 
 def _sgd_step(run, config):
@@ -129,7 +136,7 @@ def reference_iteration(run, config, state, r):
   """(metrics, actor, critic, rollout fields) of one iteration from the step's sampled
   ``r.responses``, computed by the reference."""
   ppo, temperature = config.ppo, config.sampling.temperature
-  policy, critic = run.models.policy, run.models.critic
+  policy, critic = run.models.policy, run.models.critic  # critic None: critic-free
   responses = np.asarray(r.responses)
   n_resp = responses.shape[1]
   rows = _whole_rows(r)
@@ -138,14 +145,21 @@ def reference_iteration(run, config, state, r):
   old_logp = np.where(mask, _np_logp(policy, state.actor, rows, responses, temperature), 0.0)
   ref_logp = np.where(mask, _np_logp(policy, run.frozen.ref_actor, rows, responses,
                                      temperature), 0.0)
-  old_values = np.where(mask, np.asarray(_values(critic, state.critic, rows, n_resp),
-                                         np.float64), 0.0)
+  old_values = None if critic is None else np.where(
+      mask, np.asarray(_values(critic, state.critic, rows, n_resp), np.float64), 0.0)
   scores = tasks.count_reward_numpy(r).astype(np.float64)
   beta = float(state.kl.beta)
+  kl_in_loss = ppo.kl_in == "loss"
   rewards, kl_metrics = ref.shape_rewards(
-      scores, old_logp, ref_logp, mask, beta, has_stop, ppo.kl_estimator, ppo.score_clip,
-      ppo.missing_stop_penalty, ppo.whiten_rewards)
-  adv, ret = ref.gae(rewards, old_values, mask, ppo.gamma, ppo.lam, whiten=ppo.whiten_advantages)
+      scores, old_logp, ref_logp, mask, 0.0 if kl_in_loss else beta, has_stop,
+      ppo.kl_estimator, ppo.score_clip, ppo.missing_stop_penalty, ppo.whiten_rewards)
+  if ppo.estimator == "gae":
+    adv, ret = ref.gae(rewards, old_values, mask, ppo.gamma, ppo.lam,
+                       whiten=ppo.whiten_advantages)
+  else:  # a sequence estimator on the groups of n: the sequence reward Σ_t r_t
+    group = {"grpo": ref.grpo, "dr_grpo": ref.dr_grpo, "rloo": ref.rloo}[ppo.estimator]
+    adv, ret = group(rewards.sum(axis=1), mask, run.sampling.num_samples), None
+  agg = dict(aggregation=ppo.aggregation, max_len=n_resp)
 
   # The update: the rows of minibatch j of epoch e are permutation_e(rows)[j·n : (j+1)·n], the
   # permutations drawn from the third key of split(state.key, 3) (step._keys).
@@ -158,46 +172,63 @@ def reference_iteration(run, config, state, r):
   for idx in (p[j * n:(j + 1) * n] for p in perms for j in range(m)):
     sub = tuple(x[idx] for x in rows)
     logp, entropy = _policy_outputs(policy, actor, sub, n_resp, temperature)
-    values = _values(critic, critic_params, sub, n_resp)
-    args = (np.asarray(logp, np.float64), old_logp[idx], adv[idx])
-    _, metrics = ref.ppo_loss(*args, np.asarray(values, np.float64), old_values[idx],
-                              ret[idx], mask[idx], np.asarray(entropy, np.float64),
-                              vf_coef=ppo.vf_coef, ent_coef=ppo.ent_coef, clip_eps=ppo.clip_eps,
-                              value_clip=ppo.value_clip, aggregation=ppo.aggregation)
-    _, _, d_logp = ref.policy_loss(*args, mask[idx], ppo.clip_eps, aggregation=ppo.aggregation)
-    _, _, d_values = ref.value_loss(np.asarray(values, np.float64), old_values[idx], ret[idx],
-                                    mask[idx], ppo.value_clip, ppo.aggregation)
-    d_entropy = -ppo.ent_coef * ref.aggregate_weights(mask[idx], ppo.aggregation)
+    logp, entropy = np.asarray(logp, np.float64), np.asarray(entropy, np.float64)
+    pg, pm, d_logp = ref.policy_loss(logp, old_logp[idx], adv[idx], mask[idx], ppo.clip_eps,
+                                     **agg)
+    ent = ref.entropy_bonus(entropy, mask[idx], **agg)
+    total = pg - ppo.ent_coef * ent
+    metrics = {"loss/policy": pg, "policy/approxkl_masked": pm["approxkl"],
+               "policy/clipfrac": pm["clipfrac"], "policy/dual_clipfrac": pm["dual_clipfrac"],
+               "val/ratio_masked": pm["ratio"], "policy/entropy_masked": ent}
+    if kl_in_loss:  # + β·agg(KL_t) and its gradient
+      kl_term, km, d_kl = ref.kl_loss(logp, ref_logp[idx], mask[idx], beta, ppo.kl_estimator,
+                                      **agg)
+      total, d_logp = total + kl_term, d_logp + d_kl
+      metrics.update({"loss/kl": kl_term, "policy/kl": km["kl"]})
+    d_entropy = -ppo.ent_coef * ref.aggregate_weights(mask[idx], **agg)
     f32 = lambda x: jnp.asarray(x, jnp.float32)  # noqa: E731
     g_actor = _pullback(_policy_outputs.__wrapped__, policy, actor, sub,
                         (f32(d_logp), f32(d_entropy)), (n_resp, temperature))
-    g_critic = _pullback(_values.__wrapped__, critic, critic_params, sub,
-                         f32(ppo.vf_coef * d_values), (n_resp,))
+    if critic is not None:
+      values = np.asarray(_values(critic, critic_params, sub, n_resp), np.float64)
+      vf, vm, d_values = ref.value_loss(values, old_values[idx], ret[idx], mask[idx],
+                                        ppo.value_clip, **agg)
+      total += ppo.vf_coef * vf
+      metrics.update({"loss/value": vf, "val/clipfrac": vm["clipfrac"], "val/error": vm["error"],
+                      "val/values": vm["values"]})
+      g_critic = _pullback(_values.__wrapped__, critic, critic_params, sub,
+                           f32(ppo.vf_coef * d_values), (n_resp,))
+      metrics["val/grad_norm"] = float(optax.tree.norm(g_critic))
+      critic_params = jax.tree.map(lambda p, g: p - LR * g, critic_params, g_critic)
+    metrics["loss/total"] = total
     # a variance does not add up over micro-batches: the step's val/ratio_token_var is the
     # token-weighted mean of its K micro-batches' variances (micro-batch k: rows k·n/K ...)
-    ratio = np.exp(args[0] - args[1])
+    ratio = np.exp(logp - old_logp[idx])
     micro = np.array_split(np.arange(n), ppo.grad_accum)
     metrics["val/ratio_token_var"] = sum(
         mask[idx][i].sum() * ref.masked_var(ratio[i], mask[idx][i]) for i in micro
     ) / mask[idx].sum()
     metrics["policy/grad_norm"] = float(optax.tree.norm(g_actor))
-    metrics["val/grad_norm"] = float(optax.tree.norm(g_critic))
     actor = jax.tree.map(lambda p, g: p - LR * g, actor, g_actor)
-    critic_params = jax.tree.map(lambda p, g: p - LR * g, critic_params, g_critic)
     steps.append(metrics)
   metrics = {f"{k}_avg": np.mean([s[k] for s in steps]) for k in steps[0]}
   metrics.update({f"objective/{k}": v for k, v in kl_metrics.items()
                   if k in ("kl", "scores", "non_score_reward", "rlhf_reward")})
   metrics["objective/entropy_masked"] = np.mean(np.sum(-old_logp, axis=1))
-  fields = {"mask": mask, "has_stop": has_stop, "old_logp": old_logp, "ref_logp": ref_logp,
-            "old_values": old_values}
+  if run.sampling.num_samples > 1:  # trl GRPOTrainer's names
+    groups = ref.adjust_scores(scores).reshape(-1, run.sampling.num_samples)
+    metrics.update(reward=groups.mean(), reward_std=groups.std(axis=1, ddof=1).mean())
+  fields = {"mask": mask, "has_stop": has_stop, "old_logp": old_logp, "ref_logp": ref_logp}
+  if old_values is not None:
+    fields["old_values"] = old_values
   return metrics, actor, critic_params, fields
 
 
 def check_iteration(run, config, state, prompts):
   """Runs the step's fused iteration with SGD and asserts it equals the reference's."""
   sgd, step = _sgd_step(run, config)
-  sgd_state = state._replace(actor_opt=sgd.init(state.actor), critic_opt=sgd.init(state.critic))
+  sgd_state = state._replace(actor_opt=sgd.init(state.actor), critic_opt=(
+      None if state.critic is None else sgd.init(state.critic)))
   new, metrics, r, _ = step.fused(jax.tree.map(jnp.copy, sgd_state), run.frozen, prompts)  # donated
   new, metrics, r = jax.device_get((new, metrics, r))
   want, actor, critic, fields = reference_iteration(run, config, sgd_state, r)
@@ -207,6 +238,7 @@ def check_iteration(run, config, state, prompts):
   for name, value in want.items():
     assert name in metrics, name
     np.testing.assert_allclose(metrics[name], value, rtol=2e-4, atol=2e-6, err_msg=name)
+  assert (new.critic is None) == (critic is None) == (run.models.critic is None)
   for got, expected, model in ((new.actor, actor, "actor"), (new.critic, critic, "critic")):
     for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(got), jax.tree.leaves(expected)):
       np.testing.assert_allclose(a, b, rtol=1e-4, atol=2e-6,
@@ -223,6 +255,30 @@ def test_step_equals_the_reference_iteration(trained, split):
   if split == "two_pass":  # the clips were exercised, not only the unclipped branch
     assert want["policy/clipfrac_avg"] > 0 and want["val/clipfrac_avg"] > 0
     assert abs(want["val/ratio_masked_avg"] - 1) > 1e-3
+
+
+# The critic-free algorithms: 4 prompts × 4 samples, the KL as a loss term (GRPO, Dr. GRPO) or
+# in the sequence reward (RLOO), each with its own aggregation (seq_mean_token_mean,
+# seq_mean_token_sum_norm, token_mean).
+@pytest.fixture(scope="module", params=["grpo", "dr_grpo", "rloo"])
+def trained_grouped(request):
+  return _moved(runner.build(_config("two_pass", 0.7, request.param)))
+
+
+@pytest.mark.parametrize("split", list(SPLITS))
+def test_critic_free_step_equals_the_reference_iteration(trained_grouped, split):
+  run, state, prompts = trained_grouped
+  algorithm = run.config.algorithm
+  if split == "single_pass" and algorithm != "grpo":
+    pytest.skip("the single-pass path once (GRPO) is enough: it shares everything else")
+  assert run.models.critic is None and state.critic is None and state.critic_opt is None
+  want = check_iteration(run, _config(split, 0.7, algorithm), state, prompts)
+  assert abs(want["objective/kl"]) > 1e-4
+  assert want["reward_std"] > 0  # the groups' scores differ: the advantages are not all 0
+  if run.config.ppo.kl_in == "loss":
+    assert want["loss/kl_avg"] > 1e-5
+  if split == "two_pass":
+    assert want["policy/clipfrac_avg"] > 0
 
 
 def _miswired(monkeypatch, name, wrap):

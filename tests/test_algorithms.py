@@ -1,0 +1,174 @@
+"""The critic-free algorithms in the one step: group sampling, no critic, no reference without a
+KL penalty, the algorithm's defaults, and every algorithm through the run loop (checkpoint,
+resume, export). Their math against the float64 reference: tests/test_iteration_reference.py.
+"""
+
+from __future__ import annotations
+
+import pathlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from ppojax import algorithms, experience, runner
+from ppojax import config as config_lib
+from ppojax import step as step_lib
+from ppojax.models import CausalLM, init_params
+from ppojax.sampling import SamplingConfig, generate
+
+_TOY = pathlib.Path(__file__).parents[1] / "configs" / "toy.py"
+ALGORITHMS = list(algorithms.ALGORITHMS)
+
+
+def toy(algorithm: str = "ppo", **changes):
+  """configs/toy.py with ``algorithm``: 4 prompts × 4 samples, 2 × 2 minibatches."""
+  overrides = {"algorithm": algorithm, "ppo__batch_size": 4,
+               "sampling__num_samples_per_prompt": 4, "num_iterations": 2, "sample_every": 0,
+               **changes}
+  return runner.load_config(_TOY, **overrides)
+
+
+def test_group_sampling_decodes_each_prompt_n_times_from_one_prefill():
+  """n samples per prompt are the rows i·n … i·n + n − 1, exactly what sampling each prompt
+  repeated n times gives (same key): the prefill ran once per prompt, its cache repeated."""
+  cfg = runner.tiny_model_config(toy().model.tiny)
+  module = CausalLM(cfg)
+  params = init_params(module, jax.random.key(0))
+  tokens = jnp.array([[1, 2, 3, 4], [0, 5, 6, 7], [0, 0, 8, 9]])
+  mask = tokens > 0
+  base = SamplingConfig(max_new_tokens=6, stop_ids=(15,), pad_id=15, temperature=1.0)
+  grouped = generate(module, params, tokens, mask, jax.random.key(1),
+                     SamplingConfig(**{**base.__dict__, "num_samples": 3}))
+  repeated = generate(module, params, jnp.repeat(tokens, 3, 0), jnp.repeat(mask, 3, 0),
+                      jax.random.key(1), base)
+  np.testing.assert_array_equal(grouped.tokens, repeated.tokens)
+  np.testing.assert_allclose(grouped.logprobs, repeated.logprobs, atol=1e-6)
+  assert grouped.tokens.shape == (9, 6)
+  assert len({tuple(row) for row in np.asarray(grouped.tokens)[:3]}) > 1  # samples differ
+  # the prefill runs over the 3 prompts, not the 9 rows: fewer FLOPs in the compiled program
+  # (with 1 new token: the prefill, plus a decode body of 9 rows counted once)
+  def flops(tok, m, n):
+    one = SamplingConfig(**{**base.__dict__, "max_new_tokens": 1, "num_samples": n})
+    compiled = jax.jit(generate, static_argnames=("module", "config")).lower(
+        module, params, tok, m, jax.random.key(1), one).compile()
+    return compiled.cost_analysis()["flops"]
+  assert flops(tokens, mask, 3) < 0.6 * flops(jnp.repeat(tokens, 3, 0), jnp.repeat(mask, 3, 0), 1)
+
+
+def test_algorithm_defaults_fill_only_what_is_unset():
+  grpo = algorithms.resolve(toy("grpo"))
+  assert (grpo.ppo.estimator, grpo.ppo.kl_in, grpo.ppo.aggregation, grpo.ppo.kl_estimator) == (
+      "grpo", "loss", "seq_mean_token_mean", "k3")
+  mine = algorithms.resolve(toy("grpo", ppo__aggregation="token_mean", ppo__kl_in="reward"))
+  assert (mine.ppo.aggregation, mine.ppo.kl_in, mine.ppo.estimator) == (
+      "token_mean", "reward", "grpo")
+  assert algorithms.resolve(grpo).to_dict() == grpo.to_dict()  # idempotent
+  assert toy("grpo").ppo.estimator == ""  # the input is not changed
+  with pytest.raises(ValueError, match="unknown algorithm 'gpro'"):
+    algorithms.algorithm("gpro")
+
+
+def test_config_errors_name_the_fix():
+  with pytest.raises(config_lib.ConfigError, match="num_samples_per_prompt=1"):
+    runner.validate(toy("grpo", sampling__num_samples_per_prompt=1))
+  with pytest.raises(config_lib.ConfigError, match="algorithm='gpro' is not one of"):
+    runner.validate(toy("gpro"))
+  with pytest.raises(config_lib.ConfigError, match="4 × 3 = 12 is not divisible"):
+    runner.validate(toy("grpo", sampling__num_samples_per_prompt=3, ppo__num_minibatches=8))
+  runner.validate(toy("reinforce_pp", sampling__num_samples_per_prompt=1))  # no groups needed
+  with pytest.raises(ValueError, match="unset: pass the ppo section of"):
+    run = runner.build(toy("grpo"))
+    step_lib.make_ppo_step(run.models, None, None, None, run.sampling, toy("grpo").ppo)
+
+
+def _forbid(monkeypatch, module, name):
+  def called(*args, **kwargs):
+    raise AssertionError(f"{name} ran")
+  monkeypatch.setattr(module, name, called)
+
+
+@pytest.mark.parametrize("algorithm", ["grpo", "reinforce_pp"])
+@pytest.mark.parametrize("split", ["single_pass", "two_pass"])
+def test_critic_free_step_holds_and_runs_no_critic(monkeypatch, algorithm, split):
+  """No critic parameters or optimizer state, no value forward pass (the value functions are
+  booby-trapped while the step traces), still one compiled function; trl's GRPO metric
+  names."""
+  for module in (experience, step_lib):
+    _forbid(monkeypatch, module, "response_values")
+  changes = {} if split == "two_pass" else {"ppo__num_epochs": 1, "ppo__num_minibatches": 1}
+  run = runner.build(toy(algorithm, **changes))
+  assert run.models.critic is None
+  assert run.state.critic is None and run.state.critic_opt is None
+  assert run.step.fused is not None  # a JAX reward: one compiled function
+  state, metrics, _, _ = runner.iteration(run, run.state, run.source.batch(0).prompts)
+  assert state.critic is None and int(state.step) == 1
+  for name in ("reward", "reward_std", "frac_reward_zero_std", "kl", "completion_length",
+               "clip_ratio", "policy/grad_norm_avg", "loss/policy_avg"):
+    assert name in metrics and np.isfinite(metrics[name]), name
+  assert not any(k.startswith(("val/values", "loss/value", "val/grad_norm")) for k in metrics)
+  assert metrics["reward"] == pytest.approx(metrics["objective/scores"])
+  ppo_bytes = _param_bytes(runner.build(toy("ppo", **changes)).state)
+  assert _param_bytes(state) < 0.55 * ppo_bytes  # actor + its Adam only: about half
+
+
+def _param_bytes(state) -> int:
+  return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(state) if hasattr(x, "size"))
+
+
+@pytest.mark.parametrize("algorithm", ["ppo", "grpo"])
+def test_no_reference_is_held_or_run_without_a_kl_penalty(monkeypatch, algorithm):
+  run = runner.build(toy(algorithm, ppo__kl_coef=0.0))
+  assert run.frozen.ref_actor is None
+  calls = []
+  real = experience.response_logprobs
+  monkeypatch.setattr(experience, "response_logprobs",
+                      lambda module, params, *a, **k: calls.append(params) or real(
+                          module, params, *a, **k))
+  _, metrics, r, _ = runner.iteration(run, run.state, run.source.batch(0).prompts,
+                                      phase_timing=True)
+  assert r.ref_logp is None and metrics["objective/kl"] == 0.0 and metrics["kl"] == 0.0
+  assert all(p is not None for p in calls)  # the reference (None) never scored anything
+  with_ref = runner.build(toy(algorithm, ppo__kl_coef=0.0, ppo__adaptive_kl=True))
+  assert with_ref.frozen.ref_actor is not None  # an adaptive β may grow from 0
+
+
+def _final(workdir):
+  from ppojax import checkpoint  # pylint: disable=import-outside-toplevel
+  ckpt = checkpoint.Checkpointer(workdir / "checkpoints", 1, 2)
+  try:
+    return ckpt.latest_step(), json_lines(workdir / "metrics.jsonl")
+  finally:
+    ckpt.close()
+
+
+def json_lines(path):
+  import json  # pylint: disable=import-outside-toplevel
+  return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+def test_every_algorithm_trains_checkpoints_resumes_and_exports(tmp_path, algorithm):
+  """Two iterations, interrupted after the first and resumed, equal two uninterrupted ones
+  (metrics and the exported policy); a Python (host) reward for the group estimators."""
+  changes = {"reward__kind": "python", "reward__fn": "ppojax.tasks:count_reward_numpy"} if (
+      algorithm in ("grpo", "rloo")) else {}
+  config = toy(algorithm, save_every=1, **changes)
+  whole, split = tmp_path / "whole", tmp_path / "split"
+  runner.run(config, str(whole))
+  runner.run(config, str(split), stop_after=1)
+  assert _final(split)[0] == 1
+  runner.run(config, str(split))
+  (step_a, rows_a), (step_b, rows_b) = _final(whole), _final(split)
+  assert step_a == step_b == 2
+  drop = lambda rows: [{k: v for k, v in r.items() if not k.startswith(("time/", "eps"))}  # noqa
+                       for r in rows]
+  assert drop(rows_a) == drop(rows_b)
+  files = sorted(p.name for p in (whole / "policy").iterdir())
+  assert "config.json" in files and any(f.endswith(".safetensors") for f in files)
+  from safetensors.numpy import load_file  # pylint: disable=import-outside-toplevel
+  for f in (n for n in files if n.endswith(".safetensors")):
+    a, b = load_file(whole / "policy" / f), load_file(split / "policy" / f)
+    for k in a:
+      np.testing.assert_array_equal(a[k], b[k], err_msg=k)
