@@ -11,7 +11,8 @@ A data set is a dict of host arrays with the rows first (``rows`` counts them). 
 held-out set and divides once at the end, so every mean is exact whatever the batching: the last
 partial batch is filled with copies of row 0 at weight 0, and every held-out row counts exactly
 once. Training batches are ``data.batch_indices(n, batch_size, seed, step)``: a pure function of
-the step, reshuffled every epoch.
+the step, reshuffled every epoch, so a run resumed from a checkpoint of (params, optimizer
+state) at step s continues exactly as the uninterrupted one (``fit``).
 """
 
 from __future__ import annotations
@@ -304,7 +305,7 @@ def fit(config: ml_collections.ConfigDict, workdir: str | pathlib.Path | None, m
       if signals.received:
         progress.write(f"\nstopped by {signals.received} after step {last}"
                        + (f"; checkpoint {last} saved: run the same command again to resume"
-                          if ckpt else ""))
+                          if ckpt and last > start else ""))
   finally:
     if progress:
       progress.close()
