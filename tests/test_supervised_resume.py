@@ -25,7 +25,7 @@ import pytest
 
 from ppojax import data, reporting, resume, sft, train_rm
 from ppojax.checkpoint import CheckpointWarning
-from test_supervised import (DEFAULTS, ROOT, TINY, _config, preference_records, sft_records,
+from test_supervised import (ROOT, TINY, _config, preference_records, sft_records,
                              tokenizer_dir)  # noqa: F401  (tokenizer_dir: a fixture)
 
 STAGES = {  # stage: (module, records, exported directory, command)
