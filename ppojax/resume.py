@@ -40,11 +40,17 @@ ALLOWED = (
     "mesh.shape", "model.remat", "model.remat_policy", "data.shared_prefix",
     "ppo.grad_accum", "ppo.forward_micro_batches", "ppo.reuse_update_forward",
     "ppo.max_bad_steps",
+    # the supervised stages (ppojax.supervised): how long to train, logging and evaluation,
+    # micro-batches (exact accumulation), and data sources whose training rows are
+    # fingerprinted (data.train_rows)
+    "train.num_epochs", "train.log_every", "train.eval_every", "train.eval_batch_size",
+    "train.grad_accum", "data.train", "data.eval", "data.eval_split", "data.eval_size",
 )
 _HASH_CHARS = 16  # of a sha256 shown in a message
 DATA_FIELDS = {  # the data fingerprint's fields (data_fingerprint), compared as config fields
     "data.first_batch": "sha256 of the first batch's prompt tokens",
     "data.contents": "sha256 of data.path's bytes",
+    "data.train_rows": "sha256 of the encoded training rows",
 }
 
 
@@ -115,6 +121,17 @@ def data_fingerprint(config, source) -> dict[str, str]:
 def fingerprint(config, source) -> dict[str, dict]:
   """The fingerprint saved in every checkpoint's meta: ``{"config": flat, "data": {...}}``."""
   return {"config": flatten(config.to_dict()), "data": data_fingerprint(config, source)}
+
+
+def supervised_fingerprint(config, train: dict[str, np.ndarray]) -> dict[str, dict]:
+  """The fingerprint of a supervised stage (``ppojax.supervised.fit``): its flat config and
+  ``data.train_rows``, the sha256 of the training set's real tokens, array by array in name
+  order (each ``NAME`` with its ``NAME_mask``: ``rows_sha256``, independent of the padded
+  width). It catches another data file or contents, tokenizer, chat template or generator."""
+  h = hashlib.sha256()
+  for name in sorted(k for k in train if f"{k}_mask" in train):
+    h.update(name.encode() + b"\0" + rows_sha256(train[name], train[f"{name}_mask"]).encode())
+  return {"config": flatten(config.to_dict()), "data": {"data.train_rows": h.hexdigest()}}
 
 
 # ---------------------------------------------------------------------------------------------

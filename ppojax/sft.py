@@ -7,7 +7,8 @@ targets):
     L = −agg_{b,t} log π(y_t | x, y_<t)     (losses.sft_loss; agg: token or sequence mean)
 
 Held-out response NLL (a token mean) and token accuracy (greedy next token = target) are printed
-and logged before and after training; DIR gets metrics.jsonl, TensorBoard events and
+and logged before and after training; DIR gets metrics.jsonl, TensorBoard events, checkpoints/
+(rerunning the command resumes from the latest complete one, as ``ppojax.train`` does) and
 ``policy/`` in Hugging Face format, the starting point of reward-model training and PPO
 (``--config.model.init=DIR/policy`` / ``--config.model.policy=DIR/policy``). Override any
 config field with ``--config.section.field=value``.
@@ -23,6 +24,7 @@ os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
 import functools
 import pathlib
 
+import jax
 import jax.numpy as jnp
 import ml_collections
 from absl import app, flags, logging
@@ -33,16 +35,36 @@ from ppojax.experience import response_logits, response_logprobs
 from ppojax.models import save_model
 
 FIELDS = ("prompt", "response")
+DEFAULT_AGGREGATION = "token_mean"
 
 
 def _args(batch: dict) -> tuple:
   return batch["prompt"], batch["prompt_mask"], batch["response"], batch["response_mask"]
 
 
+def aggregation(config: ml_collections.ConfigDict) -> str:
+  """``train.aggregation`` (default "token_mean", for a config that lacks it), checked against
+  ``ops.AGGREGATIONS``."""
+  mode = config.train.get("aggregation", DEFAULT_AGGREGATION)
+  if mode not in ops.AGGREGATIONS:
+    raise ValueError(f"train.aggregation={mode!r} is not an aggregation; choose one of "
+                     f"{', '.join(ops.AGGREGATIONS)}")
+  return mode
+
+
 def sft_loss(module, aggregation: str, params, batch: dict):
-  """The response NLL (``losses.sft_loss``) of a batch, at temperature 1."""
+  """The response NLL (``losses.sft_loss``) of a batch, at temperature 1; the constant of
+  "seq_mean_token_sum_norm" is the response length R (the data's longest, fixed for the run)."""
   logp = response_logprobs(module, params, *_args(batch), 1.0, chunk_size=None)
-  return losses.sft_loss(logp, batch["response_mask"], aggregation), {}
+  mask = batch["response_mask"]
+  return losses.sft_loss(logp, mask, aggregation, max_len=mask.shape[1]), {}
+
+
+def sft_units(aggregation: str, batch: dict) -> jax.Array:
+  """What ``sft_loss`` averages over (``ops.aggregation_count``): response tokens for
+  "token_mean", non-empty rows for the sequence means; micro-batch gradients are weighted by
+  it, so accumulation gives the whole batch's gradient (``supervised.make_train_step``)."""
+  return ops.aggregation_count(batch["response_mask"], aggregation)
 
 
 def sft_eval(module, params, batch: dict) -> dict:
@@ -82,19 +104,22 @@ def load_examples(config: ml_collections.ConfigDict, tokenizer) -> tuple[dict, d
   return arrays[0], arrays[1], info
 
 
-def run(config: ml_collections.ConfigDict, workdir: str | pathlib.Path | None = None
-        ) -> supervised.Result:
-  """Fine-tunes the policy of ``config``; with a ``workdir``, writes metrics and saves the policy
-  to ``workdir/policy``."""
+def run(config: ml_collections.ConfigDict, workdir: str | pathlib.Path | None = None,
+        stop_after: int | None = None) -> supervised.Result:
+  """Fine-tunes the policy of ``config``; with a ``workdir``, checkpoints, resumes, writes
+  metrics and at the end saves the policy to ``workdir/policy`` (``supervised.fit``;
+  ``stop_after``: stop after that step, as an interrupted run would)."""
+  mode = aggregation(config)
   model = supervised.build_model(config, head="lm")
   train, held_out, info = load_examples(config, model.tokenizer)
   print(", ".join(f"{k[5:]} {v}" for k, v in info.items()), flush=True)
   module = model.module
   result = supervised.fit(
-      config, workdir, model, functools.partial(sft_loss, module, config.train.aggregation),
+      config, workdir, model, functools.partial(sft_loss, module, mode),
       functools.partial(sft_eval, module), train, held_out, info,
-      shown=("train/loss", "eval/nll"))
-  if workdir:
+      shown=("train/loss", "eval/nll"), units=functools.partial(sft_units, mode),
+      stop_after=stop_after)
+  if workdir and result.finished:
     out = save_model(pathlib.Path(workdir) / "policy", result.model)
     print(f"wrote the policy to {out}", flush=True)
   return result
@@ -107,6 +132,8 @@ def main(argv, config_flag, workdir_flag):
   config = config_flag.value
   print(config, flush=True)
   result = run(config, workdir_flag.value)
+  if not result.finished:
+    return
   b, a = result.before, result.after
   print(f"held-out response NLL: {b['eval/nll']:.3f} -> {a['eval/nll']:.3f}, token accuracy: "
         f"{b['eval/token_accuracy']:.3f} -> {a['eval/token_accuracy']:.3f}", flush=True)
@@ -115,5 +142,6 @@ def main(argv, config_flag, workdir_flag):
 if __name__ == "__main__":  # flags defined here only: importing this module defines none
   hostmem.reexec_with_huge_pages()
   _CONFIG = config_flags.DEFINE_config_file("config", "configs/sft_arith.py", "Config file.")
-  _WORKDIR = flags.DEFINE_string("workdir", None, "Run directory: metrics and policy/.")
+  _WORKDIR = flags.DEFINE_string("workdir", None,
+                                  "Run directory: checkpoints (resumed), metrics, policy/.")
   app.run(functools.partial(main, config_flag=_CONFIG, workdir_flag=_WORKDIR))

@@ -11,7 +11,8 @@ A data set is a dict of host arrays with the rows first (``rows`` counts them). 
 held-out set and divides once at the end, so every mean is exact whatever the batching: the last
 partial batch is filled with copies of row 0 at weight 0, and every held-out row counts exactly
 once. Training batches are ``data.batch_indices(n, batch_size, seed, step)``: a pure function of
-the step, reshuffled every epoch.
+the step, reshuffled every epoch, so a run resumed from a checkpoint of (params, optimizer
+state) at step s continues exactly as the uninterrupted one (``fit``).
 """
 
 from __future__ import annotations
@@ -29,20 +30,25 @@ import numpy as np
 import optax
 
 from ppojax import config as config_lib
-from ppojax import data, reporting, runner
+from ppojax import checkpoint, data, reporting, resume, runner
 from ppojax import step as step_lib
 from ppojax.models import LoadedModel
+from ppojax.signals import StopSignals
 
 Arrays = dict[str, np.ndarray]
 LossFn = Callable[[Any, dict], tuple[jax.Array, dict]]
 EvalFn = Callable[[Any, dict], dict[str, tuple[jax.Array, jax.Array]]]
+# Checkpoint every SAVE_EVERY steps (and at the end), keep the newest KEEP: the defaults of
+# ``save_every`` and ``keep`` for a config without them.
+SAVE_EVERY, KEEP = 50, 2
 
 
 class Result(NamedTuple):
   model: LoadedModel  # the trained model (host params)
   before: dict[str, float]  # held-out statistics before training ("eval/..."), and after:
   after: dict[str, float]
-  history: list[dict]  # the logged metric rows
+  history: list[dict]  # the logged metric rows (with a workdir: also those before a resume)
+  finished: bool = True  # False: stopped early (stop_after, a signal), to resume
 
 
 # ---------------------------------------------------------------------------------------------
@@ -136,14 +142,26 @@ def _is_head(params):
   return jax.tree.map(lambda _: False, params)
 
 
-def make_train_step(loss_fn: LossFn, tx: optax.GradientTransformation, grad_accum: int = 1):
+def rows_units(batch: dict) -> jax.Array:
+  """The units of a loss that is a mean over rows of equal weight (Bradley–Terry): the rows."""
+  return jnp.float32(next(iter(batch.values())).shape[0])
+
+
+def make_train_step(loss_fn: LossFn, tx: optax.GradientTransformation, grad_accum: int = 1,
+                    units: Callable[[dict], jax.Array] = rows_units):
   """``(params, opt_state, batch) → (params, opt_state, metrics)``, compiled, inputs donated;
   the metrics are the loss function's plus ``loss`` and ``grad_norm`` (before clipping).
 
-  With ``grad_accum`` = K the batch is split into K equal micro-batches whose gradients and
-  metrics are averaged (a ``lax.scan``: one micro-batch's activations in memory at a time).
-  The average is the full-batch gradient when the loss is a mean over rows of equal weight
-  (Bradley–Terry); for a token mean it weighs each micro-batch's token mean equally.
+  With ``grad_accum`` = K the batch is split into K equal micro-batches (a ``lax.scan``: one
+  micro-batch's activations in memory at a time) whose gradients and metrics are summed with
+  the weights
+
+      w_k = units(micro-batch k) / units(batch),    Σ_k w_k·∇L_k = ∇L(batch)
+
+  where ``units(batch)`` counts what the loss averages over (``rows_units``: rows; an SFT token
+  mean: its tokens, ``ops.aggregation_count``). The sum is then exactly the whole batch's
+  gradient, however unevenly the units fall into the micro-batches (as the PPO update's
+  ``_micro_weight``). A batch without units gives zero weights (and a zero gradient).
   """
 
   def grads(params, batch):  # (gradient, metrics with the loss)
@@ -157,9 +175,11 @@ def make_train_step(loss_fn: LossFn, tx: optax.GradientTransformation, grad_accu
       micro = jax.tree.map(lambda x: x.reshape(grad_accum, -1, *x.shape[1:]), batch)
       shapes = jax.eval_shape(grads, params, jax.tree.map(lambda x: x[0], micro))
       zero = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+      total = jnp.maximum(units(batch), 1.0)
 
       def body(acc, mb):
-        return jax.tree.map(lambda a, x: a + x / grad_accum, acc, grads(params, mb)), None
+        w = units(mb) / total
+        return jax.tree.map(lambda a, x: a + w * x, acc, grads(params, mb)), None
 
       (g, metrics), _ = jax.lax.scan(body, zero, micro)
     updates, opt_state = tx.update(g, opt_state, params)
@@ -202,11 +222,23 @@ def _weighted_sums(eval_fn, params, batch, weight):
 
 def fit(config: ml_collections.ConfigDict, workdir: str | pathlib.Path | None, model: LoadedModel,
         loss_fn: LossFn, eval_fn: EvalFn, train: Arrays, held_out: Arrays,
-        info: dict[str, float] | None = None, shown: tuple[str, ...] = ("train/loss",)
+        info: dict[str, float] | None = None, shown: tuple[str, ...] = ("train/loss",),
+        units: Callable[[dict], jax.Array] = rows_units, stop_after: int | None = None
         ) -> Result:
   """Trains ``model.params`` for ``train.num_epochs`` epochs of ``train``; evaluates on
   ``held_out`` before, every ``train.eval_every`` steps, and after. Metric rows (``info`` —
-  e.g. data statistics — and the first evaluation at step 0) go to ``workdir/metrics.jsonl``."""
+  e.g. data statistics — and the first evaluation at step 0) go to ``workdir/metrics.jsonl``.
+  ``units``: what the loss averages over, for exact gradient accumulation (``make_train_step``).
+
+  With a ``workdir`` the run checkpoints and resumes as the PPO run does (``runner.run``):
+  params and optimizer state every ``save_every`` steps and at the end, the newest ``keep``
+  kept, in ``workdir/checkpoints``; a rerun resumes from the latest complete checkpoint that
+  comes from the same config and training data (``ppojax.resume``: another run's is refused,
+  a corrupt one falls back to the one before) and drops the metric rows written after it, so
+  metrics.jsonl and the trained params equal an uninterrupted run's. The batch order is a pure
+  function of the step. ``stop_after``, or a first SIGTERM / Ctrl-C, stops after that step with
+  a checkpoint (``Result.finished`` is then False); a second signal aborts at once.
+  """
   t = config.train
   n = rows(train)
   steps = num_steps(t.num_epochs, n, t.batch_size)
@@ -214,52 +246,106 @@ def fit(config: ml_collections.ConfigDict, workdir: str | pathlib.Path | None, m
     raise ValueError(f"train.batch_size={t.batch_size} is not divisible by "
                      f"train.grad_accum={t.grad_accum}")
   tx, schedule = optimizer(config.optim, steps)
-  train_step = make_train_step(loss_fn, tx, t.grad_accum)
+  train_step = make_train_step(loss_fn, tx, t.grad_accum, units)
 
   def evaluation(params) -> dict[str, float]:
     stats = evaluate(eval_fn, params, held_out, t.eval_batch_size)
     return {f"eval/{k}": v for k, v in stats.items()}
 
-  params = jax.tree.map(jnp.array, model.params)  # own buffers: the train step donates them
-  opt_state = tx.init(params)
-  history = []
-  writer = None
+  state = {"params": jax.tree.map(jnp.array, model.params)}  # own buffers: the step donates them
+  state["opt_state"] = tx.init(state["params"])
+  start, history, ckpt, writer = 0, [], None, None
+  fingerprint = resume.supervised_fingerprint(config, train) if workdir else None
   if workdir:
+    ckpt, state, start, history = _resume(config, pathlib.Path(workdir), state, fingerprint)
     wandb = config.get("wandb_project") or None
     writer = reporting.MetricWriter(str(workdir), wandb_project=wandb,
-                                    wandb_config=config.to_dict() if wandb else None)
+                                    wandb_config=config.to_dict() if wandb else None,
+                                    resume_step=start if start else -1)  # -1: rows of no step
 
   def log(step: int, metrics: dict) -> None:
     history.append({"step": step, **metrics})
     if writer:
       writer.write(step, metrics)
 
-  progress = None
+  def save(step: int, force: bool) -> bool:
+    return bool(ckpt) and ckpt.save(step, state, {"step": step, "fingerprint": fingerprint},
+                                    force=force)
+
+  progress, last, unsaved = None, start, False  # last: the latest completed step
   try:
-    before = evaluation(params)
-    log(0, {**(info or {}), **before})
-    print(_summary("before training", before), flush=True)
-    progress = reporting.Progress(steps)
-    for i in range(steps):
-      batch = take(train, data.batch_indices(n, t.batch_size, config.seed, i))
-      params, opt_state, metrics = train_step(params, opt_state, batch)
-      it = i + 1
-      evaluate_now = it == steps or (t.eval_every and it % t.eval_every == 0)
-      if it % t.log_every == 0 or evaluate_now:
-        metrics = {f"train/{k}": float(v) for k, v in jax.device_get(metrics).items()}
-        metrics.update(lr=float(schedule(i)), epoch=it * t.batch_size / n)
-        if evaluate_now:
-          metrics.update(evaluation(params))
-        log(it, metrics)
-        progress.update(it, {k: metrics[k] for k in shown if k in metrics})
+    with StopSignals() as signals:
+      if start == 0:
+        before = evaluation(state["params"])
+        log(0, {**(info or {}), **before})
+      before = _eval_stats(next((r for r in history if r["step"] == 0), {}))
+      print(_summary("before training", before), flush=True)
+      progress = reporting.Progress(steps, start=start)
+      for i in range(start, steps):
+        if signals.received:  # arrived after the previous step's save
+          if unsaved:
+            save(last, force=True)
+          break
+        batch = take(train, data.batch_indices(n, t.batch_size, config.seed, i))
+        state["params"], state["opt_state"], metrics = train_step(
+            state["params"], state["opt_state"], batch)
+        last = it = i + 1
+        evaluate_now = it == steps or (t.eval_every and it % t.eval_every == 0)
+        if it % t.log_every == 0 or evaluate_now:
+          metrics = {f"train/{k}": float(v) for k, v in jax.device_get(metrics).items()}
+          metrics.update(lr=float(schedule(i)), epoch=it * t.batch_size / n)
+          if evaluate_now:
+            metrics.update(evaluation(state["params"]))
+          log(it, metrics)
+          progress.update(it, {k: metrics[k] for k in shown if k in metrics})
+        stop = it == steps or it == stop_after or signals.received is not None
+        unsaved = not save(it, force=stop)
+        if stop:
+          break
+      if signals.received:
+        progress.write(f"\nstopped by {signals.received} after step {last}"
+                       + (f"; checkpoint {last} saved: run the same command again to resume"
+                          if ckpt and last > start else ""))
   finally:
     if progress:
       progress.close()
+    if ckpt:
+      ckpt.close()
     if writer:
       writer.close()
-  after = {k: v for k, v in history[-1].items() if k.startswith("eval/")}
-  print(_summary("after training", after), flush=True)
-  return Result(model._replace(params=jax.device_get(params)), before, after, history)
+  finished = last == steps
+  after = _eval_stats(history[-1]) if finished else {}
+  if finished:
+    print(_summary("after training", after), flush=True)
+  return Result(model._replace(params=jax.device_get(state["params"])), before, after, history,
+                finished)
+
+
+def _resume(config, workdir: pathlib.Path, state: dict, fingerprint: dict):
+  """(checkpointer, state, step, metric rows up to that step) of ``workdir``: its latest
+  complete checkpoint's if there is one whose fingerprint matches (else ``ResumeError``),
+  or the initial ``state``, step 0 and no rows."""
+  workdir.mkdir(parents=True, exist_ok=True)
+  ckpt = checkpoint.Checkpointer(workdir / "checkpoints", config.get("save_every", SAVE_EVERY),
+                                 config.get("keep", KEEP))
+  if ckpt.latest_step() is None:
+    return ckpt, state, 0, []
+  try:  # refuses another run's checkpoint; skips (and sets aside) corrupt ones
+    abstract = jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state)
+    state, meta = resume.restore(ckpt, abstract, fingerprint, config)
+  except BaseException:
+    ckpt.close()
+    raise
+  step = int(meta["step"])
+  print(f"resumed from {workdir / 'checkpoints'} at step {step}", flush=True)
+  path = workdir / reporting.METRICS_FILE
+  rows_ = reporting.read_metrics(str(path)) if path.exists() else []
+  return ckpt, state, step, [r for r in rows_ if r["step"] <= step]
+
+
+def _eval_stats(row: dict) -> dict[str, float]:
+  return {k: v for k, v in row.items() if k.startswith("eval/")}
 
 
 def _summary(when: str, stats: dict[str, float]) -> str:

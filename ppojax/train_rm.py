@@ -8,9 +8,10 @@ end with the EOS token). It learns from preference pairs by the Bradley–Terry 
 
 with chosen and rejected run as one batch of 2B sequences (one forward pass). Held-out pairwise
 accuracy (ties count half) is printed and logged before and after training; DIR gets
-metrics.jsonl, TensorBoard events and ``reward_model/`` in Hugging Face format, which PPO uses
-with ``--config.reward.kind=model --config.model.reward=DIR/reward_model``. Override any config
-field with ``--config.section.field=value``.
+metrics.jsonl, TensorBoard events, checkpoints/ (rerunning the command resumes from the latest
+complete one, as ``ppojax.train`` does) and ``reward_model/`` in Hugging Face format, which PPO
+uses with ``--config.reward.kind=model --config.model.reward=DIR/reward_model``. Override any
+config field with ``--config.section.field=value``.
 """
 
 from __future__ import annotations
@@ -90,18 +91,19 @@ def load_pairs(config: ml_collections.ConfigDict, tokenizer) -> tuple[dict, dict
   return arrays[0], arrays[1], info
 
 
-def run(config: ml_collections.ConfigDict, workdir: str | pathlib.Path | None = None
-        ) -> supervised.Result:
-  """Trains the reward model of ``config``; with a ``workdir``, writes metrics and saves the
-  model to ``workdir/reward_model``."""
+def run(config: ml_collections.ConfigDict, workdir: str | pathlib.Path | None = None,
+        stop_after: int | None = None) -> supervised.Result:
+  """Trains the reward model of ``config``; with a ``workdir``, checkpoints, resumes, writes
+  metrics and at the end saves the model to ``workdir/reward_model`` (``supervised.fit``;
+  ``stop_after``: stop after that step, as an interrupted run would)."""
   model = supervised.build_model(config, head="value")
   train, held_out, info = load_pairs(config, model.tokenizer)
   print(", ".join(f"{k[5:]} {v}" for k, v in info.items()), flush=True)
   module = model.module
   result = supervised.fit(config, workdir, model, functools.partial(rm_loss, module),
                           functools.partial(rm_eval, module), train, held_out, info,
-                          shown=("train/loss", "train/accuracy"))
-  if workdir:
+                          shown=("train/loss", "train/accuracy"), stop_after=stop_after)
+  if workdir and result.finished:
     out = save_model(pathlib.Path(workdir) / "reward_model", result.model)
     print(f"wrote the reward model to {out}", flush=True)
   return result
@@ -114,6 +116,8 @@ def main(argv, config_flag, workdir_flag):
   config = config_flag.value
   print(config, flush=True)
   result = run(config, workdir_flag.value)
+  if not result.finished:
+    return
   print(f"held-out pairwise accuracy: {result.before['eval/accuracy']:.3f} -> "
         f"{result.after['eval/accuracy']:.3f}", flush=True)
 
@@ -121,5 +125,6 @@ def main(argv, config_flag, workdir_flag):
 if __name__ == "__main__":  # flags defined here only: importing this module defines none
   hostmem.reexec_with_huge_pages()
   _CONFIG = config_flags.DEFINE_config_file("config", "configs/rm_arith.py", "Config file.")
-  _WORKDIR = flags.DEFINE_string("workdir", None, "Run directory: metrics and reward_model/.")
+  _WORKDIR = flags.DEFINE_string("workdir", None,
+                                  "Run directory: checkpoints (resumed), metrics, reward_model/.")
   app.run(functools.partial(main, config_flag=_CONFIG, workdir_flag=_WORKDIR))

@@ -4,6 +4,7 @@ an evaluation that counts every held-out row once, and both command lines end to
 
 from __future__ import annotations
 
+import functools
 import json
 import pathlib
 import string
@@ -13,11 +14,12 @@ import sys
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ppojax import data, losses, reporting, runner, sft, supervised, train_rm
+from ppojax import data, losses, ops, reporting, runner, sft, supervised, train_rm
 from ppojax.experience import model_scores
 from ppojax.models import CausalLM, load_model, positions_from_mask
 
@@ -70,12 +72,25 @@ def sft_records(seed: int, n: int) -> list[dict]:
           for w in (_word(rng) for _ in range(n))]
 
 
-def _config(name: str, tokenizer_dir, tmp_path, records, n_train=64, n_eval=21, **overrides):
+DEFAULTS = """from ppojax.config import supervised_defaults
+def get_config():
+  c = supervised_defaults()
+{extra}  return c
+"""
+
+
+def _config(name: str | None, tokenizer_dir, tmp_path, records, n_train=64, n_eval=21,
+            extra: str = "", **overrides):
+  """A config file of configs/ (``name``), or with ``name`` None a file of ``supervised_defaults()``
+  plus the lines ``extra``, on ``records`` written to tmp_path, with the tiny model."""
   train, held_out = tmp_path / "train.jsonl", tmp_path / "eval.jsonl"
   data.write_jsonl(records(0, n_train), train)
   data.write_jsonl(records(1, n_eval), held_out)
+  path = ROOT / "configs" / name if name else tmp_path / "defaults.py"
+  if not name:
+    path.write_text(DEFAULTS.format(extra=extra))
   return runner.load_config(
-      ROOT / "configs" / name, model__tokenizer=str(tokenizer_dir), data__train=str(train),
+      path, model__tokenizer=str(tokenizer_dir), data__train=str(train),
       data__eval=str(held_out), **{**TINY, **overrides})
 
 
@@ -155,6 +170,60 @@ def test_gradient_accumulation_equals_the_full_batch():
   np.testing.assert_allclose(outs[0][0], outs[1][0], rtol=1e-6)
   for name in ("loss", "accuracy", "margin", "grad_norm"):
     np.testing.assert_allclose(outs[0][2][name], outs[1][2][name], rtol=1e-5)
+
+
+def _sft_batch(module, params, train, lengths):
+  """8 training rows whose response masks hold ``lengths`` tokens (a prefix of each row)."""
+  batch = supervised.take(train, np.arange(8))
+  width = batch["response"].shape[1]
+  batch["response_mask"] = np.arange(width)[None] < np.minimum(lengths, width)[:, None]
+  return batch
+
+
+def test_sft_gradient_accumulation_is_exact_with_unequal_token_counts(tokenizer_dir, tmp_path):
+  """4 micro-batches with very different token counts (one row empty) sum to the gradient and
+  the loss of the whole batch (jax.grad of sft_loss, a plain-JAX reference), read off one SGD
+  step of rate 1, for every aggregation; micro-batches weighted equally, as before, are off."""
+  config = _config(None, tokenizer_dir, tmp_path, sft_records, model__tiny__num_layers=1)
+  model = supervised.build_model(config)
+  train, _, _ = sft.load_examples(config, model.tokenizer)
+  module, params = model.module, model.params
+  batch = supervised.take(train, np.arange(8))  # micro-batches of rows [0, 1], [2, 3], ...
+  lengths = np.array([99, 99, 99, 7, 1, 0, 2, 1])  # tokens: 2R, R + 7, 1, 3
+  batch["response_mask"] = np.arange(batch["response"].shape[1])[None] < lengths[:, None]
+  tx = optax.sgd(1.0)
+
+  def step(loss_fn, units):  # (the gradient, metrics) of one accumulated step
+    own = jax.tree.map(jnp.array, params)  # the step donates its inputs
+    new, _, metrics = supervised.make_train_step(loss_fn, tx, 4, units)(own, tx.init(own), batch)
+    return jax.tree.map(lambda a, b: a - b, params, new), metrics
+
+  for aggregation in ops.AGGREGATIONS[:3]:  # seq_mean is seq_mean_token_mean's alias
+    loss_fn = functools.partial(sft.sft_loss, module, aggregation)
+    (loss, _), want = jax.jit(jax.value_and_grad(loss_fn, has_aux=True))(params, batch)
+    got, metrics = step(loss_fn, functools.partial(sft.sft_units, aggregation))
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=2e-4, atol=1e-6), got, want)
+    np.testing.assert_allclose(metrics["loss"], loss, rtol=1e-6)
+    if aggregation == "token_mean":  # the old equal weights: not the gradient
+      equal, _ = step(loss_fn, supervised.rows_units)
+      gap = max(float(jnp.max(jnp.abs(a - b)) / jnp.max(jnp.abs(b)))
+                for a, b in zip(jax.tree.leaves(equal), jax.tree.leaves(want)))
+      assert gap > 0.05, gap
+
+
+def test_sft_runs_from_the_supervised_defaults(tokenizer_dir, tmp_path):
+  """A config of ``supervised_defaults()`` alone trains (token_mean: its loss is the token mean
+  of the response NLL); a misspelt aggregation is refused before any model loads."""
+  config = _config(None, tokenizer_dir, tmp_path, sft_records, n_train=16, n_eval=5,
+                   train__batch_size=8)
+  assert sft.aggregation(config) == "token_mean"
+  result = sft.run(config)
+  assert result.finished and [row["step"] for row in result.history] == [0, 1, 2]
+  bad = _config(None, tokenizer_dir, tmp_path, sft_records, n_train=16, n_eval=5,
+                extra='  c.train.aggregation = "token-mean"\n')
+  with pytest.raises(ValueError, match=r"train\.aggregation='token-mean' is not an aggregation; "
+                     "choose one of token_mean, "):
+    sft.run(bad)
 
 
 def test_head_learning_rate_factor_scales_only_the_score_head():
