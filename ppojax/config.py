@@ -147,11 +147,10 @@ def defaults() -> ml_collections.ConfigDict:
   c.ppo.missing_stop_penalty = 0.0
   c.ppo.whiten_rewards = False
   c.ppo.whiten_advantages = True
-  # How token losses become one loss (ops.aggregate), "" the algorithm's: "token_mean" (over all
-  # response tokens),
-  # "seq_mean_token_mean" (= "seq_mean": each sequence's token mean, then the mean over
-  # sequences; GRPO's original) or "seq_mean_token_sum_norm" (token sums over the constant
-  # sampling.max_new_tokens, then the mean over sequences; Dr. GRPO)
+  # How token losses become one loss (ops.aggregate), "" the algorithm's: "token_mean" (over
+  # all response tokens), "seq_mean_token_mean" (= "seq_mean": each sequence's token mean, then
+  # the mean over sequences; GRPO's original) or "seq_mean_token_sum_norm" (token sums over the
+  # constant sampling.max_new_tokens, then the mean over sequences; Dr. GRPO)
   c.ppo.aggregation = ""
   # Where log π_old(token) comes from: "recompute" (a forward pass of the actor over prompt +
   # response after sampling) or "sampler" (the log-probs generate() computed while sampling:
@@ -189,6 +188,9 @@ def supervised_defaults() -> ml_collections.ConfigDict:
   c = ml_collections.ConfigDict()
   c.seed = 0  # model init (tiny), data generation and batch order
   c.wandb_project = ""  # log to Weights & Biases too (needs `pip install 'ppojax[wandb]'`)
+  c.save_every = 50  # checkpoint every N steps (and at the end), with --workdir
+  c.keep = 2  # checkpoints kept (>= 2: a corrupt latest one falls back to the one before)
+  c.resume_allow_changes = ""  # as in defaults(): fields a resumed run may change deliberately
 
   c.model = ml_collections.ConfigDict()
   # "smollm2", a GGUF file, a Hugging Face directory or hub id (for a reward model a policy
@@ -221,7 +223,8 @@ def supervised_defaults() -> ml_collections.ConfigDict:
   c.train = ml_collections.ConfigDict()
   c.train.num_epochs = 1.0  # optimizer steps = ceil(num_epochs * train rows / batch_size)
   c.train.batch_size = 16  # examples (pairs: 2 * batch_size sequences in one forward pass)
-  c.train.grad_accum = 1  # micro-batches per step (gradients averaged)
+  c.train.grad_accum = 1  # micro-batches per step (weighted by their share of the loss: exact)
+  c.train.aggregation = "token_mean"  # SFT: ops.AGGREGATIONS over response tokens
   c.train.eval_batch_size = 32
   c.train.eval_every = 0  # evaluate every N steps (0: only before and after training)
   c.train.log_every = 1
