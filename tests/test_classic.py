@@ -98,7 +98,7 @@ def test_time_limit_is_truncation_and_final_obs_is_before_the_reset():
   assert states.time.tolist() == [0, 4]
 
 
-def test_bad_hyper_parameters_are_refused_with_the_field_named():
+def test_the_config_is_hyper_and_bad_fields_are_refused_with_their_name():
   with pytest.raises(ValueError, match="num_minibatches=3 must divide"):
     ppo.Hyper(num_minibatches=3).check()
   with pytest.raises(ValueError, match="Pendulum-v1"):
@@ -106,6 +106,7 @@ def test_bad_hyper_parameters_are_refused_with_the_field_named():
   with pytest.raises(ValueError, match="less than one batch"):
     ppo.Hyper(total_timesteps=100).check()
   config = load_config(ROOT / "configs" / "cartpole.py")
+  assert runner.hyper(config) == ppo.Hyper()  # the config spells out Hyper's defaults
   config.classic.lr_typo = 1.0
   with pytest.raises(ValueError, match="unknown fields \\['lr_typo'\\]"):
     runner.hyper(config)
