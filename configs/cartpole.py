@@ -1,7 +1,7 @@
 """PPO on CartPole-v1 (gymnax) with ppojax's GAE and clipped losses, the whole run one compiled
 ``lax.scan``: PureJaxRL's hyper-parameters, 4 environments × 128 steps, 500k steps per agent,
-4 agents trained at once (``jax.vmap``). Every agent reaches the maximum return 500; on a 2-core
-CPU one agent takes about 10 s including compilation (docs/classic.md).
+4 agents trained at once (``jax.vmap``). Every agent we ran reached the maximum return 500; one
+agent's whole run takes 7-20 s including compilation on a shared 2-core CPU (docs/classic.md).
 
     pip install 'ppojax[classic]'
     python -m ppojax.train --config configs/cartpole.py --workdir /tmp/cartpole \\
