@@ -58,7 +58,6 @@ def gae(
   chex.assert_rank([rewards, values, mask], 2)
   chex.assert_equal_shape([rewards, values, mask])
   mask = mask.astype(jnp.bool_)
-  r = jnp.where(mask, rewards, 0.0).astype(jnp.float32)
   v = jnp.where(mask, values, 0.0).astype(jnp.float32)
   next_mask = jnp.pad(mask[:, 1:], ((0, 0), (0, 1)))
   next_v = jnp.pad(v[:, 1:], ((0, 0), (0, 1)))  # already 0 where m_{t+1} = 0
@@ -66,21 +65,75 @@ def gae(
     chex.assert_shape(last_values, (rewards.shape[0],))
     at_end = ops.last_token_mask(mask) & mask
     next_v = jnp.where(at_end, last_values[:, None].astype(jnp.float32), next_v)
-  deltas = r + gamma * next_v - v
+  # The response is one episode that ends at its last token: a discount of γ everywhere (the
+  # value after the end is 0 or last_values, already in next_v) and a trace cut at the end.
+  advantages, returns = gae_episodes(rewards, v, next_v, gamma, next_mask, lam, mask=mask)
+  if whiten:
+    advantages = ops.masked_whiten(advantages, mask, shift_mean=True)
+  return advantages, returns
+
+
+def gae_episodes(
+    rewards: Array,
+    values: Array,
+    next_values: Array,
+    discounts: float | Array,
+    continues: Array,
+    lam: float | Array = 0.95,
+    *,
+    mask: Array | None = None,
+) -> tuple[Array, Array]:
+  """GAE over steps that may hold several episodes per row (vectorised environments), by a
+  reverse ``lax.scan`` over time; ``gae`` (one episode per row, the response) is a special case.
+
+    δ_t = r_t + d_t·V'_t − V_t
+    A_t = δ_t + λ·d_t·c_t·A_{t+1}
+    R_t = A_t + V_t
+
+  V'_t is the value of the state the step led to, *before* any automatic reset; d_t the step's
+  discount and c_t whether the next column continues this episode. For an environment step:
+
+  * within an episode:     d_t = γ,  c_t = 1   (V'_t = V_{t+1})
+  * terminal (the MDP ends): d_t = 0, c_t = 0   (nothing after it has value)
+  * truncated (time limit): d_t = γ, c_t = 0   (bootstrap: V'_t = V(s_final), the critic's value
+    of the last observation, not of the reset one; the trace stops, the next column is another
+    episode)
+
+  After the last column A_{T} = 0, so the last column always bootstraps from V'_{T−1} (the
+  rollout's cut is a truncation). ``mask`` (optional) zeroes A and R where it is 0; rewards and
+  values there are not read. Episodes must not cross a masked-out step (cut them with c = 0).
+
+  Args:
+    rewards, values, next_values: [B, T].
+    discounts: [B, T], or a scalar γ for every step.
+    continues: [B, T] (bool or 0/1).
+    lam: GAE parameter λ.
+    mask: [B, T] or None (every step counts).
+
+  Returns:
+    (advantages, returns), both float32 [B, T].
+  """
+  chex.assert_rank([rewards, values, next_values, continues], 2)
+  chex.assert_equal_shape([rewards, values, next_values, continues])
+  mask = jnp.ones(rewards.shape, jnp.bool_) if mask is None else mask.astype(jnp.bool_)
+  chex.assert_equal_shape([rewards, mask])
+  discounts = jnp.broadcast_to(jnp.asarray(discounts, jnp.float32), rewards.shape)
+  r = jnp.where(mask, rewards, 0.0).astype(jnp.float32)
+  v = jnp.where(mask, values, 0.0).astype(jnp.float32)
+  next_v = jnp.where(mask, next_values, 0.0).astype(jnp.float32)
+  deltas = r + discounts * next_v - v
 
   def step(adv_next, xs):
-    delta_t, mask_t, next_mask_t = xs
-    adv_t = delta_t + gamma * lam * jnp.where(next_mask_t, adv_next, 0.0)
+    delta_t, discount_t, continue_t, mask_t = xs
+    adv_t = delta_t + lam * discount_t * jnp.where(continue_t, adv_next, 0.0)
     adv_t = jnp.where(mask_t, adv_t, 0.0)
     return adv_t, adv_t
 
   init = jnp.zeros(rewards.shape[:1], jnp.float32)
-  _, adv = jax.lax.scan(step, init, (deltas.T, mask.T, next_mask.T), reverse=True)
+  xs = (deltas.T, discounts.T, continues.astype(jnp.bool_).T, mask.T)
+  _, adv = jax.lax.scan(step, init, xs, reverse=True)
   advantages = adv.T
-  returns = jnp.where(mask, advantages + v, 0.0)
-  if whiten:
-    advantages = ops.masked_whiten(advantages, mask, shift_mean=True)
-  return advantages, returns
+  return advantages, jnp.where(mask, advantages + v, 0.0)
 
 
 def discounted_returns(rewards: Array, mask: Array, gamma: float | Array = 1.0) -> Array:

@@ -6,7 +6,8 @@ printed first. With ``--workdir`` the run resumes from the latest complete check
 rerun with another seed, batch, model or data is refused, naming the fields and the override
 ``--config.resume_allow_changes=...``: ppojax/resume.py) and writes config.json (the resolved
 config), metrics.jsonl, TensorBoard events, samples.jsonl, the held-out eval.json and
-eval_samples_*.jsonl, curves.png and the final policy/.
+eval_samples_*.jsonl, curves.png and the final policy/. A config with a ``classic`` section
+(configs/cartpole.py) trains a classic-control agent instead (``ppojax.classic.runner``).
 """
 
 from __future__ import annotations
@@ -31,6 +32,10 @@ def main(argv):
   logging.set_verbosity(logging.WARNING)
   config = _CONFIG.value
   print(config, flush=True)
+  if "classic" in config:  # classic control (configs/cartpole.py): ppojax.classic's own runner
+    from ppojax.classic import runner as classic_runner  # pylint: disable=import-outside-toplevel
+    classic_runner.main(config, _WORKDIR.value)
+    return
   history, evals = runner.run(config, _WORKDIR.value)
   if history:
     first, last = history[0]["objective/scores"], history[-1]["objective/scores"]

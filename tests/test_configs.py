@@ -15,12 +15,15 @@ from ppojax.config import defaults
 
 ROOT = pathlib.Path(__file__).parents[1]
 CONFIGS = sorted((ROOT / "configs").glob("*.py"))
-COMMANDS = {"ppo": "ppojax.train", "sft": "ppojax.sft", "rm": "ppojax.train_rm"}
+COMMANDS = {"ppo": "ppojax.train", "sft": "ppojax.sft", "rm": "ppojax.train_rm",
+            "classic": "ppojax.train"}
 
 
 def _kind(config) -> str:
   if "ppo" in config:
     return "ppo"
+  if "classic" in config:  # configs/cartpole.py: checked by tests/test_classic.py
+    return "classic"
   return "rm" if "head_lr_factor" in config.optim else "sft"
 
 
