@@ -96,6 +96,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -159,12 +160,13 @@ def make_config(args, reward_dir: str):
   return c
 
 
-def make_prompts(tokenizer, batch: int, length: int, shared_prefix: bool = True) -> Prompts:
-  """The batch's left-padded chat prompts, with the chat template's header as their shared
-  prefix (``Prompts.prefix``) as the CLI's data sources give them, unless ``shared_prefix`` is
-  False."""
+def make_prompts(tokenizer, batch: int, length: int, shared_prefix: bool = True,
+                 questions: Sequence[str] = QUESTIONS) -> Prompts:
+  """The batch's left-padded chat prompts (``questions``, cycled, as user messages), with the
+  chat template's header as their shared prefix (``Prompts.prefix``) as the CLI's data sources
+  give them, unless ``shared_prefix`` is False."""
   texts = [tokenizer.apply_chat_template(
-      [{"role": "user", "content": QUESTIONS[i % len(QUESTIONS)]}], tokenize=False,
+      [{"role": "user", "content": questions[i % len(questions)]}], tokenize=False,
       add_generation_prompt=True) for i in range(batch)]
   rows = [tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
   if max(map(len, rows)) > length:

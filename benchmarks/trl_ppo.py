@@ -67,6 +67,35 @@ def ensure_env(directory: Path | None = None) -> Path:
   return python
 
 
+def hf_tokenizer(policy_dir: str):
+  """The left-padding tokenizer of a ppojax-exported Hugging Face directory, for transformers 4:
+  built from tokenizer.json itself (ppojax writes the directory with transformers 5, whose
+  tokenizer_config.json names a class that transformers 4 does not have), with the pad and eos
+  tokens of its config.json."""
+  from transformers import PreTrainedTokenizerFast  # pylint: disable=import-outside-toplevel
+  model_config = json.loads((Path(policy_dir) / "config.json").read_text())
+  tokenizer = PreTrainedTokenizerFast(tokenizer_file=str(Path(policy_dir) / "tokenizer.json"),
+                                      padding_side="left")
+  tokenizer.pad_token = tokenizer.convert_ids_to_tokens(model_config["pad_token_id"])
+  tokenizer.eos_token = tokenizer.convert_ids_to_tokens(model_config["eos_token_id"])
+  return tokenizer
+
+
+def step_clock():
+  """A ``TrainerCallback`` whose ``marks`` are ``time.perf_counter()`` at its creation and at
+  every ``on_step_end``: an iteration is the time between two marks."""
+  from transformers import TrainerCallback  # pylint: disable=import-outside-toplevel
+
+  class StepClock(TrainerCallback):
+    def __init__(self):
+      self.marks = [time.perf_counter()]
+
+    def on_step_end(self, *_, **__):
+      self.marks.append(time.perf_counter())
+
+  return StepClock()
+
+
 def main():
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--policy", required=True)
@@ -83,8 +112,7 @@ def main():
   import transformers
   import trl
   from datasets import Dataset
-  from transformers import (AutoModelForCausalLM, AutoModelForSequenceClassification,
-                            PreTrainedTokenizerFast, TrainerCallback)
+  from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
   from trl import PPOConfig, PPOTrainer
 
   torch.set_num_threads(os.cpu_count())
@@ -94,13 +122,7 @@ def main():
   batch = len(prompts)
   n_iterations = args.warmup + args.iterations
 
-  # tokenizer.json itself: ppojax writes it with transformers 5, whose tokenizer_config.json
-  # names a class that transformers 4 does not have
-  model_config = json.loads((Path(args.policy) / "config.json").read_text())
-  tokenizer = PreTrainedTokenizerFast(tokenizer_file=str(Path(args.policy) / "tokenizer.json"),
-                                      padding_side="left")
-  tokenizer.pad_token = tokenizer.convert_ids_to_tokens(model_config["pad_token_id"])
-  tokenizer.eos_token = tokenizer.convert_ids_to_tokens(model_config["eos_token_id"])
+  tokenizer = hf_tokenizer(args.policy)
   load = lambda cls, path, **kw: cls.from_pretrained(  # noqa: E731
       path, torch_dtype=torch.float32, **kw)
   policy = load(AutoModelForCausalLM, args.policy)
@@ -109,14 +131,7 @@ def main():
   value = load(AutoModelForSequenceClassification, args.reward, num_labels=1)
   data = Dataset.from_dict({"input_ids": prompts * n_iterations})
 
-  class Clock(TrainerCallback):
-    def __init__(self):
-      self.marks = [time.perf_counter()]
-
-    def on_step_end(self, *_, **__):
-      self.marks.append(time.perf_counter())
-
-  clock = Clock()
+  clock = step_clock()
   with tempfile.TemporaryDirectory() as out:
     config = PPOConfig(
         output_dir=out, per_device_train_batch_size=batch, gradient_accumulation_steps=1,

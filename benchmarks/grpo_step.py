@@ -1,0 +1,273 @@
+"""Seconds per GRPO iteration of ppojax and of trl 0.17's ``GRPOTrainer``, side by side in one run.
+
+SmolLM2-135M-Instruct (``model.policy = "smollm2"``) is the policy and, frozen, the reference.
+The task is ppojax's arithmetic (``ppojax.arith``): ``--prompts`` two-digit problems from the
+training split ("What is 23 + 45?"), each chat-templated to exactly 40 tokens, so neither side
+pads; ``--samples`` responses per prompt, each exactly ``--response-length`` tokens at
+temperature ``--temperature`` (min_new_tokens = max_new_tokens on both sides, as in
+``ppo_step.py``); the reward is ``ppojax.arith.reward``, a Python function of the decoded text
+(exact match of the last number, + 0.1 for ending on a number); KL coefficient ``--kl-coef``
+against the reference; one optimizer step per batch (1 epoch, 1 minibatch, no accumulation):
+
+    python benchmarks/grpo_step.py [--prompts 16] [--samples 4] [--response-length 32]
+        [--iterations 3] [--warmup 1] [--no-shared-prefix] [--no-trl] [--trl-env DIR]
+        [--ppo-rss]
+
+What one ppojax iteration runs (``runner.iteration`` with a host reward: three compiled
+functions and a host round trip; ``config.algorithm = "grpo"``, float32):
+
+* rollout: one prefill per prompt (the chat template's 24-token header once per batch unless
+  ``--no-shared-prefix``), its KV cache repeated for the ``--samples`` samples, R − 1 decode
+  steps; the reference's forward over the B·n rows (log-probs at temperature T). No old
+  log-probs pass: the single-pass update takes them from its own forward at the same params;
+* scoring: decode the completions on the host and call the reward function;
+* update: group advantages (r − mean) / (std + 1e-6), the policy's forward and backward
+  (clipped ratio loss + β·k3 KL, sequence mean of token means), gradient clipping at norm 1
+  and one AdamW step (weight decay 0).
+
+trl's iteration (``benchmarks/trl_grpo.py``, in trl's own environment, ``trl_ppo.ensure_env``)
+runs the same passes, with these differences: it prefills each of the B·n rows in full (no
+prefill shared by a prompt's samples, no shared header); its group advantages divide by
+std + 1e-4 (ppojax: + 1e-6); its decode is Hugging Face ``generate`` with a dynamic KV cache.
+Like ppojax it runs no old log-probs pass (trl 0.17 computes them only when num_iterations > 1;
+its ratio's denominator is the update's own detached log-probs) and it runs the LM head on the
+completion positions only in the reference forward and the update (``logits_to_keep``). Both
+clip the gradient at norm 1 and take one AdamW step with weight decay 0 at a constant lr; both
+run float32 on every core. trl runs in a subprocess before ppojax builds anything, so the two
+processes' memory never adds up.
+
+Timing: ppojax's first ``--warmup`` iterations (the first compiles) are not counted, nor are
+trl's; ``seconds_per_iteration`` is the median of the next ``--iterations``, each from the
+start of sampling to the end of the update (metrics copied to the host). ``peak_rss_mb`` is
+this process's ``ru_maxrss`` after the timed iterations (the model's load and Hugging Face
+export included); ``trl_peak_rss_mb`` the trl process's. ``--ppo-rss`` also runs one PPO
+iteration of configs/quickstart.py's shape (32 prompts × 32 tokens, critic, 4 minibatches) in a
+fresh process and reports its ``ru_maxrss`` as ``ppo_quickstart_peak_rss_mb``. The last line is
+a JSON object. Like the CLI, the script restarts itself once with glibc's huge-page tunable
+(``ppojax.hostmem``; ``PPOJAX_HUGE_PAGES=0``: off).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import pathlib
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from importlib import metadata
+
+import jax
+import numpy as np
+
+from ppojax import arith, hostmem, runner
+from ppojax.models import load_model, save_model
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+# pylint: disable=wrong-import-position
+import scale_table  # noqa: E402
+import trl_grpo  # noqa: E402
+import trl_ppo  # noqa: E402
+from ppo_step import CONFIGS, make_prompts, peak_rss_mb  # noqa: E402
+
+PROMPT_LENGTH = 40  # a two-digit problem through SmolLM2's chat template
+
+
+def quickstart_config():
+  spec = importlib.util.spec_from_file_location("quickstart_config", CONFIGS / "quickstart.py")
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module.get_config()
+
+
+def make_config(args):
+  """configs/quickstart.py (SmolLM2, the arithmetic task, ``ppojax.arith:reward`` as a text
+  reward, temperature 0.7) as GRPO with the benchmark's sizes."""
+  c = quickstart_config()
+  c.algorithm = "grpo"
+  c.num_iterations = 1000  # only sizes the lr schedule
+  c.phase_timing = False
+  c.sample_every = 0
+  c.data.shared_prefix = args.shared_prefix
+  c.sampling.temperature = args.temperature
+  c.sampling.max_new_tokens = args.response_length
+  c.sampling.min_new_tokens = args.response_length  # exactly R tokens: stop ids banned before
+  c.sampling.num_samples_per_prompt = args.samples
+  c.ppo.batch_size = args.prompts
+  c.ppo.kl_coef = args.kl_coef
+  c.ppo.num_epochs = c.ppo.num_minibatches = c.ppo.grad_accum = 1
+  # "": the algorithm's (GRPO: seq_mean_token_mean, trl's loss_type "grpo"); the config's
+  # default is "token_mean", which a set algorithm does not replace
+  c.ppo.aggregation = ""
+  c.optim.actor.update(lr=args.lr, warmup_steps=0, decay="constant")
+  return c
+
+
+def run_trl(python: pathlib.Path, policy_dir: str, tokens: np.ndarray, answers: list[str],
+            args) -> dict:
+  """trl's GRPO iteration on the same weights and prompts (``trl_grpo.py`` in its own
+  environment): the JSON object it prints last."""
+  with tempfile.NamedTemporaryFile("w", suffix=".json") as f:
+    json.dump({"token_ids": tokens.tolist(), "answers": answers}, f)
+    f.flush()
+    cmd = [str(python), str(pathlib.Path(trl_grpo.__file__)), "--policy", policy_dir,
+           "--prompts", f.name, "--num-generations", str(args.samples),
+           "--response-length", str(args.response_length), "--temperature",
+           str(args.temperature), "--beta", str(args.kl_coef), "--iterations",
+           str(args.iterations), "--warmup", str(args.warmup), "--lr", str(args.lr)]
+    # the same environment as ppojax's side (the huge-page tunable included)
+    proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
+  if proc.returncode:
+    raise RuntimeError(f"trl's GRPOTrainer failed (rc={proc.returncode}); its last output:\n"
+                       f"{proc.stderr[-3000:]}\n(--no-trl skips the comparison)")
+  return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def ppo_quickstart_rss() -> dict:
+  """One PPO iteration of configs/quickstart.py's shape in this process (called in a fresh
+  one by ``--ppo-rss``): its ``ru_maxrss`` and seconds (compile included)."""
+  config = quickstart_config()
+  config.sample_every = 0
+  config.phase_timing = False
+  run = runner.build(config)
+  drawn = run.source.batch(0)
+  t0 = time.perf_counter()
+  state, _, _, _ = runner.iteration(run, run.state, drawn.prompts, drawn.records)
+  jax.block_until_ready(state)
+  return {"peak_rss_mb": peak_rss_mb(), "first_iteration_seconds": time.perf_counter() - t0,
+          "batch": config.ppo.batch_size, "response_length": config.sampling.max_new_tokens,
+          "num_minibatches": config.ppo.num_minibatches}
+
+
+def versions() -> dict:
+  return {name: metadata.version(name) for name in ("jax", "jaxlib", "flax", "optax")}
+
+
+def main():
+  hostmem.reexec_with_huge_pages()  # as the CLI does (PPOJAX_HUGE_PAGES=0: off)
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--prompts", type=int, default=16, help="prompts per iteration")
+  parser.add_argument("--samples", type=int, default=4, help="samples per prompt")
+  parser.add_argument("--response-length", type=int, default=32)
+  parser.add_argument("--temperature", type=float, default=0.7)
+  parser.add_argument("--kl-coef", type=float, default=0.04)
+  parser.add_argument("--lr", type=float, default=3e-6)
+  parser.add_argument("--seed", type=int, default=0, help="which arithmetic problems")
+  parser.add_argument("--iterations", type=int, default=3, help="timed iterations per side")
+  parser.add_argument("--warmup", type=int, default=1, help="untimed iterations per side first")
+  parser.add_argument("--shared-prefix", action=argparse.BooleanOptionalAction, default=True,
+                      help="data.shared_prefix (default): the chat template's header runs once "
+                      "per batch; --no-…: every row whole")
+  parser.add_argument("--trl", action=argparse.BooleanOptionalAction, default=True,
+                      help="time trl's GRPOTrainer on the same task in this run (default)")
+  parser.add_argument("--trl-env", type=pathlib.Path, default=None,
+                      help=f"its virtual environment (default {trl_ppo.default_env_dir()})")
+  parser.add_argument("--ppo-rss", action="store_true", help="also the peak RSS of one PPO "
+                      "iteration of configs/quickstart.py's shape, in a fresh process")
+  parser.add_argument("--ppo-rss-child", action="store_true", help=argparse.SUPPRESS)
+  args = parser.parse_args()
+  if args.ppo_rss_child:
+    print(json.dumps(ppo_quickstart_rss()))
+    return
+  if args.warmup < 1:
+    raise ValueError("--warmup must be at least 1: the first iteration compiles")
+  b, n, r_len = args.prompts, args.samples, args.response_length
+
+  problems = arith.problems(args.seed, b, "train", digits=(2,))
+  policy = load_model("smollm2")
+  prompts = make_prompts(policy.tokenizer, b, PROMPT_LENGTH, args.shared_prefix,
+                         questions=[p["prompt"] for p in problems])
+  if not np.asarray(prompts.mask).all():
+    raise RuntimeError(f"a prompt is shorter than {PROMPT_LENGTH} tokens: the two sides would "
+                       "pad differently")
+  trl = None
+  if args.trl:  # first, while this process holds no compiled step or TrainState
+    python = trl_ppo.ensure_env(args.trl_env)
+    with tempfile.TemporaryDirectory() as tmp:
+      save_model(f"{tmp}/policy", policy)
+      print(f"trl: {args.iterations} iterations after {args.warmup} warm-up ...", flush=True)
+      trl = run_trl(python, f"{tmp}/policy", np.asarray(prompts.tokens),
+                    [p["answer"] for p in problems], args)
+    print(f"trl {trl['trl']} GRPOTrainer (transformers {trl['transformers']}, torch "
+          f"{trl['torch']}, {trl['threads']} threads): {trl['seconds_per_iteration']:.2f} "
+          f"s/iteration (median of {', '.join(f'{x:.2f}' for x in trl['iterations'])}; "
+          f"warm-up {', '.join(f'{x:.1f}' for x in trl['warmup_seconds'])} s); peak RSS "
+          f"{trl['peak_rss_mb']:.0f} MB", flush=True)
+  del policy
+
+  config = make_config(args)
+  t0 = time.perf_counter()
+  run = runner.build(config)
+  build_s = time.perf_counter() - t0
+  ppo = run.config.ppo  # resolved: the algorithm's fields filled in
+  print(f"ppojax: {jax.devices()[0].device_kind}, {os.cpu_count()} CPUs, jax {jax.__version__}; "
+        f"{b} prompts × {n} samples × {r_len} tokens; estimator {ppo.estimator}, KL in the "
+        f"{ppo.kl_in} ({ppo.kl_estimator}, β = {ppo.kl_coef}), aggregation {ppo.aggregation}; "
+        f"shared prefix {0 if prompts.prefix is None else len(prompts.prefix)} tokens; build "
+        f"{build_s:.1f} s; huge_pages={hostmem.huge_pages_active()}", flush=True)
+
+  state, rows, warm = run.state, [], []
+  for i in range(args.warmup + args.iterations):
+    state, metrics, rollout, _ = runner.iteration(run, state, prompts, problems)
+    if i == 0:
+      n_tokens = int(np.sum(np.asarray(rollout.mask)))
+      if n_tokens != b * n * r_len:
+        raise RuntimeError(f"responses are not all {r_len} tokens long: {n_tokens} in all")
+    (warm if i < args.warmup else rows).append(metrics)
+  jax.block_until_ready(state)
+  rss = peak_rss_mb()
+  times, warm_times = ([m["time/iteration"] for m in ms] for ms in (rows, warm))
+  seconds = statistics.median(times)
+  phases = {k: statistics.median(m[f"time/{k}"] for m in rows)
+            for k in ("sampling", "scoring", "update")}
+  print(f"ppojax: {seconds:.2f} s/iteration (median of {', '.join(f'{x:.2f}' for x in times)}; "
+        f"warm-up {', '.join(f'{x:.1f}' for x in warm_times)} s, the first "
+        f"compiles); sampling {phases['sampling']:.2f} s, scoring {phases['scoring']:.2f} s, "
+        f"update {phases['update']:.2f} s; peak RSS {rss:.0f} MB", flush=True)
+
+  quickstart = None
+  if args.ppo_rss:
+    proc = subprocess.run([sys.executable, __file__, "--ppo-rss-child"], capture_output=True,
+                          text=True, check=False)
+    if proc.returncode:
+      raise RuntimeError(f"the quickstart PPO iteration failed (rc={proc.returncode}):\n"
+                         f"{proc.stderr[-3000:]}")
+    quickstart = json.loads(proc.stdout.strip().splitlines()[-1])
+    print(f"ppojax PPO, configs/quickstart.py's shape, one iteration: peak RSS "
+          f"{quickstart['peak_rss_mb']:.0f} MB", flush=True)
+
+  speedup = None if trl is None else trl["seconds_per_iteration"] / seconds
+  if speedup is not None:
+    print(f"trl / ppojax = {trl['seconds_per_iteration']:.2f} / {seconds:.2f} = {speedup:.2f}x; "
+          f"peak RSS trl / ppojax = {trl['peak_rss_mb']:.0f} / {rss:.0f} MB")
+  print(json.dumps({
+      "seconds_per_iteration": seconds, "iterations": times,
+      "warmup_seconds": warm_times, "phases": phases,
+      "trl_seconds_per_iteration": None if trl is None else trl["seconds_per_iteration"],
+      "speedup": speedup, "peak_rss_mb": rss,
+      "trl_peak_rss_mb": None if trl is None else trl["peak_rss_mb"],
+      "ppo_quickstart_peak_rss_mb": None if quickstart is None else quickstart["peak_rss_mb"],
+      "ppojax_mean_score": statistics.mean(m["objective/scores"] for m in rows),
+      "trl_mean_reward": None if trl is None else trl["metrics"].get("reward"),
+      "cpu": scale_table.cpu_name(), "cpus": os.cpu_count(),
+      "device": jax.devices()[0].device_kind, "huge_pages": hostmem.huge_pages_active(),
+      "versions": {**versions(), **({} if trl is None else {
+          k: trl[k] for k in ("trl", "transformers", "torch")})},
+      "settings": {
+          "model": "SmolLM2-135M-Instruct", "dtype": "float32", "prompts": b,
+          "samples_per_prompt": n, "prompt_length": PROMPT_LENGTH,
+          "shared_prefix_tokens": 0 if prompts.prefix is None else len(prompts.prefix),
+          "response_length": r_len, "temperature": args.temperature, "kl_coef": args.kl_coef,
+          "lr": args.lr, "estimator": ppo.estimator, "kl_in": ppo.kl_in,
+          "kl_estimator": ppo.kl_estimator, "aggregation": ppo.aggregation,
+          "epochs": 1, "minibatches": 1, "grad_accum": 1, "reward": "ppojax.arith:reward",
+          "iterations": args.iterations, "warmup": args.warmup},
+      "trl": trl, "ppo_quickstart": quickstart}))
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,155 @@
+"""Seconds per GRPO iteration of trl's ``GRPOTrainer``: the other side of ``grpo_step.py``.
+
+It runs in the environment of ``trl_ppo.ensure_env`` (trl 0.17 needs a transformers 4.x;
+ppojax installs 5.x); ``grpo_step.py`` makes that environment and runs this script in it, in the
+same benchmark run as ppojax's iteration:
+
+    python benchmarks/trl_grpo.py --policy DIR --prompts FILE.json [--num-generations 4]
+        [--response-length 32] [--temperature 0.7] [--beta 0.04] [--iterations 3] [--warmup 1]
+
+DIR is a Hugging Face directory with the policy as ``*ForCausalLM`` (trl's reference model is
+its copy, ``create_reference_model``). FILE holds {"token_ids": [[...], ...], "answers": [...]}:
+the chat-templated prompts as token ids, all of one length, and each prompt's answer. Each
+prompt is decoded to its text, and the text must tokenize back to the same ids (else
+``ValueError``): trl tokenizes the text itself, so both sides then feed the model the same
+tokens, with no padding. The reward is ``ppojax.arith.reward`` (exact match of the last number,
+plus 0.1 for ending on a number), loaded from ppojax/arith.py by path (it needs only NumPy):
+a Python function of the decoded completions and the dataset's ``answer`` column.
+
+The settings mirror ``grpo_step.py``: float32 on the CPU, every core, no vLLM; the batch is
+every prompt once × ``--num-generations`` (per_device_train_batch_size = prompts × generations,
+gradient_accumulation_steps = 1, num_iterations = 1: one optimizer step per batch of
+completions); loss_type "grpo" (each sequence's token mean, then the mean over sequences); no
+top-k (trl's default is 50, ppojax's none) and top-p 1; no dataset shuffling; no logging
+integrations, no checkpoints. trl's generation stops at EOS, ppojax's benchmark forces exactly
+``--response-length`` tokens: this script sets ``min_new_tokens`` = ``max_new_tokens`` in the
+trainer's generation config, so both sample exactly that many tokens (checked after the run:
+trl's logged minimum completion length must be ``--response-length``).
+
+What one trl iteration runs (``GRPOTrainer._generate_and_score_completions`` and
+``_compute_loss``, trl 0.17): ``generate`` on the prompts × generations rows (each prompt's
+prefill once per generation); with num_iterations = 1 no old log-probs pass (they are taken as
+the update's own detached log-probs); the reference model's forward over prompt + completion
+(log-probs at temperature T); the reward function on the decoded completions; group advantages
+(r − mean) / (std + 1e-4); then ``Trainer.training_step``: the policy's forward and backward
+(clipped ratio loss + β·k3 KL), gradient clipping at norm 1 and one AdamW step.
+
+An iteration is the time between two of trl's ``on_step_end`` callbacks: all of the above and
+trl's own bookkeeping of that iteration. The first ``--warmup`` iterations are not counted. The
+last line printed is a JSON object with ``seconds_per_iteration`` (the median), ``peak_rss_mb``
+(this process's ``ru_maxrss``), trl's last logged metrics and the versions used.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import resource
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import trl_ppo  # noqa: E402  pylint: disable=wrong-import-position
+
+ARITH = Path(__file__).resolve().parents[1] / "ppojax" / "arith.py"
+
+
+def arith_reward():
+  """``ppojax.arith.reward``, imported from its file without the ppojax package (whose import
+  needs jax, which this environment does not have)."""
+  spec = importlib.util.spec_from_file_location("ppojax_arith", ARITH)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module.reward
+
+
+def main():
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--policy", required=True)
+  parser.add_argument("--prompts", required=True,
+                      help='JSON {"token_ids": [[...], ...], "answers": [...]}')
+  parser.add_argument("--num-generations", type=int, default=4)
+  parser.add_argument("--response-length", type=int, default=32)
+  parser.add_argument("--temperature", type=float, default=0.7)
+  parser.add_argument("--beta", type=float, default=0.04)
+  parser.add_argument("--iterations", type=int, default=3)
+  parser.add_argument("--warmup", type=int, default=1)
+  parser.add_argument("--lr", type=float, default=3e-6)
+  args = parser.parse_args()
+
+  # pylint: disable=import-outside-toplevel
+  import torch
+  import transformers
+  import trl
+  from datasets import Dataset
+  from transformers import AutoModelForCausalLM, TrainerCallback
+  from trl import GRPOConfig, GRPOTrainer
+
+  torch.set_num_threads(os.cpu_count())
+  spec = json.loads(Path(args.prompts).read_text())
+  token_ids, answers = spec["token_ids"], spec["answers"]
+  if len(token_ids) != len(answers):
+    raise ValueError(f"{len(token_ids)} prompts but {len(answers)} answers")
+  if len({len(p) for p in token_ids}) != 1:
+    raise ValueError("every prompt must have the same number of tokens")
+  tokenizer = trl_ppo.hf_tokenizer(args.policy)
+  texts = [tokenizer.decode(ids, skip_special_tokens=False) for ids in token_ids]
+  for i, (text, ids) in enumerate(zip(texts, token_ids)):
+    again = tokenizer(text, add_special_tokens=False)["input_ids"]
+    if again != ids:
+      raise ValueError(f"prompt {i} does not tokenize back to its ids: {ids} -> {text!r} -> "
+                       f"{again}")
+  n_prompts, n_iterations = len(texts), args.warmup + args.iterations
+  policy = AutoModelForCausalLM.from_pretrained(args.policy, torch_dtype=torch.float32)
+  data = Dataset.from_dict({"prompt": texts, "answer": [str(a) for a in answers]})
+
+  class LastLogs(TrainerCallback):
+    def __init__(self):
+      self.logs = {}
+
+    def on_log(self, *_, logs=None, **__):
+      self.logs.update(logs or {})
+
+  clock, logs = trl_ppo.step_clock(), LastLogs()
+  with tempfile.TemporaryDirectory() as out:
+    config = GRPOConfig(
+        output_dir=out, per_device_train_batch_size=n_prompts * args.num_generations,
+        gradient_accumulation_steps=1, num_generations=args.num_generations, num_iterations=1,
+        max_completion_length=args.response_length, temperature=args.temperature, top_p=1.0,
+        top_k=0, beta=args.beta, loss_type="grpo", shuffle_dataset=False, use_vllm=False,
+        learning_rate=args.lr, lr_scheduler_type="constant", max_steps=n_iterations,
+        report_to="none", save_strategy="no", logging_steps=10**6, disable_tqdm=True,
+        use_cpu=True, bf16=False, fp16=False, seed=0)
+    trainer = GRPOTrainer(model=policy, reward_funcs=arith_reward(), args=config,
+                          train_dataset=data, processing_class=tokenizer,
+                          callbacks=[clock, logs])
+    # exactly --response-length tokens, as ppojax's min_new_tokens = max_new_tokens: EOS is
+    # banned until then (HF's MinNewTokensLengthLogitsProcessor)
+    trainer.generation_config.min_new_tokens = args.response_length
+    trainer.train()
+
+  steps = [b - a for a, b in zip(clock.marks, clock.marks[1:])]
+  if len(steps) != n_iterations:
+    raise RuntimeError(f"trl ran {len(steps)} iterations, expected {n_iterations}")
+  shortest = logs.logs.get("completions/min_length")  # the mean over steps of each step's min
+  if shortest != args.response_length:
+    raise RuntimeError(f"trl's completions were not all {args.response_length} tokens long "
+                       f"(logged completions/min_length: {shortest})")
+  timed = steps[args.warmup:]
+  print(json.dumps({
+      "seconds_per_iteration": statistics.median(timed), "iterations": timed,
+      "warmup_seconds": steps[:args.warmup],
+      "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+      "prompts": n_prompts, "num_generations": args.num_generations,
+      "prompt_length": len(token_ids[0]), "response_length": args.response_length,
+      "metrics": {k: v for k, v in logs.logs.items() if isinstance(v, (int, float))},
+      "trl": trl.__version__, "transformers": transformers.__version__,
+      "torch": torch.__version__, "threads": torch.get_num_threads()}))
+
+
+if __name__ == "__main__":
+  sys.exit(main())
