@@ -185,7 +185,7 @@ def reference_iteration(run, config, state, r):
                                       **agg)
       total, d_logp = total + kl_term, d_logp + d_kl
       metrics.update({"loss/kl": kl_term, "policy/kl": km["kl"]})
-    d_entropy = -ppo.ent_coef * ref.aggregate_weights(mask[idx], **agg)
+    d_entropy = -ppo.ent_coef * ref.aggregate_weights(mask[idx], ppo.aggregation, n_resp)
     f32 = lambda x: jnp.asarray(x, jnp.float32)  # noqa: E731
     g_actor = _pullback(_policy_outputs.__wrapped__, policy, actor, sub,
                         (f32(d_logp), f32(d_entropy)), (n_resp, temperature))
