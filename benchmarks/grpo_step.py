@@ -100,9 +100,6 @@ def make_config(args):
   c.ppo.batch_size = args.prompts
   c.ppo.kl_coef = args.kl_coef
   c.ppo.num_epochs = c.ppo.num_minibatches = c.ppo.grad_accum = 1
-  # "": the algorithm's (GRPO: seq_mean_token_mean, trl's loss_type "grpo"); the config's
-  # default is "token_mean", which a set algorithm does not replace
-  c.ppo.aggregation = ""
   c.optim.actor.update(lr=args.lr, warmup_steps=0, decay="constant")
   return c
 
