@@ -107,6 +107,10 @@ def init_state(key: Array, actor: Params, critic: Params | None, actor_tx, criti
 # ---------------------------------------------------------------------------------------------
 
 
+# The loss metrics that are aggregated with ``cfg.aggregation`` (every other one is a token mean)
+AGGREGATED = ("loss/", "policy/entropy_masked")
+
+
 def _micro_weight(micro_mask: Array, minibatch_mask: Array, aggregation: str) -> Array:
   """The share of a micro-batch in its minibatch's loss, so that Σ_k w_k·L_k is exactly the
   minibatch loss: its count of the aggregation's units (tokens for token_mean, non-empty rows
@@ -205,9 +209,12 @@ def _minibatch_grads(params, models: Models, exp: Experience, idx: Array, cfg, t
   def micro(grads, micro_idx):
     part = take_rows(exp, micro_idx)
     w = _micro_weight(part.rollout.mask, mb_mask, cfg.aggregation)
+    w_tokens = _micro_weight(part.rollout.mask, mb_mask, "token_mean")
     g, metrics = grad_fn(params, models, part, cfg, temperature)
-    scale = lambda t: jax.tree.map(lambda x: w * x, t)  # noqa: E731
-    return jax.tree.map(jnp.add, grads, scale(g)), scale(metrics)
+    # the aggregated quantities (losses, the entropy bonus) add up with the aggregation's
+    # weights, the token means (clip fractions, ratios, approx. KL, value error) with tokens'
+    metrics = {k: (w if k.startswith(AGGREGATED) else w_tokens) * v for k, v in metrics.items()}
+    return jax.tree.map(jnp.add, grads, jax.tree.map(lambda x: w * x, g)), metrics
 
   if idx.shape[0] == 1:  # no accumulation buffer
     grads, metrics = grad_fn(params, models, take_rows(exp, idx[0]), cfg, temperature)
