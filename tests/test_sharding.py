@@ -51,3 +51,51 @@ def test_mesh_shape_errors():
     sharding.make_mesh((n + 1, 1, 1))
   with pytest.raises(ValueError, match="at most one"):
     sharding.make_mesh((-1, -1, 1))
+
+
+VOCAB_SCRIPT = textwrap.dedent("""
+    import re
+    import jax, jax.numpy as jnp, numpy as np
+    from jax.sharding import NamedSharding, PartitionSpec as P
+    from ppojax import sharding
+
+    V, D, B, T = 256, 32, 8, 6
+    table = jax.random.normal(jax.random.key(0), (V, D))
+    tokens = jax.random.randint(jax.random.key(1), (B, T), 0, V)
+    x = jax.random.normal(jax.random.key(2), (B, T, D))
+    dot = lambda x, e: jnp.einsum("btd,vd->btv", x, e)
+
+    def loss(table, tokens, x):
+      e = jnp.take(table, tokens, axis=0)
+      logits = sharding.shard_rows(sharding.vocab_parallel_logits(x + e, table, dot))
+      return jnp.sum(jax.nn.log_softmax(logits) * jnp.cos(logits))
+
+    want = jax.jit(jax.value_and_grad(loss))(table, tokens, x)
+    for shape in ((8, 1, 1), (1, 8, 1), (2, 2, 2), (1, 2, 4)):
+      mesh = sharding.make_mesh(shape)
+      rows = sharding.batch_sharding(mesh)
+      table_sharding = NamedSharding(mesh, P("tensor", "fsdp"))  # the embedding's partition rule
+      placed = jax.device_put((table, tokens, x), (table_sharding, rows, rows))
+      with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+        fn = jax.jit(jax.value_and_grad(loss), out_shardings=(None, placed[0].sharding))
+        got = fn(*placed)
+        hlo = fn.lower(*placed).compile().as_text()
+        zeros = jax.jit(lambda t, x: sharding.zeros_after(t, x))({"a": table}, x)
+      np.testing.assert_allclose(got[0], want[0], rtol=1e-5)
+      np.testing.assert_allclose(got[1], want[1], rtol=1e-5, atol=1e-6 * np.abs(want[1]).max())
+      assert not np.any(zeros["a"]) and zeros["a"].shape == (V, D)
+      if shape[1] * shape[2] > 1:  # vocabulary-parallel: no product forms a whole [V, D]
+        whole = [l for l in hlo.splitlines()
+                 if re.search(rf"= [a-z0-9]+\\[{V},{D}\\].* (dot|convolution)\\(", l)]
+        assert not whole, (shape, whole[:3])
+    print("OK")
+""")
+
+
+def test_vocab_parallel_logits_match_and_never_form_the_whole_table_gradient(
+    run_on_8_cpu_devices):
+  """``sharding.vocab_parallel_logits`` (tied embeddings) under meshes with several "tensor" ×
+  "fsdp" devices gives the plain computation's values and table gradient, and no product in the
+  compiled program forms a whole [V, D] (the head's table or its gradient); ``zeros_after``
+  gives zeros."""
+  run_on_8_cpu_devices(VOCAB_SCRIPT)

@@ -40,7 +40,7 @@ from jax.ad_checkpoint import checkpoint_name
 import numpy as np
 
 from ppojax.models.config import REMAT_POLICIES, ModelConfig
-from ppojax.sharding import shard_rows
+from ppojax.sharding import shard_rows, vocab_parallel_logits
 
 Array = jax.Array
 
@@ -667,12 +667,16 @@ class CausalLM(nn.Module):
 
   def logits(self, x):
     """The LM head on hidden states [..., D] → [..., V] (``apply(..., method="logits")``); tied
-    embeddings: x·Eᵀ, accumulated in float32 like every other matmul (``dot_f32_accumulate``)."""
+    embeddings: x·Eᵀ, accumulated in float32 like every other matmul (``dot_f32_accumulate``),
+    vocabulary-parallel under a mesh (``sharding.vocab_parallel_logits``)."""
     if not self.cfg.tie_word_embeddings:
       return shard_rows(self.lm_head(x))
     embed = self.model.embed
     x, table = embed.promote_dtype(x, embed.embedding, dtype=embed.dtype)
-    return shard_rows(dot_f32_accumulate(x, table, (((x.ndim - 1,), (1,)), ((), ()))))
+
+    def dot(x, table):  # x·Eᵀ
+      return dot_f32_accumulate(x, table, (((x.ndim - 1,), (1,)), ((), ())))
+    return shard_rows(vocab_parallel_logits(x, table, dot))
 
 
 class ValueModel(nn.Module):
