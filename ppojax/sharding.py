@@ -7,7 +7,6 @@ import re
 from typing import Sequence
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
@@ -125,20 +124,6 @@ def constrain(tree, shardings):
   if shardings is None:
     return tree
   return jax.tree.map(jax.lax.with_sharding_constraint, tree, shardings)
-
-
-def zeros_after(tree, x: jax.Array, shardings=None):
-  """Zeros shaped like ``tree`` (laid out as ``shardings``, ``constrain``) that exist only once
-  ``x`` does: made from a zero that passes a ``lax.optimization_barrier`` together with x.
-
-  For a micro-batch loop's gradient accumulators, which depend on nothing else: XLA:TPU
-  allocated them at the start of the PPO step, so the rollout's sampling loop ran with them
-  held (Qwen2.5-0.5B on v5e 2x4: 430 MiB per device of float32 zeros for actor and critic,
-  through a phase that never reads them). Made after the experience, they live through the
-  update only. The values are the same zeros."""
-  zero, _ = jax.lax.optimization_barrier((jnp.zeros((), jnp.float32), x))
-  zeros = jax.tree.map(lambda p: jnp.broadcast_to(zero.astype(p.dtype), p.shape), tree)
-  return constrain(zeros, shardings)
 
 
 def _path_str(path) -> str:

@@ -219,7 +219,7 @@ def _minibatch_grads(params, models: Models, exp: Experience, idx: Array, cfg, t
   if idx.shape[0] == 1:  # no accumulation buffer
     grads, metrics = grad_fn(params, models, take_rows(exp, idx[0]), cfg, temperature)
     return grads, metrics
-  zeros = sharding.zeros_after(params, exp.advantages, shardings)  # made after the rollout
+  zeros = sharding.constrain(jax.tree.map(jnp.zeros_like, params), shardings)
   grads, metrics = jax.lax.scan(micro, zeros, idx)
   return grads, jax.tree.map(lambda m: jnp.sum(m, axis=0), metrics)
 

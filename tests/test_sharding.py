@@ -80,10 +80,8 @@ VOCAB_SCRIPT = textwrap.dedent("""
         fn = jax.jit(jax.value_and_grad(loss), out_shardings=(None, placed[0].sharding))
         got = fn(*placed)
         hlo = fn.lower(*placed).compile().as_text()
-        zeros = jax.jit(lambda t, x: sharding.zeros_after(t, x))({"a": table}, x)
       np.testing.assert_allclose(got[0], want[0], rtol=1e-5)
       np.testing.assert_allclose(got[1], want[1], rtol=1e-5, atol=1e-6 * np.abs(want[1]).max())
-      assert not np.any(zeros["a"]) and zeros["a"].shape == (V, D)
       if shape[1] * shape[2] > 1:  # vocabulary-parallel: no product forms a whole [V, D]
         whole = [l for l in hlo.splitlines()
                  if re.search(rf"= [a-z0-9]+\\[{V},{D}\\].* (dot|convolution)\\(", l)]
@@ -96,6 +94,5 @@ def test_vocab_parallel_logits_match_and_never_form_the_whole_table_gradient(
     run_on_8_cpu_devices):
   """``sharding.vocab_parallel_logits`` (tied embeddings) under meshes with several "tensor" ×
   "fsdp" devices gives the plain computation's values and table gradient, and no product in the
-  compiled program forms a whole [V, D] (the head's table or its gradient); ``zeros_after``
-  gives zeros."""
+  compiled program forms a whole [V, D] (the head's table or its gradient)."""
   run_on_8_cpu_devices(VOCAB_SCRIPT)
