@@ -26,6 +26,8 @@ from typing import Any
 
 import numpy as np
 
+from ppojax import algorithms
+
 OVERRIDE = "resume_allow_changes"
 # Fields (or whole sections) that may differ from the checkpoint's without a refusal.
 ALLOWED = (
@@ -119,7 +121,10 @@ def data_fingerprint(config, source) -> dict[str, str]:
 
 
 def fingerprint(config, source) -> dict[str, dict]:
-  """The fingerprint saved in every checkpoint's meta: ``{"config": flat, "data": {...}}``."""
+  """The fingerprint saved in every checkpoint's meta: ``{"config": flat, "data": {...}}``, of
+  the config with its algorithm's defaults filled in (``algorithms.resolve``: the same run
+  whether a field was left to the algorithm or set to its value)."""
+  config = algorithms.resolve(config)
   return {"config": flatten(config.to_dict()), "data": data_fingerprint(config, source)}
 
 

@@ -38,7 +38,7 @@ import pytest
 from ppojax import reporting, runner, tasks
 from ppojax.checkpoint import Checkpointer
 from ppojax.data import DataError
-from ppojax.models import LoadedModel, hf, init_params, load_model, save_model
+from ppojax.models import CausalLM, LoadedModel, hf, init_params, load_model, save_model
 from test_step import toy_config
 
 ROOT = pathlib.Path(__file__).parents[1]
@@ -57,7 +57,7 @@ def _stable(rows):
 
 def _init(cfg, seed: int):
   """Random parameters of a tiny CausalLM."""
-  return init_params(runner.CausalLM(cfg), jax.random.key(seed))
+  return init_params(CausalLM(cfg), jax.random.key(seed))
 
 
 def _rows(workdir) -> list[dict]:

@@ -158,6 +158,10 @@ for _whiten in (False, True):
 case("advantages.gae/last_values",
      lambda rw, v, m, g, l, lv: advantages.gae(rw, v, m, g, l, last_values=lv),
      lambda r: (_x(r), _x(r), _mask(r), _scalar(r, 0.9, 1), _scalar(r, 0.5, 1), _x(r, (B,))))
+case("advantages.gae_episodes",
+     lambda rw, v, nv, c, l: advantages.gae_episodes(rw, v, nv, 0.99 * c, c, l),
+     lambda r: (_x(r), _x(r), _x(r), (r.random((B, T)) < 0.9).astype(np.float32),
+                _scalar(r, 0.5, 1)))
 case("advantages.discounted_returns", advantages.discounted_returns,
      lambda r: (_x(r), _mask(r), _scalar(r, 0.9, 1)))
 case("advantages.reinforce_pp", advantages.reinforce_pp,
