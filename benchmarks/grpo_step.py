@@ -72,7 +72,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 import scale_table  # noqa: E402
 import trl_grpo  # noqa: E402
 import trl_ppo  # noqa: E402
-from ppo_step import CONFIGS, make_prompts, peak_rss_mb  # noqa: E402
+from ppo_step import CONFIGS, make_prompts, peak_rss_mb, run_json  # noqa: E402
 
 PROMPT_LENGTH = 40  # a two-digit problem through SmolLM2's chat template
 
@@ -116,12 +116,7 @@ def run_trl(python: pathlib.Path, policy_dir: str, tokens: np.ndarray, answers: 
            "--response-length", str(args.response_length), "--temperature",
            str(args.temperature), "--beta", str(args.kl_coef), "--iterations",
            str(args.iterations), "--warmup", str(args.warmup), "--lr", str(args.lr)]
-    # the same environment as ppojax's side (the huge-page tunable included)
-    proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
-  if proc.returncode:
-    raise RuntimeError(f"trl's GRPOTrainer failed (rc={proc.returncode}); its last output:\n"
-                       f"{proc.stderr[-3000:]}\n(--no-trl skips the comparison)")
-  return json.loads(proc.stdout.strip().splitlines()[-1])
+    return run_json(cmd, "trl's GRPOTrainer")
 
 
 def ppo_quickstart_rss() -> dict:

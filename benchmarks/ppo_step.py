@@ -229,10 +229,15 @@ def run_trl(python: pathlib.Path, policy_dir: str, reward_dir: str, prompts: Pro
     cmd = [str(python), str(pathlib.Path(trl_ppo.__file__)), "--policy", policy_dir,
            "--reward", reward_dir, "--prompts", f.name, "--response-length",
            str(response_length), "--iterations", str(iterations), "--warmup", "1"]
-    # the same environment as ppojax's side (the huge-page tunable included)
-    proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    return run_json(cmd, "trl's PPOTrainer")
+
+
+def run_json(cmd: list[str], what: str) -> dict:
+  """The last stdout line of ``cmd`` as JSON (the peer's side of a benchmark, run in the same
+  environment as ppojax's, the huge-page tunable included); a failure names ``what``."""
+  proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
   if proc.returncode:
-    raise RuntimeError(f"trl's PPOTrainer failed (rc={proc.returncode}); its last output:\n"
+    raise RuntimeError(f"{what} failed (rc={proc.returncode}); its last output:\n"
                        f"{proc.stderr[-3000:]}\n(--no-trl skips the comparison)")
   return json.loads(proc.stdout.strip().splitlines()[-1])
 

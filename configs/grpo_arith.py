@@ -9,38 +9,17 @@ The same iteration shape as the quickstart: 8 prompts × 4 samples = 32 response
 reinforce_pp_arith.py), and ``--config configs/grpo_arith.py:rloo`` too.
 """
 
-import ml_collections
+import pathlib
+import runpy
 
-from ppojax.config import defaults
+import ml_collections
 
 
 def get_config(algorithm: str = "grpo") -> ml_collections.ConfigDict:
-  c = defaults()
+  quickstart = runpy.run_path(str(pathlib.Path(__file__).with_name("quickstart.py")))
+  c = quickstart["get_config"]()  # task, model, reward, evaluation, sampling, lr: the same
   c.algorithm = algorithm  # estimator, KL placement, aggregation: ppojax/algorithms.py
-  c.num_iterations = 20
-  c.sample_every = 10
-  c.save_every = 10
-
-  c.model.policy = "smollm2"
-
-  c.data.task = "arith"
-  c.data.max_prompt_len = 40
-  c.data.eval_per_digits = 64  # 48 one-digit (all there are) + 64 two-digit test problems
-  c.reward.kind = "text"
-  c.reward.fn = "ppojax.arith:reward"
-  c.eval.batch_size = 56
-  c.eval.group_by = "digits"
-  c.eval.metrics = ml_collections.ConfigDict(
-      {"accuracy": "ppojax.arith:accuracy", "score": "ppojax.arith:reward"})
-
-  c.sampling.max_new_tokens = 32
-  c.sampling.temperature = 0.7
   c.sampling.num_samples_per_prompt = 4
-
-  c.ppo.batch_size = 8  # prompts: 8 × 4 = 32 responses per iteration
-  c.ppo.num_epochs = 1
-  c.ppo.num_minibatches = 4
+  c.ppo.batch_size = 8  # prompts: 8 × 4 = 32 responses per iteration, as the quickstart's 32
   c.ppo.kl_coef = 0.04  # GRPO's β (DeepSeekMath); in the loss for grpo / dr_grpo
-
-  c.optim.actor.update(lr=5e-6, warmup_steps=4, decay="constant")
   return c
