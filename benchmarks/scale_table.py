@@ -1,6 +1,6 @@
 """The fit table of docs/scale.md: ``python -m ppojax.aot`` for each (config, topology, options).
 
-    python benchmarks/scale_table.py [--jobs 2] [--only qwen2_5_0_5b] [--out results.jsonl]
+    python benchmarks/scale_table.py [--jobs 2] [--only qwen2_5_0_5b | --goals] [--out FILE]
 
 Each row is one deviceless compile in its own process (``python -m ppojax.aot --config
 configs/scale.py:NAME --topology T [--config.X=Y ...]``), so a row's figures are exactly what that
@@ -24,8 +24,11 @@ ROOT = Path(__file__).resolve().parent.parent
 MODELS = ("qwen2_5_0_5b", "qwen2_5_1_5b", "llama3_2_1b", "llama3_2_3b", "qwen2_5_7b",
           "llama3_1_8b")
 TOPOLOGIES = ("v5e:2x2", "v5e:2x4", "v5e:4x4", "v4:2x2x2", "v5p:2x2x2")
-# The rows beyond the model x topology grid: the goals' topologies, and the batch splits whose
-# temporaries should fall (issue 24).
+# GRPO on the same 64 rows: 16 prompts x 4 samples, no critic (reference and reward model kept).
+GRPO = ("--config.algorithm=grpo", "--config.sampling.num_samples_per_prompt=4",
+        "--config.ppo.batch_size=16")
+# The rows beyond the model x topology grid: the goals' topologies, the batch splits whose
+# temporaries should fall (issue 24), and the critic-free step where PPO's does not fit.
 EXTRA = (
     ("qwen2_5_7b", "v5p:2x2x1", ()),
     ("llama3_1_8b", "v5e:4x8", ()),
@@ -34,10 +37,18 @@ EXTRA = (
     ("qwen2_5_0_5b", "v5e:2x4", ("--config.ppo.grad_accum=4",)),
     ("qwen2_5_0_5b", "v5e:2x4", ("--config.ppo.num_minibatches=4",)),
     ("llama3_1_8b", "v5e:4x4", ("--config.optim.state_dtype=float32",)),
+    ("qwen2_5_0_5b", "v5e:2x4", GRPO),
+    ("llama3_1_8b", "v5e:4x4", GRPO),
+    ("qwen2_5_7b", "v5e:4x4", GRPO),
 )
+# Issue 24's goals (PPO with critic, reward model and reference) and the GRPO rows: --goals.
+GOALS = (("qwen2_5_0_5b", "v5e:2x4", ()), ("qwen2_5_1_5b", "v5e:2x4", ()),
+         ("llama3_1_8b", "v5e:4x4", ()), ("qwen2_5_7b", "v5p:2x2x1", ())) + EXTRA[-3:]
 
 
-def rows(only: str | None):
+def rows(only: str | None, goals: bool = False):
+  if goals:
+    return list(GOALS)
   grid = [(m, t, ()) for m in MODELS for t in TOPOLOGIES]
   return [r for r in grid + list(EXTRA) if only is None or r[0] == only]
 
@@ -82,10 +93,13 @@ def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--jobs", type=int, default=1, help="compiles at once (each is mostly "
                       "one thread; more jobs than cores distorts compile_seconds)")
-  parser.add_argument("--only", choices=MODELS, help="only this config's rows")
+  which = parser.add_mutually_exclusive_group()
+  which.add_argument("--only", choices=MODELS, help="only this config's rows")
+  which.add_argument("--goals", action="store_true", help="only issue 24's goal rows (PPO) and "
+                     "the GRPO rows")
   parser.add_argument("--out", type=Path, help="also append each row's JSON to this file")
   args = parser.parse_args()
-  todo = rows(args.only)
+  todo = rows(args.only, args.goals)
   results = {}
   with concurrent.futures.ThreadPoolExecutor(args.jobs) as pool:
     futures = {pool.submit(compile_row, *row): i for i, row in enumerate(todo)}

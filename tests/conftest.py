@@ -1,6 +1,9 @@
 """Fixtures shared by several test files."""
 
+import gc
 import os
+import pathlib
+import tempfile
 
 import pytest
 
@@ -9,6 +12,31 @@ import real_model  # tests/real_model.py (this folder is on sys.path for its con
 # The suite runs on the CPU. With libtpu installed (the test extra brings it for the deviceless
 # TPU compiles of tests/test_aot.py) JAX would otherwise probe for a TPU in every process.
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# One persistent compilation cache for every process of the suite (the xdist workers and the
+# CLIs, notebooks and scripts they start inherit it): many tests compile the same programs from
+# fresh closures (runner.build per test), and a hit skips XLA's compile. The key is the
+# program without its source locations, the compile options, the devices and the jax version.
+os.environ.setdefault("JAX_COMPILATION_CACHE_DIR",
+                      str(pathlib.Path(tempfile.gettempdir()) / "ppojax-tests-jax-cache"))
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.5")
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _release_compiled_programs(request):
+  """After each test file, drop JAX's in-memory caches of traced and compiled programs: a worker
+  runs dozens of files, and what it kept of all of them reached 6 GB per worker (24 GB CI).
+  And refuse a file that left libtpu loaded in the test process: after a deviceless TPU compile
+  in-process, XLA:CPU computations of the same process hang now and then (tests/test_aot.py
+  compiles in a child process for that reason)."""
+  yield
+  import jax  # pylint: disable=import-outside-toplevel
+  jax.clear_caches()
+  gc.collect()
+  maps = pathlib.Path("/proc/self/maps")
+  if maps.exists() and "libtpu" in maps.read_text():
+    pytest.fail(f"{request.module.__name__} loaded libtpu into the test process; later XLA:CPU "
+                "computations in it can hang: compile for TPU topologies in a subprocess "
+                "(tests/test_aot.py's _compile_deviceless)", pytrace=False)
 
 
 @pytest.fixture(scope="session")

@@ -64,6 +64,9 @@ def execute(name: str, tmp_path: pathlib.Path, monkeypatch, timeout: int):
     error = re.sub(r"\x1b\[[0-9;]*m", "", str(e))  # the cell and its traceback, uncoloured
   except DeadKernelError as e:  # e.g. killed for memory: the SmolLM2 PPO step takes ~10 GB
     error = f"{e} (out of memory?)"
+  finally:  # nbclient leaves a kernel it did not start running: its gigabytes with it
+    if km.has_kernel:
+      km.shutdown_kernel(now=True)
   if error is not None:
     pytest.fail(f"notebooks/{name} failed:\n{error}", pytrace=False)
   return nb
