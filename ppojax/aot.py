@@ -62,11 +62,7 @@ class AotError(RuntimeError):
 
 
 def topology_devices(name: str) -> list:
-  """The devices of a TPU topology such as "v5e:2x4", without the TPUs (libtpu compiles).
-
-  Call it in a process that computes nothing on the CPU afterwards (the CLI is one): with
-  libtpu 0.0.42.1 loaded, later XLA:CPU computations of the same process hang now and then
-  (seen in 2 of 3 processes within 12 small jitted runs, never without libtpu)."""
+  """The devices of a TPU topology such as "v5e:2x4", without the TPUs (libtpu compiles)."""
   from jax.experimental import topologies  # pylint: disable=import-outside-toplevel
   try:
     import libtpu  # noqa: F401  pylint: disable=import-outside-toplevel,unused-import

@@ -21,10 +21,8 @@ ROOT = pathlib.Path(__file__).parents[1]
 SCALE = str(ROOT / "configs" / "scale.py")
 
 
-# The deviceless compiles run in a child process: libtpu loaded into a process makes that
-# process's later XLA:CPU computations hang now and then (a vmapped CartPole run waited forever
-# for its result in a pytest worker that had compiled here before; reproduced outside pytest:
-# 2 of 3 processes that had loaded libtpu hung within 12 runs, none of 10 without).
+# The deviceless compiles run in a child process, so that libtpu (its runtime and thread pools)
+# never lives in a test worker that goes on to compute on the CPU.
 DEVICELESS = """
 import json, sys
 import jax

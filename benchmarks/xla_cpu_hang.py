@@ -1,6 +1,6 @@
-"""How often a process that has loaded libtpu hangs in a later XLA:CPU computation.
+"""How often a small jitted, vmapped XLA:CPU computation hangs, by process setting.
 
-    python benchmarks/libtpu_cpu_hang.py [--processes 3] [--runs 12] [--timeout 150]
+    python benchmarks/xla_cpu_hang.py [--processes 3] [--runs 12] [--timeout 150]
 
 Each child process runs ``--runs`` times a small jitted, vmapped computation (two seeds of the
 CartPole PPO of ``ppojax.classic`` over 4,096 steps, about 5 s each here), its caches cleared
@@ -8,8 +8,10 @@ between runs, and prints a line per finished run. With ``--libtpu`` it first des
 topology (``jax.experimental.topologies.get_topology_desc``, what ``python -m ppojax.aot``
 does), which loads libtpu into the process. A child that has not finished within ``--timeout``
 seconds has hung: its main thread waits for a result that no thread computes (``gdb -p PID``,
-``thread apply all bt``). Prints, last, one JSON line: per arm the processes that hung and the
-runs each finished. Needs the test extra (libtpu, gymnax).
+``thread apply all bt``: every XLA:CPU pool thread idle). Arms: with and without libtpu loaded,
+and without libtpu with ``XLA_FLAGS=--xla_cpu_multi_thread_eigen=false``. Prints, last, one
+JSON line: per arm the processes that hung and the runs each finished. Needs the test extra
+(libtpu, gymnax).
 """
 
 from __future__ import annotations
@@ -36,10 +38,10 @@ for i in range(int(sys.argv[2])):
 """
 
 
-def child(libtpu: bool, runs: int, timeout: float) -> dict:
+def child(libtpu: bool, xla_flags: str, runs: int, timeout: float) -> dict:
   cmd = [sys.executable, "-c", CHILD, "1" if libtpu else "0", str(runs)]
   proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
-                          env=dict(os.environ, JAX_PLATFORMS="cpu"))
+                          env=dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=xla_flags))
   try:
     out, _ = proc.communicate(timeout=timeout)
     hung = False
@@ -57,8 +59,11 @@ def main() -> None:
   parser.add_argument("--timeout", type=float, default=150, help="seconds before a child hung")
   args = parser.parse_args()
   result = {}
-  for arm, libtpu in (("with_libtpu", True), ("without_libtpu", False)):
-    children = [child(libtpu, args.runs, args.timeout) for _ in range(args.processes)]
+  arms = (("with_libtpu", True, ""), ("without_libtpu", False, ""),
+          ("eigen_single_threaded", False, "--xla_cpu_multi_thread_eigen=false"))
+  # (JAX_CPU_ENABLE_ASYNC_DISPATCH=false in the environment: hung as well, 2 runs in 300 s)
+  for arm, libtpu, flags in arms:
+    children = [child(libtpu, flags, args.runs, args.timeout) for _ in range(args.processes)]
     for c in children:
       print(arm, c, flush=True)
     result[arm] = {"processes": args.processes, "hung": sum(c["hung"] for c in children),
