@@ -27,6 +27,8 @@ TOPOLOGIES = ("v5e:2x2", "v5e:2x4", "v5e:4x4", "v4:2x2x2", "v5p:2x2x2")
 # GRPO on the same 64 rows: 16 prompts x 4 samples, no critic (reference and reward model kept).
 GRPO = ("--config.algorithm=grpo", "--config.sampling.num_samples_per_prompt=4",
         "--config.ppo.batch_size=16")
+GRPO_ROWS = (("qwen2_5_0_5b", "v5e:2x4", GRPO), ("llama3_1_8b", "v5e:4x4", GRPO),
+             ("qwen2_5_7b", "v5e:4x4", GRPO))
 # The rows beyond the model x topology grid: the goals' topologies, the batch splits whose
 # temporaries should fall (issue 24), and the critic-free step where PPO's does not fit.
 EXTRA = (
@@ -37,13 +39,10 @@ EXTRA = (
     ("qwen2_5_0_5b", "v5e:2x4", ("--config.ppo.grad_accum=4",)),
     ("qwen2_5_0_5b", "v5e:2x4", ("--config.ppo.num_minibatches=4",)),
     ("llama3_1_8b", "v5e:4x4", ("--config.optim.state_dtype=float32",)),
-    ("qwen2_5_0_5b", "v5e:2x4", GRPO),
-    ("llama3_1_8b", "v5e:4x4", GRPO),
-    ("qwen2_5_7b", "v5e:4x4", GRPO),
-)
+) + GRPO_ROWS
 # Issue 24's goals (PPO with critic, reward model and reference) and the GRPO rows: --goals.
 GOALS = (("qwen2_5_0_5b", "v5e:2x4", ()), ("qwen2_5_1_5b", "v5e:2x4", ()),
-         ("llama3_1_8b", "v5e:4x4", ()), ("qwen2_5_7b", "v5p:2x2x1", ())) + EXTRA[-3:]
+         ("llama3_1_8b", "v5e:4x4", ()), ("qwen2_5_7b", "v5p:2x2x1", ())) + GRPO_ROWS
 
 
 def rows(only: str | None, goals: bool = False):

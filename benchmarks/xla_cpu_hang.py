@@ -4,14 +4,14 @@
 
 Each child process runs ``--runs`` times a small jitted, vmapped computation (two seeds of the
 CartPole PPO of ``ppojax.classic`` over 4,096 steps, about 5 s each here), its caches cleared
-between runs, and prints a line per finished run. With ``--libtpu`` it first describes a TPU
-topology (``jax.experimental.topologies.get_topology_desc``, what ``python -m ppojax.aot``
-does), which loads libtpu into the process. A child that has not finished within ``--timeout``
-seconds has hung: its main thread waits for a result that no thread computes (``gdb -p PID``,
-``thread apply all bt``: every XLA:CPU pool thread idle). Arms: with and without libtpu loaded,
-and without libtpu with ``XLA_FLAGS=--xla_cpu_multi_thread_eigen=false``. Prints, last, one
-JSON line: per arm the processes that hung and the runs each finished. Needs the test extra
-(libtpu, gymnax).
+between runs, and prints a line per finished run. A child that has not finished within
+``--timeout`` seconds has hung: its main thread waits for a result that no thread computes
+(``gdb -p PID``, ``thread apply all bt``: every XLA:CPU pool thread idle). Three arms of
+``--processes`` children each: libtpu loaded first (describing a TPU topology, as ``python -m
+ppojax.aot`` does), no libtpu, and no libtpu with ``XLA_FLAGS=--xla_cpu_multi_thread_eigen=false``
+(``JAX_CPU_ENABLE_ASYNC_DISPATCH=false`` in the environment, tried by hand, hung as well).
+Prints, last, one JSON line: per arm the processes that hung and the runs each finished. Needs
+the test extra (libtpu, gymnax).
 """
 
 from __future__ import annotations
@@ -61,7 +61,6 @@ def main() -> None:
   result = {}
   arms = (("with_libtpu", True, ""), ("without_libtpu", False, ""),
           ("eigen_single_threaded", False, "--xla_cpu_multi_thread_eigen=false"))
-  # (JAX_CPU_ENABLE_ASYNC_DISPATCH=false in the environment: hung as well, 2 runs in 300 s)
   for arm, libtpu, flags in arms:
     children = [child(libtpu, flags, args.runs, args.timeout) for _ in range(args.processes)]
     for c in children:

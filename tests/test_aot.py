@@ -25,7 +25,6 @@ SCALE = str(ROOT / "configs" / "scale.py")
 # never lives in a test worker that goes on to compute on the CPU.
 DEVICELESS = """
 import json, sys
-import jax
 from ppojax import aot, runner
 try:
   devices = aot.topology_devices("v5e:2x2")
