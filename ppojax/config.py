@@ -95,6 +95,7 @@ def defaults() -> ml_collections.ConfigDict:
   c.eval.group_by = ""  # a record column to report metrics per value of (e.g. "digits")
   c.eval.metrics = ml_collections.ConfigDict({"score": "ppojax.arith:reward"})  # name: fn
   c.eval.monitor = False  # also score every iteration's sampled responses ("monitor/NAME")
+  c.eval.every = 0  # also evaluate after every N-th iteration (0: only before and after)
 
   c.sampling = ml_collections.ConfigDict()
   c.sampling.max_new_tokens = 64
@@ -391,6 +392,9 @@ RANGES = (
     ("ppo.missing_stop_penalty", lambda v: v >= 0,
      "must be >= 0: it is subtracted from the score of a response without a stop token (a "
      "negative one would reward running into the length limit)"),
+    ("eval.every", lambda v: isinstance(v, int) and v >= 0,
+     "must be an integer >= 0: evaluate on the held-out prompts after every N-th iteration "
+     "(0: only before the first and after the last)"),
     ("optim.max_grad_norm", lambda v: v > 0, "must be > 0 (gradients are clipped to this "
      "global norm; 1.0 is usual)"),
 )

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import json
 import pathlib
+import resource
+import sys
 import time
 from typing import NamedTuple
 
@@ -76,7 +78,7 @@ def iteration(run: Run, state, prompts: Prompts, records: list[dict] | None = No
 
 class Result(NamedTuple):
   history: list[dict]  # the logged metric rows
-  evals: dict[str, dict]  # "before" / "after": held-out evaluation summaries (if the task has any)
+  evals: dict[str, dict]  # "before", "iteration_N" (eval.every), "after": held-out summaries
 
 
 class NonFiniteError(RuntimeError):
@@ -93,7 +95,9 @@ def run(config, workdir: str | None = None, stop_after: int | None = None) -> Re
   checkpoints/ and, at the end, policy/ (the trained policy in Hugging Face format).
   ``stop_after``: stop (with a checkpoint) after that iteration, as an interrupted run would;
   running again resumes. A task with held-out prompts is evaluated greedily before the first and
-  after the last iteration (eval.json).
+  after the last iteration, and after every ``eval.every``-th (eval.json). Each logged row
+  carries ``time/train_s`` (the iterations' seconds so far, carried across a resume) and the
+  peak memory so far (``peak_memory``).
 
   Faults: SIGTERM or SIGINT (Ctrl-C) stops the run after the current iteration with a
   checkpoint, and ``run`` returns normally; a second one aborts the process at once (exit code
@@ -128,6 +132,7 @@ def _run(config, workdir, stop_after, signals: StopSignals) -> Result:
   config = r.config  # the algorithm's defaults filled in (algorithms.resolve)
   state, start, n = r.state, 0, config.num_iterations
   bad = {"total": 0, "streak": 0}  # skipped iterations: all of them, and the latest run of them
+  train_s = 0.0  # seconds spent in iterations so far (held-out evaluations and saves not counted)
   ckpt = writer = fingerprint = None
   evals = _read_evals(workdir)
   if workdir:
@@ -145,6 +150,7 @@ def _run(config, workdir, stop_after, signals: StopSignals) -> Result:
       start = int(meta["iteration"])
       bad.update(total=int(meta.get("nonfinite_total", 0)),
                  streak=int(meta.get("nonfinite_streak", 0)))
+      train_s = float(meta.get("train_seconds", 0.0))
       print(f"resumed from {workdir / 'checkpoints'} at iteration {start}", flush=True)
     _write_json(workdir / "config.json", config.to_dict())  # this invocation's resolved config
     # an evaluation cut short after its metrics row but before eval.json is done again
@@ -165,7 +171,8 @@ def _run(config, workdir, stop_after, signals: StopSignals) -> Result:
   def save(it: int, state, force: bool) -> bool:
     return bool(ckpt) and ckpt.save(it, state, {
         "iteration": it, "data_position": it, "nonfinite_total": bad["total"],
-        "nonfinite_streak": bad["streak"], "fingerprint": fingerprint}, force=force)
+        "nonfinite_streak": bad["streak"], "fingerprint": fingerprint,
+        "train_seconds": train_s}, force=force)
 
   loop_start = time.perf_counter()
   try:
@@ -185,9 +192,11 @@ def _run(config, workdir, stop_after, signals: StopSignals) -> Result:
       what = what | _nonfinite(metrics) if skipped else set()  # over the current streak
       # eps as trl's: episodes per second since the loop started (the first includes compiling)
       eps = (it - start) * batch / (time.perf_counter() - loop_start)
+      train_s += metrics["time/iteration"]
       metrics.update(episode=it * batch, eps=eps,
                      **{"data/truncated_prompts": drawn.truncated,
-                        "skipped/nonfinite_total": bad["total"]})
+                        "skipped/nonfinite_total": bad["total"], "time/train_s": train_s},
+                     **peak_memory())
       if config.eval.monitor and drawn.records:
         metrics.update(_monitor(r, rollout, drawn.records))
       if skipped or it % config.log_every == 0 or it in (start + 1, n):
@@ -203,6 +212,9 @@ def _run(config, workdir, stop_after, signals: StopSignals) -> Result:
         progress.write(f"\nsamples at iteration {it}:\n{reporting.format_samples_table(rows)}")
         if writer:
           writer.write_samples(it, rows)
+      if config.eval.every and it % config.eval.every == 0 and it < n and r.source.eval_records:
+        phase = f"iteration_{it}"
+        evals[phase] = _held_out(r, state.actor, phase, workdir, writer, it, say=progress.write)
       max_bad = config.ppo.get("max_bad_steps", 3)
       failed = skipped and 0 < max_bad <= bad["streak"]
       stop = it == n or it == stop_after or failed or signals.received is not None
@@ -272,9 +284,10 @@ def _drop_eval_rows(path: pathlib.Path, steps: list[int]) -> None:
 # ---------------------------------------------------------------------------------------------
 
 
-def _held_out(r: Run, actor, phase: str, workdir, writer, it: int) -> dict:
+def _held_out(r: Run, actor, phase: str, workdir, writer, it: int, say=print) -> dict:
   """Greedy completions of the held-out prompts, scored by ``config.eval.metrics``; written to
-  eval.json, eval_samples_{phase}.jsonl and the metrics (at iteration ``it``), and printed."""
+  eval.json, eval_samples_{phase}.jsonl and the metrics (at iteration ``it``), and shown
+  (``say``). ``phase``: "before", "after", or "iteration_N" (``eval.every``)."""
   e = r.config.eval
   metrics = {name: _import(path) for name, path in e.metrics.items()}
   t0 = time.perf_counter()
@@ -283,8 +296,8 @@ def _held_out(r: Run, actor, phase: str, workdir, writer, it: int) -> dict:
       evaluation.greedy(r.sampling, e.max_new_tokens or None), r.policy.tokenizer, metrics,
       e.batch_size, e.group_by or None, r.config.data.field)
   shown = ", ".join(f"{k.removeprefix('eval/')} {v:.3f}" for k, v in summary.items())
-  print(f"held-out eval {phase} ({len(rows)} prompts, {time.perf_counter() - t0:.0f} s): "
-        f"{shown}", flush=True)
+  say(f"held-out eval {phase.replace('_', ' ')} ({len(rows)} prompts, "
+      f"{time.perf_counter() - t0:.0f} s): {shown}")
   if writer:  # first: a run cut off before eval.json is written evaluates again (_run)
     writer.write(it, summary)
   if workdir:
@@ -293,6 +306,21 @@ def _held_out(r: Run, actor, phase: str, workdir, writer, it: int) -> dict:
     evals[phase] = summary
     _write_json(workdir / "eval.json", evals)  # the commit: this phase is done
   return summary
+
+
+def peak_memory() -> dict[str, float]:
+  """The peaks so far, in MiB: this process's resident set (``memory/peak_rss_mb``, the
+  ``ru_maxrss`` that ``/usr/bin/time -v`` reports) and, on a device whose allocator counts (GPU,
+  TPU), the first local device's peak bytes in use (``memory/device_peak_mb``)."""
+  rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, bytes on macOS
+  out = {"memory/peak_rss_mb": rss / (2**20 if sys.platform == "darwin" else 2**10)}
+  try:
+    stats = jax.local_devices()[0].memory_stats() or {}
+  except (NotImplementedError, RuntimeError):  # CPU back ends may not count
+    stats = {}
+  if "peak_bytes_in_use" in stats:
+    out["memory/device_peak_mb"] = stats["peak_bytes_in_use"] / 2**20
+  return out
 
 
 def per_sample(records: list[dict] | None, n: int) -> list[dict] | None:

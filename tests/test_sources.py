@@ -339,6 +339,29 @@ def test_a_text_task_runs_end_to_end(policy_dir, char_tokenizer, tmp_path, capsy
   assert "held-out eval after (4 prompts" in capsys.readouterr().out
 
 
+def test_eval_every_evaluates_between_iterations_across_a_resume(policy_dir, tmp_path):
+  """``eval.every = 2`` of 4 iterations: held-out rows at 0, 2 and 4, each once, in eval.json
+  as "before", "iteration_2", "after"; a run stopped at 2 and resumed gives the same ones, and
+  ``time/train_s`` (the iterations' seconds) goes on from the checkpoint."""
+  config = _text_task_config(policy_dir, tmp_path)
+  config.num_iterations, config.eval.every = 4, 2
+  whole = runner.run(config, str(tmp_path / "whole"))
+  assert list(whole.evals) == ["before", "iteration_2", "after"]
+  runner.run(config, str(tmp_path / "parts"), stop_after=2)
+  resumed = runner.run(config, str(tmp_path / "parts"))
+  for name in ("whole", "parts"):
+    rows = reporting.read_metrics(str(tmp_path / name / "metrics.jsonl"))
+    assert [r["step"] for r in rows if "eval/accuracy" in r] == [0, 2, 4], name
+    train_s = [r["time/train_s"] for r in rows if "time/train_s" in r]
+    assert len(train_s) == 4 and all(b > a > 0 for a, b in zip(train_s, train_s[1:])), train_s
+    assert all(r["memory/peak_rss_mb"] > 0 for r in rows if "time/train_s" in r)
+  evals = json.loads((tmp_path / "parts" / "eval.json").read_text())
+  assert evals == {**resumed.evals, "before": evals["before"]}
+  for phase in ("before", "iteration_2", "after"):
+    assert evals[phase] == pytest.approx(whole.evals[phase], abs=1e-6), phase
+  assert (tmp_path / "parts" / "eval_samples_iteration_2.jsonl").exists()
+
+
 def test_tiny_policy_takes_a_tokenizer_for_text_tasks(policy_dir, char_tokenizer, tmp_path):
   config = _text_task_config(policy_dir, tmp_path)
   config.model.policy = "tiny"
