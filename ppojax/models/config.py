@@ -67,6 +67,12 @@ class ModelConfig:
   # every Linear kernel stored [out, in] (PyTorch's layout; ``transpose_kernels`` converts the
   # parameters): the decode layout of ``sampling.generate`` on CPU, never a checkpoint's
   transposed_kernels: bool = False
+  # LoRA (``ppojax.lora``): each Linear named in ``lora_targets`` ("q", "k", "v", "o", "gate",
+  # "up", "down"; GPT-2's "fc", "proj") adds (α/r)·(x·A)·B, A [in, r] ("lora_a") and B [r, out]
+  # ("lora_b") held in float32 beside its frozen kernel; rank 0: none (the base model)
+  lora_rank: int = 0
+  lora_alpha: float = 16.0
+  lora_targets: tuple[str, ...] = ()
 
   def __post_init__(self):
     if self.model_type not in SUPPORTED:
@@ -79,6 +85,10 @@ class ModelConfig:
     if self.remat_policy not in REMAT_POLICIES:
       raise ValueError(f"remat_policy {self.remat_policy!r}: choose one of "
                        f"{', '.join(REMAT_POLICIES)}")
+    if self.lora_rank and (self.fused_projections or not self.lora_targets):
+      raise ValueError("LoRA (lora_rank > 0) needs lora_targets and separate projections "
+                       "(fused_projections=False; merge the adapters before decoding: "
+                       "ppojax.lora.merge)")
     if self.layer_windows is not None and len(self.layer_windows) != self.num_layers:
       raise ValueError(f"layer_windows has {len(self.layer_windows)} entries for "
                        f"{self.num_layers} layers")

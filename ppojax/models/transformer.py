@@ -308,7 +308,18 @@ class Linear(nn.Module):
     if self.use_bias:
       bias = self.param("bias", nn.initializers.zeros, (self.features,), cfg.param_dtype)
       y = y + bias.astype(cfg.compute_dtype)
+    if cfg.lora_rank and self.name in cfg.lora_targets:  # + (α/r)·(x·A)·B
+      a = self.param("lora_a", lora_a_init, (shape[0], cfg.lora_rank), jnp.float32)
+      b = self.param("lora_b", nn.initializers.zeros, (cfg.lora_rank, shape[1]), jnp.float32)
+      y = y + (cfg.lora_alpha / cfg.lora_rank) * ((x @ a.astype(x.dtype)) @ b.astype(x.dtype))
     return y
+
+
+def lora_a_init(key, shape, dtype=jnp.float32):
+  """LoRA's A [in, r]: uniform in ±1/√in (peft's Kaiming-uniform with a = √5); B starts at 0,
+  so the adapted model starts as the base model."""
+  bound = 1.0 / math.sqrt(shape[-2])
+  return jax.random.uniform(key, shape, dtype, -bound, bound)
 
 
 def attend(q: Array, k: Array, v: Array, allowed: Array, keys_transposed: bool = False,

@@ -1,0 +1,167 @@
+"""LoRA (ppojax.lora, transformer.Linear's adapters): exact start at the base, merge = adapted
+model, gradients only for adapters, the reference from the base, and peft's layout."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from ppojax import lora
+from ppojax.models import hf
+from ppojax.models import transformer as T
+from ppojax.models.config import ModelConfig
+
+V, D, I, L, H = 64, 32, 48, 3, 4
+
+
+def _cfg(model_type="llama", **changes):
+  base = dict(model_type=model_type, vocab_size=V, hidden_size=D, intermediate_size=I,
+              num_layers=L, num_heads=H, num_kv_heads=2, head_dim=D // H,
+              max_position_embeddings=64, norm_eps=1e-5, tie_word_embeddings=False,
+              qkv_bias=model_type == "qwen2")
+  return ModelConfig(**dict(base, **changes))
+
+
+def _base_params(cfg, seed=0):
+  tokens = jnp.zeros((1, 4), jnp.int32)
+  shapes = jax.eval_shape(lambda: T.CausalLM(cfg).init(
+      jax.random.PRNGKey(0), tokens, tokens, tokens > -1)["params"])
+  rng = np.random.RandomState(seed)
+  return jax.tree_util.tree_map_with_path(
+      lambda path, x: ((1.0 if "scale" in jax.tree_util.keystr(path) else 0.0)
+                       + 0.15 * rng.standard_normal(x.shape)).astype(x.dtype), shapes)
+
+
+def _inputs(b=2, t=7, seed=1):
+  tokens = jnp.asarray(np.random.RandomState(seed).randint(0, V, (b, t)), jnp.int32)
+  mask = jnp.ones((b, t), jnp.bool_).at[0, :2].set(False)  # a left-padded row
+  return tokens, T.positions_from_mask(mask), mask
+
+
+def _logits(cfg, params):
+  out, _ = T.CausalLM(cfg).apply({"params": params}, *_inputs())
+  return out
+
+
+def _trained(adapters, seed=3):
+  """Adapters with B ≠ 0, as after some training."""
+  rng = np.random.RandomState(seed)
+  return jax.tree.map(lambda x: x + 0.05 * rng.standard_normal(x.shape).astype(x.dtype),
+                      adapters)
+
+
+@pytest.mark.parametrize("model_type,scan", [("llama", True), ("qwen2", False), ("gpt2", True)])
+def test_adapters_at_init_give_exactly_the_base_logits(model_type, scan):
+  base_cfg = _cfg(model_type, scan_layers=scan, tie_word_embeddings=model_type == "gpt2",
+                  num_kv_heads=H if model_type == "gpt2" else 2, out_bias=model_type == "gpt2",
+                  qkv_bias=model_type != "llama")
+  names = ("q", "v", "fc", "proj") if model_type == "gpt2" else lora.ALL_LINEAR
+  cfg = lora.adapted_config(base_cfg, rank=4, alpha=8, names=names)
+  base = _base_params(base_cfg)
+  adapters = lora.init_adapters(base, cfg, jax.random.PRNGKey(0))
+  assert lora.count(adapters) > 0
+  np.testing.assert_array_equal(_logits(cfg, lora.combine(base, adapters)),
+                                _logits(base_cfg, base))
+  # and after training, merging into the kernels computes what the adapted model computes
+  params = lora.combine(base, _trained(adapters))
+  adapted = _logits(cfg, params)
+  assert np.abs(adapted - _logits(base_cfg, base)).max() > 1e-3
+  np.testing.assert_allclose(_logits(base_cfg, lora.merge(params, cfg)), adapted, atol=2e-5)
+
+
+def test_split_and_combine_are_inverse_and_the_adapters_are_the_only_lora_leaves():
+  cfg = lora.adapted_config(_cfg(), rank=2, alpha=4, names="q,k,v,o")
+  base = _base_params(lora.base_config(cfg))
+  params = lora.combine(base, lora.init_adapters(base, cfg, jax.random.PRNGKey(1)))
+  back_base, adapters = lora.split(params)
+  assert jax.tree.structure(back_base) == jax.tree.structure(base)
+  assert jax.tree.structure(lora.combine(back_base, adapters)) == jax.tree.structure(params)
+  # exactly the module's own parameter tree: init of the adapted module has the same structure
+  tokens = jnp.zeros((1, 4), jnp.int32)
+  shapes = jax.eval_shape(lambda: T.CausalLM(cfg).init(
+      jax.random.PRNGKey(0), tokens, tokens, tokens > -1)["params"])
+  assert jax.tree.structure(shapes) == jax.tree.structure(params)
+  assert jax.tree.map(lambda x: x.shape, shapes) == jax.tree.map(lambda x: x.shape, params)
+  leaves = jax.tree_util.tree_leaves_with_path(adapters)
+  assert len(leaves) == 2 * 4  # A and B of q, k, v, o (stacked over the layers)
+  for path, x in leaves:
+    name = path[-1].key
+    assert name in ("lora_a", "lora_b") and x.dtype == jnp.float32 and x.shape[0] == L
+  # A ~ U(±1/√in), B = 0
+  a = adapters["model"]["layers"]["attn"]["q"]["lora_a"]
+  assert a.shape == (L, D, 2) and 0 < np.abs(a).max() <= 1 / np.sqrt(D)
+  assert not np.any(adapters["model"]["layers"]["attn"]["q"]["lora_b"])
+
+
+def test_gradients_flow_to_the_adapters_only_and_the_reference_is_the_base():
+  cfg = lora.adapted_config(_cfg(), rank=4, alpha=16, names="all-linear")
+  base_cfg = lora.base_config(cfg)
+  base = _base_params(base_cfg)
+  adapters = lora.init_adapters(base, cfg, jax.random.PRNGKey(2))
+
+  def loss(adapters):
+    return jnp.mean(_logits(cfg, lora.combine(base, adapters)) ** 2)
+
+  grads = jax.grad(loss)(adapters)
+  assert jax.tree.structure(grads) == jax.tree.structure(adapters)
+  # at init B = 0: dL/dA = 0 and dL/dB ≠ 0 (the standard LoRA start)
+  q = grads["model"]["layers"]["attn"]["q"]
+  assert not np.any(q["lora_a"]) and np.abs(q["lora_b"]).max() > 0
+  grads = jax.grad(loss)(_trained(adapters))
+  assert all(np.abs(g).max() > 0 for g in jax.tree.leaves(grads))
+  # the reference: the base params through the module without adapters, = a separate base
+  np.testing.assert_array_equal(_logits(base_cfg, lora.split(lora.combine(base, adapters))[0]),
+                                _logits(base_cfg, base))
+
+
+def test_bfloat16_base_with_float32_adapters():
+  cfg = lora.adapted_config(_cfg(param_dtype="bfloat16", dtype="float32"), 4, 8, "q,v")
+  base = _base_params(lora.base_config(cfg))
+  assert jax.tree.leaves(base)[0].dtype == jnp.bfloat16
+  adapters = lora.init_adapters(base, cfg, jax.random.PRNGKey(0))
+  assert {x.dtype for x in jax.tree.leaves(adapters)} == {jnp.dtype(jnp.float32)}
+  np.testing.assert_array_equal(_logits(cfg, lora.combine(base, adapters)),
+                                _logits(lora.base_config(cfg), base))
+  merged = lora.merge(lora.combine(base, _trained(adapters)), cfg)
+  assert merged["model"]["layers"]["attn"]["q"]["kernel"].dtype == jnp.bfloat16
+
+
+def test_targets_accept_peft_names_and_refuse_unknown_layers():
+  assert lora.targets("q_proj, v_proj") == ("q", "v")
+  assert lora.targets(["all-linear"]) == lora.ALL_LINEAR
+  with pytest.raises(ValueError, match="'qkv'.*choose from"):
+    lora.targets("qkv")
+  with pytest.raises(ValueError, match="at least one target"):
+    lora.targets("")
+  with pytest.raises(ValueError, match="rank must be >= 1"):
+    lora.adapted_config(_cfg(), 0, 8, "q")
+  with pytest.raises(ValueError, match="fused_projections=False"):
+    _cfg(lora_rank=4, lora_targets=("q",), fused_projections=True)
+
+
+def test_peft_export_loads_in_peft_and_gives_the_adapted_logits(tmp_path):
+  torch = pytest.importorskip("torch")
+  peft = pytest.importorskip("peft")
+  cfg = lora.adapted_config(_cfg("qwen2"), rank=4, alpha=8, names="q,k,v,o,gate,up,down")
+  base_cfg = lora.base_config(cfg)
+  base = _base_params(base_cfg)
+  params = lora.combine(base, _trained(lora.init_adapters(base, cfg, jax.random.PRNGKey(4))))
+  adapters = lora.split(params)[1]
+  hf.save_pretrained(tmp_path / "base", base_cfg, base)
+  lora.save_peft(tmp_path / "adapters", adapters, cfg, base_model=str(tmp_path / "base"))
+  net = hf.to_transformers(base_cfg, base)
+  net = peft.PeftModel.from_pretrained(net, str(tmp_path / "adapters")).eval()
+  tokens, _, mask = _inputs()
+  with torch.no_grad():
+    theirs = net(input_ids=torch.from_numpy(np.asarray(tokens)).long(),
+                 attention_mask=torch.from_numpy(np.asarray(mask)).long()).logits.numpy()
+  ours = np.asarray(_logits(cfg, params))
+  real = np.asarray(mask)
+  assert np.abs(ours - np.asarray(_logits(base_cfg, base)))[real].max() > 1e-3  # B ≠ 0 shows
+  np.testing.assert_allclose(theirs[real], ours[real], atol=1e-4)
+  # and the merged export is the same model for transformers alone
+  merged = hf.to_transformers(base_cfg, lora.merge(params, cfg))
+  with torch.no_grad():
+    plain = merged(input_ids=torch.from_numpy(np.asarray(tokens)).long(),
+                   attention_mask=torch.from_numpy(np.asarray(mask)).long()).logits.numpy()
+  np.testing.assert_allclose(plain[real], ours[real], atol=1e-4)
