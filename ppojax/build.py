@@ -7,6 +7,7 @@ a reference only where there is a KL penalty.
 
 from __future__ import annotations
 
+import functools
 import importlib
 import importlib.util
 import os
@@ -20,7 +21,7 @@ import numpy as np
 
 from ppojax import advantages, algorithms
 from ppojax import config as config_lib
-from ppojax import data, sources, tasks
+from ppojax import data, lora, sources, tasks
 from ppojax import sharding as sharding_lib
 from ppojax import step as step_lib
 from ppojax.models import (SMOLLM2_NAMES, CausalLM, LoadedModel, ModelConfig, ValueModel, hf,
@@ -224,7 +225,7 @@ def build(config, *, devices=None, abstract: bool = False) -> Run:
   config = algorithms.resolve(config)
   ppo = config.ppo
   with_critic = advantages.estimator(ppo.estimator).needs_critic
-  with_reference = ppo.kl_coef > 0 or ppo.adaptive_kl  # else KL ≡ 0: no reference is held
+  with_reference = step_lib.needs_reference(ppo)  # else KL ≡ 0: no reference is held
   key = jax.random.key(config.seed)
   key, k_policy = jax.random.split(key)
   policy = load_policy(config, k_policy, abstract)
@@ -244,7 +245,8 @@ def build(config, *, devices=None, abstract: bool = False) -> Run:
   if init == "reward" and reward_model is None:
     raise ValueError("model.critic_init='reward' needs reward.kind='model' and model.reward")
   critic = None
-  if with_critic:
+  lora_critic = with_critic and config.lora.critic
+  if with_critic and not lora_critic:
     critic = reward_model if init in ("reward", "auto") and reward_model else (
         critic_from_policy(policy))
 
@@ -252,12 +254,21 @@ def build(config, *, devices=None, abstract: bool = False) -> Run:
       and any(m.cfg.layer_windows for m in (policy, critic, reward_model) if m)):
     source = sources.make_source(config, policy.tokenizer, shared_prefix=False)  # see Decoder
   sampler_dtype = config.sampling.dtype
+  policy_cfg = policy.cfg  # with LoRA: the base's, and the policy module's has the adapters
+  if config.lora.rank:
+    policy_cfg = lora.adapted_config(policy.cfg, config.lora.rank, config.lora.alpha,
+                                     config.lora.targets)
+  with_sampler = (sampler_dtype and sampler_dtype != policy.cfg.dtype) or config.lora.rank
+  critic_module = ValueModel(policy_cfg) if lora_critic else (
+      ValueModel(critic.cfg) if critic else None)
   models = step_lib.Models(
-      policy=CausalLM(policy.cfg), critic=ValueModel(critic.cfg) if critic else None,
+      policy=CausalLM(policy_cfg), critic=critic_module,
       reward=ValueModel(reward_model.cfg) if reward_model else None,
       reward_fn=_import(config.reward.fn) if config.reward.kind == "jax" else None,
-      sampler=(CausalLM(policy.cfg.replace(dtype=sampler_dtype))
-               if sampler_dtype and sampler_dtype != policy.cfg.dtype else None))
+      # LoRA samples from the merged weights with the base's architecture (lora.merge)
+      sampler=(CausalLM(policy.cfg.replace(dtype=sampler_dtype or policy.cfg.dtype))
+               if with_sampler else None),
+      reference=CausalLM(policy.cfg) if config.lora.rank else None)
   host_reward = python_reward = None
   if config.reward.kind == "python":
     python_reward = _import(config.reward.fn)
@@ -276,24 +287,40 @@ def build(config, *, devices=None, abstract: bool = False) -> Run:
 
   mesh = sharding_lib.make_mesh(tuple(config.mesh.shape), devices=devices)
   rules = partition_rules()
-  init = lambda actor, critic: step_lib.init_state(  # noqa: E731
-      key, actor, critic, txs["actor"], txs["critic"], ppo)
+  actor_params, base = policy.params, None
+  if config.lora.rank:  # train adapters only; the frozen base rides in the state, uncopied
+    base = (cast_floats(policy.params, config.lora.base_dtype) if config.lora.base_dtype
+            else policy.params)
+    adapters = functools.partial(lora.init_adapters, cfg=policy_cfg,
+                                 key=jax.random.fold_in(k_policy, 2))
+    actor_params = jax.eval_shape(adapters, base) if abstract else adapters(base)
+  init = lambda actor, critic, base: step_lib.init_state(  # noqa: E731
+      key, actor, critic, txs["actor"], txs["critic"], ppo, base)
   critic_params = None if critic is None else critic.params
+  if lora_critic:  # its own adapters and a zero value head on the policy's base
+    critic_adapters = functools.partial(lora.init_adapters, cfg=policy_cfg,
+                                        key=jax.random.fold_in(k_policy, 3))
+    head = {"kernel": jnp.zeros((policy.cfg.hidden_size, 1), jnp.float32)}
+    model_adapters = (jax.eval_shape(critic_adapters, base) if abstract
+                      else critic_adapters(base))["model"]
+    critic_params = {"model": model_adapters,
+                     "score": jax.eval_shape(lambda: head) if abstract else head}
   state_shardings = sharding_lib.param_shardings(
-      jax.eval_shape(init, policy.params, critic_params), mesh, rules)
+      jax.eval_shape(init, actor_params, critic_params, base), mesh, rules)
   reward_shardings = None if reward_model is None else (
       sharding_lib.param_shardings(reward_model.params, mesh, rules))
   if abstract:
-    state = _abstract(jax.eval_shape(init, policy.params, critic_params), state_shardings)
+    state = _abstract(jax.eval_shape(init, actor_params, critic_params, base), state_shardings)
     reward_params = None if reward_model is None else _abstract(reward_model.params,
                                                                   reward_shardings)
   else:
-    state = sharding_lib.place(init(policy.params, critic_params), state_shardings)
+    state = sharding_lib.place(init(actor_params, critic_params, base), state_shardings)
     reward_params = None if reward_model is None else sharding_lib.place(reward_model.params,
                                                                          reward_shardings)
   # the reference: a copy of the initial policy (own buffers: the state is donated)
   frozen_dtype = config.model.frozen_dtype
-  frozen = step_lib.Frozen(cast_floats(state.actor, frozen_dtype) if with_reference else None,
+  with_copy = with_reference and not config.lora.rank  # LoRA's reference is its base
+  frozen = step_lib.Frozen(cast_floats(state.actor, frozen_dtype) if with_copy else None,
                            None if reward_params is None else (
                                cast_floats(reward_params, frozen_dtype) if frozen_dtype
                                else reward_params))

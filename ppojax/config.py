@@ -67,6 +67,19 @@ def defaults() -> ml_collections.ConfigDict:
       vocab_size=16, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
       num_kv_heads=2, max_position_embeddings=64))
 
+  # LoRA (ppojax/lora.py): the policy is its frozen base plus trained low-rank adapters; the
+  # reference is the base itself (no second copy), only the adapters get optimizer state and
+  # go into checkpoints, and the run exports the merged model and the adapters in peft's layout
+  c.lora = ml_collections.ConfigDict()
+  c.lora.rank = 0  # r (0: full fine-tuning)
+  c.lora.alpha = 16.0  # the adapters' output is scaled by alpha / rank
+  c.lora.dropout = 0.0  # on the adapters' input while training: only 0 is implemented yet
+  c.lora.targets = "all-linear"  # layers: q,k,v,o,gate,up,down (or peft's q_proj, ...)
+  c.lora.base_dtype = ""  # the frozen base's dtype ("bfloat16": half its memory; "": float32)
+  # the critic as its own adapters + value head on the policy's frozen base (model.critic_init
+  # "policy"): the whole PPO run then holds one copy of the base weights
+  c.lora.critic = False
+
   c.data = ml_collections.ConfigDict()
   c.data.task = "arith"  # "count" (toy tokens), "arith" (ppojax/arith.py), "file" (data.path)
   c.data.path = ""  # task "file": JSONL / JSON / datasets directory / parquet of prompts
@@ -259,6 +272,7 @@ CHOICES = {
     "model.remat_policy": ("nothing", "dots", "dots_no_batch"),
     "model.frozen_dtype": ("", "float32", "bfloat16", "float16"),
     "sampling.dtype": ("", "float32", "bfloat16", "float16"),
+    "lora.base_dtype": ("", "float32", "bfloat16", "float16"),
     "optim.state_dtype": ("float32", "bfloat16"),
     "optim.actor.decay": ("constant", "linear", "cosine"),
     "optim.critic.decay": ("constant", "linear", "cosine"),
@@ -395,6 +409,13 @@ RANGES = (
     ("eval.every", lambda v: isinstance(v, int) and v >= 0,
      "must be an integer >= 0: evaluate on the held-out prompts after every N-th iteration "
      "(0: only before the first and after the last)"),
+    ("lora.rank", lambda v: isinstance(v, int) and v >= 0,
+     "must be an integer >= 0: the rank of the LoRA adapters (0: full fine-tuning; 8-64 is "
+     "usual)"),
+    ("lora.alpha", lambda v: v > 0, "must be > 0 (the adapters are scaled by alpha / rank)"),
+    ("lora.dropout", lambda v: v == 0,
+     "must be 0: dropout on the adapters' input is not implemented yet (RL fine-tuning with "
+     "LoRA usually runs without it; peft's default is 0 too)"),
     ("optim.max_grad_norm", lambda v: v > 0, "must be > 0 (gradients are clipped to this "
      "global norm; 1.0 is usual)"),
 )
@@ -435,7 +456,20 @@ def rollout_rows(config) -> int:
 
 
 def check_algorithm(config: ml_collections.ConfigDict) -> None:
-  """The algorithm's resolved choices fit together: a group estimator has groups to compare."""
+  """The algorithm's resolved choices fit together: a group estimator has groups to compare;
+  LoRA's targets are layers of the model."""
+  if config.lora.critic and not (config.lora.rank and config.model.critic_init == "policy"):
+    raise ConfigError(
+        "lora.critic=True puts the critic's adapters on the policy's frozen base: it needs "
+        f"lora.rank > 0 (got {config.lora.rank}) and model.critic_init='policy' (got "
+        f"{config.model.critic_init!r}); a critic initialised from a reward model has another "
+        "base")
+  if config.lora.rank:
+    from ppojax import lora  # pylint: disable=import-outside-toplevel
+    try:
+      lora.targets(config.lora.targets)
+    except ValueError as e:
+      raise ConfigError(f"lora.targets={config.lora.targets!r}: {e}") from None
   ppo = algorithms.resolve(config).ppo
   n = config.sampling.get("num_samples_per_prompt", 1)
   if ppo.estimator in ("grpo", "dr_grpo", "rloo") and n < 2:

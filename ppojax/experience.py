@@ -231,13 +231,16 @@ def map_rows(fn: Callable, rows: tuple, micro_batches: int = 1, *shared):
 def rollout(policy: nn.Module, critic: nn.Module | None, actor, ref_actor, critic_params,
             prompts: Prompts, key: Array, sampling: SamplingConfig,
             old_logp: str = "recompute", old_values: bool = True,
-            sampler: nn.Module | None = None, micro_batches: int = 1) -> Rollout:
+            sampler: nn.Module | None = None, micro_batches: int = 1,
+            reference: nn.Module | None = None, sampler_params=None) -> Rollout:
   """Sample responses from the actor (with the ``sampler`` module where given: the policy's
   architecture at another compute dtype), then score them with actor, reference and critic,
   those forward passes in ``micro_batches`` parts (``map_rows``). ``sampling.num_samples`` = n
   samples per prompt: the rollout's B·n rows hold prompt i's samples at i·n … i·n + n − 1, each
   with its prompt. Without a reference (``ref_actor`` None) ``ref_logp`` is None; without a
-  critic (``critic`` None) so are the values.
+  critic (``critic`` None) so are the values. ``reference``: the module applying ``ref_actor``
+  (default: ``policy``); ``sampler_params``: the sampler's params (default: ``actor``; with
+  LoRA, the merged weights of the base-model ``sampler``).
 
   ``old_logp`` says where log π_old comes from:
 
@@ -252,11 +255,14 @@ def rollout(policy: nn.Module, critic: nn.Module | None, actor, ref_actor, criti
   if old_logp not in ("recompute", "sampler", "update"):
     raise ValueError(f"old_logp must be 'recompute', 'sampler' or 'update', got {old_logp!r}")
   sampler = policy if sampler is None else sampler
+  reference = policy if reference is None else reference
+  sampler_params = actor if sampler_params is None else sampler_params
   if prompts.prefix is None:
-    gen = generate(sampler, actor, prompts.tokens, prompts.mask, key, sampling)
+    gen = generate(sampler, sampler_params, prompts.tokens, prompts.mask, key, sampling)
   else:
     rest, rest_mask, _ = without_prefix(prompts.tokens, prompts.mask, prompts.prefix.shape[0])
-    gen = generate(sampler, actor, rest, rest_mask, key, sampling, prefix=prompts.prefix)
+    gen = generate(sampler, sampler_params, rest, rest_mask, key, sampling,
+                   prefix=prompts.prefix)
   n = sampling.num_samples
   tokens, mask = (prompts.tokens, prompts.mask) if n == 1 else (
       jnp.repeat(prompts.tokens, n, axis=0), jnp.repeat(prompts.mask, n, axis=0))
@@ -264,10 +270,10 @@ def rollout(policy: nn.Module, critic: nn.Module | None, actor, ref_actor, criti
 
   def passes(*rows_and_prefix):
     *args, prefix = rows_and_prefix
-    logp = lambda params: response_logprobs(  # noqa: E731
-        policy, params, *args, sampling.temperature, prefix)
-    return {"old": logp(actor) if old_logp == "recompute" else None,
-            "ref": logp(ref_actor) if ref_actor is not None else None,
+    logp = lambda module, params: response_logprobs(  # noqa: E731
+        module, params, *args, sampling.temperature, prefix)
+    return {"old": logp(policy, actor) if old_logp == "recompute" else None,
+            "ref": logp(reference, ref_actor) if ref_actor is not None else None,
             "values": response_values(critic, critic_params, *args, prefix)
                       if old_values and critic is not None else None}
 

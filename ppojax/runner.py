@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ppojax import config as config_lib
-from ppojax import data, evaluation, files, sources
+from ppojax import data, evaluation, files, lora, sources
 from ppojax import sharding as sharding_lib
 from ppojax import step as step_lib
 # the builders are runner's API too: runner.build(config), runner.load_config(path), ...
@@ -142,8 +142,9 @@ def _run(config, workdir, stop_after, signals: StopSignals) -> Result:
     fingerprint = resume.fingerprint(config, r.source)  # saved with every checkpoint
     if ckpt.latest_step() is not None:
       try:  # refuses another run's checkpoint; skips (and sets aside) corrupt ones
-        state, meta = resume.restore(ckpt, _abstract(state, r.state_shardings), fingerprint,
-                                     config)
+        state, meta = resume.restore(ckpt, _saved(_abstract(state, r.state_shardings)),
+                                     fingerprint, config)
+        state = state._replace(base=r.state.base)  # LoRA's base is not in checkpoints
       except BaseException:
         ckpt.close()
         raise
@@ -163,13 +164,13 @@ def _run(config, workdir, stop_after, signals: StopSignals) -> Result:
                                     resume_step=start)
   batch = config_lib.rollout_rows(config)  # episodes (responses) per iteration
   if "before" not in evals and start == 0 and r.source.eval_records and not signals.received:
-    evals["before"] = _held_out(r, state.actor, "before", workdir, writer, 0)
+    evals["before"] = _held_out(r, state, "before", workdir, writer, 0)
   progress = reporting.Progress(n, start=start)
   history, last, unsaved = [], start, False  # last: the latest completed iteration
   what: set[str] = set()  # what was non-finite in the current run of skipped iterations
 
   def save(it: int, state, force: bool) -> bool:
-    return bool(ckpt) and ckpt.save(it, state, {
+    return bool(ckpt) and ckpt.save(it, _saved(state), {
         "iteration": it, "data_position": it, "nonfinite_total": bad["total"],
         "nonfinite_streak": bad["streak"], "fingerprint": fingerprint,
         "train_seconds": train_s}, force=force)
@@ -214,7 +215,7 @@ def _run(config, workdir, stop_after, signals: StopSignals) -> Result:
           writer.write_samples(it, rows)
       if config.eval.every and it % config.eval.every == 0 and it < n and r.source.eval_records:
         phase = f"iteration_{it}"
-        evals[phase] = _held_out(r, state.actor, phase, workdir, writer, it, say=progress.write)
+        evals[phase] = _held_out(r, state, phase, workdir, writer, it, say=progress.write)
       max_bad = config.ppo.get("max_bad_steps", 3)
       failed = skipped and 0 < max_bad <= bad["streak"]
       stop = it == n or it == stop_after or failed or signals.received is not None
@@ -236,7 +237,7 @@ def _run(config, workdir, stop_after, signals: StopSignals) -> Result:
                         if ckpt and last > start else ""))
     elif last == n and r.source.eval_records and "after" not in evals:
       progress.close()
-      evals["after"] = _held_out(r, state.actor, "after", workdir, writer, n)
+      evals["after"] = _held_out(r, state, "after", workdir, writer, n)
   finally:
     progress.close()
     if ckpt:
@@ -284,7 +285,21 @@ def _drop_eval_rows(path: pathlib.Path, steps: list[int]) -> None:
 # ---------------------------------------------------------------------------------------------
 
 
-def _held_out(r: Run, actor, phase: str, workdir, writer, it: int, say=print) -> dict:
+def _saved(state):
+  """What a checkpoint holds: the state without LoRA's frozen base (the config names it)."""
+  return state._replace(base=None)
+
+
+def policy_model(r: Run, state) -> tuple:
+  """(module, params) of the current policy as one plain model: with LoRA the base's
+  architecture and the merged weights W + (α/r)·A·B (``lora.merge``), else the policy."""
+  if state.base is None:
+    return r.models.policy, state.actor
+  merged = lora.merge(step_lib.policy_params(state.actor, state.base), r.models.policy.cfg)
+  return r.models.reference, merged
+
+
+def _held_out(r: Run, state, phase: str, workdir, writer, it: int, say=print) -> dict:
   """Greedy completions of the held-out prompts, scored by ``config.eval.metrics``; written to
   eval.json, eval_samples_{phase}.jsonl and the metrics (at iteration ``it``), and shown
   (``say``). ``phase``: "before", "after", or "iteration_N" (``eval.every``)."""
@@ -292,7 +307,7 @@ def _held_out(r: Run, actor, phase: str, workdir, writer, it: int, say=print) ->
   metrics = {name: _import(path) for name, path in e.metrics.items()}
   t0 = time.perf_counter()
   summary, rows = evaluation.evaluate(
-      r.models.policy, actor, r.source.eval_records, r.source.encode,
+      *policy_model(r, state), r.source.eval_records, r.source.encode,
       evaluation.greedy(r.sampling, e.max_new_tokens or None), r.policy.tokenizer, metrics,
       e.batch_size, e.group_by or None, r.config.data.field)
   shown = ", ".join(f"{k.removeprefix('eval/')} {v:.3f}" for k, v in summary.items())
@@ -353,7 +368,12 @@ def _write_json(path: pathlib.Path, obj) -> None:
 def _finish(r: Run, state, workdir: pathlib.Path, reporting) -> None:
   """The curves picture and the trained policy in Hugging Face format."""
   plotted = reporting.plot_curves(str(workdir / "metrics.jsonl"), str(workdir / "curves.png"))
-  policy = r.policy._replace(params=sharding_lib.to_host(state.actor))
+  policy = r.policy._replace(params=sharding_lib.to_host(policy_model(r, state)[1]))
   out = save_model(workdir / "policy", policy)
   print(f"wrote {workdir / 'curves.png'} ({', '.join(plotted)}) and the policy to {out}",
         flush=True)
+  if state.base is not None:  # and the adapters alone, for peft on the base model
+    adapters = lora.save_peft(workdir / "adapters", sharding_lib.to_host(state.actor),
+                              r.models.policy.cfg, str(r.config.model.policy),
+                              r.config.lora.dropout)
+    print(f"wrote the LoRA adapters (peft's layout) to {adapters}", flush=True)

@@ -42,7 +42,7 @@ import optax
 from ppojax import advantages as adv_lib
 from ppojax import algorithms
 from ppojax import kl as kl_lib
-from ppojax import losses, ops, sharding
+from ppojax import lora, losses, ops, sharding
 from ppojax.experience import (Experience, Prompts, RewardFn, Rollout, make_experience,
                                head_logprobs, map_rows, model_scores, response_hidden,
                                response_values, rollout, take_rows)
@@ -54,13 +54,16 @@ Params = Any
 
 
 class TrainState(NamedTuple):
-  actor: Params
+  actor: Params  # the policy's trained parameters: all of them, or with LoRA its adapters
   critic: Params | None  # None: no critic (the estimator needs none)
   actor_opt: optax.OptState
   critic_opt: optax.OptState | None
   kl: kl_lib.KLControllerState
   step: Array  # completed PPO iterations, int32
   key: Array  # typed PRNG key
+  # LoRA: the policy's frozen base (never stepped nor checkpointed; also the reference policy).
+  # None: full fine-tuning
+  base: Params | None = None
 
 
 class Frozen(NamedTuple):
@@ -80,6 +83,7 @@ class Models:
   reward: nn.Module | None = None  # a ValueModel used as reward model, or
   reward_fn: RewardFn | None = None  # a JAX rule (prompts, prompt_mask, responses, mask) → [B]
   sampler: nn.Module | None = None  # generates with the policy's params (None: ``policy``)
+  reference: nn.Module | None = None  # applies the reference's params (None: ``policy``)
 
   def __post_init__(self):
     if self.reward is not None and self.reward_fn is not None:
@@ -92,14 +96,26 @@ def kl_controller(cfg) -> kl_lib.KLController:
   return kl_lib.fixed_kl_controller(cfg.kl_coef)
 
 
-def init_state(key: Array, actor: Params, critic: Params | None, actor_tx, critic_tx, cfg
-               ) -> TrainState:
+def needs_reference(cfg) -> bool:
+  """Whether the KL penalty needs a reference policy (else KL ≡ 0 and none is held)."""
+  return cfg.kl_coef > 0 or cfg.adaptive_kl
+
+
+def init_state(key: Array, actor: Params, critic: Params | None, actor_tx, critic_tx, cfg,
+               base: Params | None = None) -> TrainState:
   """The state before the first iteration; ``critic`` None: no critic and no critic optimizer
-  state."""
+  state; ``base`` (LoRA): the frozen base beside the adapters ``actor``, the only trained and
+  optimised parameters."""
   return TrainState(
       actor=actor, critic=critic, actor_opt=actor_tx.init(actor),
       critic_opt=None if critic is None else critic_tx.init(critic),
-      kl=kl_controller(cfg).init(), step=jnp.zeros((), jnp.int32), key=key)
+      kl=kl_controller(cfg).init(), step=jnp.zeros((), jnp.int32), key=key, base=base)
+
+
+def policy_params(actor: Params, base: Params | None) -> Params:
+  """The policy's whole parameter tree: ``actor`` itself, or with LoRA the frozen base and the
+  adapters together (``lora.combine``; the gradient of a function of it flows to ``actor``)."""
+  return actor if base is None else lora.combine(base, actor)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -119,33 +135,46 @@ def _micro_weight(micro_mask: Array, minibatch_mask: Array, aggregation: str) ->
       ops.aggregation_count(minibatch_mask, aggregation), 1)
 
 
-def actor_forward(actor, models: Models, r: Rollout, temperature: float, ent_coef: float
-                  ) -> tuple[Array, Array]:
+def actor_forward(actor, models: Models, r: Rollout, temperature: float, ent_coef: float,
+                  base: Params | None = None) -> tuple[Array, Array]:
   """The update's policy pass over prompt + response: (log π_T(response_t), entropy_t), each
   [B, R], at the sampling ``temperature``. The entropy carries a gradient only when
-  ``ent_coef`` is non-zero (otherwise it is a metric)."""
+  ``ent_coef`` is non-zero (otherwise it is a metric). ``base``: LoRA's frozen base (then
+  ``actor`` holds the adapters)."""
   args = (r.prompts, r.prompt_mask, r.responses, r.mask, r.prefix)
+  actor = policy_params(actor, base)
   hidden = response_hidden(models.policy, actor, *args)
   logp, entropy = head_logprobs(models.policy, actor, hidden, r.responses, temperature,
                                 entropy=True, chunk_size=None)
   return logp, entropy if ent_coef else jax.lax.stop_gradient(entropy)
 
 
-def critic_forward(critic, models: Models, r: Rollout) -> Array | None:
+def critic_params(critic: Params, models: Models, base: Params | None) -> Params:
+  """The critic's whole parameter tree: ``critic`` itself, or for a LoRA critic (its module's
+  ``lora_rank`` > 0) the policy's frozen backbone with the critic's own adapters and value
+  head (``critic`` = {"model": adapters, "score": head}): one copy of the base for both."""
+  if critic is None or not models.critic.cfg.lora_rank:
+    return critic
+  return lora.combine({"model": base["model"]}, critic)
+
+
+def critic_forward(critic, models: Models, r: Rollout, base: Params | None = None
+                   ) -> Array | None:
   """The update's critic pass: V(s_t) [B, R], 0 off the mask (None without a critic)."""
   if models.critic is None:
     return None
+  critic = critic_params(critic, models, base)
   return response_values(models.critic, critic, r.prompts, r.prompt_mask, r.responses, r.mask,
                           r.prefix)
 
 
-def update_forward(params, models: Models, r: Rollout, temperature: float, ent_coef: float
-                   ) -> tuple[Array, Array, Array]:
+def update_forward(params, models: Models, r: Rollout, temperature: float, ent_coef: float,
+                   base: Params | None = None) -> tuple[Array, Array, Array]:
   """(log π_T(response_t), entropy_t, V(s_t)), each [B, R]: ``actor_forward`` and
   ``critic_forward``."""
   actor, critic = params
-  return (*actor_forward(actor, models, r, temperature, ent_coef),
-          critic_forward(critic, models, r))
+  return (*actor_forward(actor, models, r, temperature, ent_coef, base),
+          critic_forward(critic, models, r, base))
 
 
 def _clipped_loss(logp, entropy, values, exp: Experience, cfg) -> tuple[Array, dict]:
@@ -167,11 +196,12 @@ def _clipped_loss(logp, entropy, values, exp: Experience, cfg) -> tuple[Array, d
   return loss, {**metrics, **tis}
 
 
-def ppo_loss_on(params, models: Models, exp: Experience, cfg, temperature: float
-                ) -> tuple[Array, dict]:
+def ppo_loss_on(params, models: Models, exp: Experience, cfg, temperature: float,
+                base: Params | None = None) -> tuple[Array, dict]:
   """The clipped PPO loss of actor and critic on (a slice of) the experience; log-probs and
   entropy at the sampling ``temperature``."""
-  logp, entropy, values = update_forward(params, models, exp.rollout, temperature, cfg.ent_coef)
+  logp, entropy, values = update_forward(params, models, exp.rollout, temperature, cfg.ent_coef,
+                                         base)
   return _clipped_loss(logp, entropy, values, exp, cfg)
 
 
@@ -197,7 +227,7 @@ def single_pass_loss(outputs, r: Rollout, scores: Array, beta: Array, cfg, group
 
 
 def _minibatch_grads(params, models: Models, exp: Experience, idx: Array, cfg, temperature,
-                     shardings=None):  # params, shardings: (actor, critic or None)
+                     shardings=None, base=None):  # params, shardings: (actor, critic or None)
   """Gradient and metrics of the minibatch ``idx`` [K, n], summed over its K micro-batches;
   the gradients laid out as ``shardings`` (the parameters')."""
   mb_mask = exp.rollout.mask[idx.reshape(-1)]
@@ -210,14 +240,14 @@ def _minibatch_grads(params, models: Models, exp: Experience, idx: Array, cfg, t
     part = take_rows(exp, micro_idx)
     w = _micro_weight(part.rollout.mask, mb_mask, cfg.aggregation)
     w_tokens = _micro_weight(part.rollout.mask, mb_mask, "token_mean")
-    g, metrics = grad_fn(params, models, part, cfg, temperature)
+    g, metrics = grad_fn(params, models, part, cfg, temperature, base)
     # the aggregated quantities (losses, the entropy bonus) add up with the aggregation's
     # weights, the token means (clip fractions, ratios, approx. KL, value error) with tokens'
     metrics = {k: (w if k.startswith(AGGREGATED) else w_tokens) * v for k, v in metrics.items()}
     return jax.tree.map(jnp.add, grads, jax.tree.map(lambda x: w * x, g)), metrics
 
   if idx.shape[0] == 1:  # no accumulation buffer
-    grads, metrics = grad_fn(params, models, take_rows(exp, idx[0]), cfg, temperature)
+    grads, metrics = grad_fn(params, models, take_rows(exp, idx[0]), cfg, temperature, base)
     return grads, metrics
   zeros = sharding.constrain(jax.tree.map(jnp.zeros_like, params), shardings)
   grads, metrics = jax.lax.scan(micro, zeros, idx)
@@ -275,7 +305,7 @@ def update(models: Models, actor_tx, critic_tx, state: TrainState, exp: Experien
   def step(carry, idx):
     actor, critic = carry[:2]
     grads, metrics = _minibatch_grads((actor, critic), models, exp, idx, cfg, temperature,
-                                      shardings)
+                                      shardings, state.base)
     metrics = {**metrics, **_grad_norms(grads)}
     take = ok & _all_finite([v for name, v in metrics.items() if name.startswith("loss/")
                              or name.endswith("grad_norm")])
@@ -331,10 +361,11 @@ def single_pass_update(models: Models, actor_tx, critic_tx, state: TrainState, r
   metrics)."""
   actor_shardings, critic_shardings = (None, None) if shardings is None else shardings
   (logp, entropy), actor_vjp = jax.vjp(
-      lambda a: actor_forward(a, models, r, temperature, cfg.ent_coef), state.actor)
+      lambda a: actor_forward(a, models, r, temperature, cfg.ent_coef, state.base), state.actor)
   values = None
   if state.critic is not None:
-    values, critic_vjp = jax.vjp(lambda c: critic_forward(c, models, r), state.critic)
+    values, critic_vjp = jax.vjp(lambda c: critic_forward(c, models, r, state.base),
+                                 state.critic)
   (d_logp, d_entropy, d_values), (metrics, exp, exp_metrics) = jax.grad(
       single_pass_loss, has_aux=True)((logp, entropy, values), r, scores, state.kl.beta, cfg,
                                       group_size)
@@ -459,11 +490,20 @@ def make_ppo_step(models: Models, actor_tx, critic_tx, actor_schedule: optax.Sch
   if one_pass and old_logp == "recompute":
     old_logp = "update"  # the update's forward pass at the same params
 
+  with_reference = needs_reference(cfg)
+
   def do_rollout(state: TrainState, frozen: Frozen, prompts: Prompts) -> Rollout:
     _, k_sample, _ = _keys(state)
-    return rollout(models.policy, models.critic, state.actor, frozen.ref_actor, state.critic,
+    actor, ref, sampler_params = state.actor, frozen.ref_actor, None
+    if state.base is not None:  # LoRA: the base is the reference; sample from merged weights
+      actor = policy_params(state.actor, state.base)
+      ref = state.base if with_reference else None
+      sampler_params = lora.merge(actor, models.policy.cfg)
+    return rollout(models.policy, models.critic, actor, ref,
+                   critic_params(state.critic, models, state.base),
                    prompts, k_sample, sampling, old_logp=old_logp, old_values=not one_pass,
-                   sampler=models.sampler, micro_batches=micro_batches)
+                   sampler=models.sampler, micro_batches=micro_batches,
+                   reference=models.reference, sampler_params=sampler_params)
 
   def do_score(frozen: Frozen, r: Rollout) -> Array:
     args = (r.prompts, r.prompt_mask, r.responses, r.mask)

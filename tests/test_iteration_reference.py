@@ -293,8 +293,8 @@ MISWIRINGS = {
     "wrong_minibatch_rows": ("take_rows", lambda f: lambda exp, idx: f(
         exp, (idx + 1) % exp.advantages.shape[0])),
     # the update's log-probs and entropy at T = 1 whatever the sampler's temperature
-    "update_at_temperature_1": ("actor_forward", lambda f: lambda a, m, r, t, e: f(
-        a, m, r, 1.0, e)),
+    "update_at_temperature_1": ("actor_forward", lambda f: lambda a, m, r, t, e, base=None: f(
+        a, m, r, 1.0, e, base)),
 }
 
 

@@ -165,3 +165,105 @@ def test_peft_export_loads_in_peft_and_gives_the_adapted_logits(tmp_path):
     plain = merged(input_ids=torch.from_numpy(np.asarray(tokens)).long(),
                    attention_mask=torch.from_numpy(np.asarray(mask)).long()).logits.numpy()
   np.testing.assert_allclose(plain[real], ours[real], atol=1e-4)
+
+
+# ---------------------------------------------------------------------------------------------
+# In the run: state, reference, step, checkpoints, export
+# ---------------------------------------------------------------------------------------------
+
+
+def _toy(**changes):
+  from ppojax import runner  # pylint: disable=import-outside-toplevel
+  import pathlib  # pylint: disable=import-outside-toplevel
+  overrides = {"ppo__batch_size": 16, "num_iterations": 4, "save_every": 2, "log_every": 1,
+               "sample_every": 0, **{k.replace(".", "__"): v for k, v in changes.items()}}
+  return runner.load_config(pathlib.Path(__file__).parent.parent / "configs" / "toy.py",
+                            **overrides)
+
+
+@pytest.mark.parametrize("algorithm", ["ppo", "grpo"])
+def test_a_lora_run_trains_only_adapters_with_the_base_as_reference(algorithm):
+  from ppojax import runner, step as step_lib  # pylint: disable=import-outside-toplevel
+  extra = {"sampling.num_samples_per_prompt": 4, "ppo.batch_size": 4} if algorithm != "ppo" else {}
+  r = runner.build(_toy(**{"lora.rank": 4, "lora.targets": "q,v,down", "algorithm": algorithm,
+                           "ppo.kl_coef": 0.1, **extra}))
+  state = r.state
+  assert r.frozen.ref_actor is None and state.base is not None  # no copy: the base is the ref
+  names = {path[-1].key for path, _ in jax.tree_util.tree_leaves_with_path(state.actor)}
+  assert names == {"lora_a", "lora_b"}
+  opt_leaves = [x for x in jax.tree.leaves(state.actor_opt) if x.ndim > 0]
+  assert sum(x.size for x in opt_leaves) == 2 * lora.count(state.actor)  # Adam's two moments
+  base0 = jax.tree.map(np.asarray, state.base)
+  # the reference log-probs = a separately built base model's (no adapters, no LoRA path)
+  plain = runner.build(_toy(**{"algorithm": algorithm, "ppo.kl_coef": 0.1, **extra}))
+  prompts = r.source.batch(0).prompts
+  roll = jax.jit(r.step.rollout)(state, r.frozen, prompts)
+  ref = jax.jit(plain.step.rollout)(plain.state, plain.frozen, prompts)
+  np.testing.assert_array_equal(roll.responses, ref.responses)  # B = 0: the base samples
+  np.testing.assert_allclose(roll.ref_logp, ref.ref_logp, atol=1e-6)
+  state, metrics = r.step.learn(jax.tree.map(jnp.copy, state), roll,
+                                jnp.asarray(np.linspace(0, 1, roll.mask.shape[0]), jnp.float32))
+  assert metrics["policy/grad_norm_avg"] > 0
+  jax.tree.map(np.testing.assert_array_equal, jax.tree.map(np.asarray, state.base), base0)
+  b = state.actor["model"]["layers"]["attn"]["q"]["lora_b"]
+  assert np.abs(np.asarray(b)).max() > 0  # the adapters moved
+  assert step_lib.policy_params(state.actor, state.base)["model"]["embed"] is state.base[
+      "model"]["embed"]
+
+
+def test_a_lora_run_resumes_exactly_saves_small_checkpoints_and_exports(tmp_path):
+  import json  # pylint: disable=import-outside-toplevel
+  from ppojax import reporting, runner  # pylint: disable=import-outside-toplevel
+  from ppojax.models import load_model  # pylint: disable=import-outside-toplevel
+  config = _toy(**{"lora.rank": 4, "ppo.kl_coef": 0.1})
+  whole = runner.run(config, str(tmp_path / "whole")).history
+  runner.run(config, str(tmp_path / "parts"), stop_after=2)
+  runner.run(config, str(tmp_path / "parts"))
+  volatile = ("time/", "eps", "memory/")
+  read = lambda d: [{k: v for k, v in row.items() if not k.startswith(volatile)}  # noqa: E731
+                    for row in reporting.read_metrics(str(tmp_path / d / "metrics.jsonl"))]
+  assert read("parts") == read("whole") and len(whole) == 4
+  # without a critic, a checkpoint is the adapters and their Adam moments (and the small
+  # rest of the state): no base, no reference
+  grpo = {"algorithm": "grpo", "sampling.num_samples_per_prompt": 4, "ppo.batch_size": 4,
+          "num_iterations": 2}
+  runner.run(_toy(**grpo), str(tmp_path / "full"))
+  runner.run(_toy(**grpo, **{"lora.rank": 2}), str(tmp_path / "lora"))
+  size = lambda d: sum(f.stat().st_size for f in (tmp_path / d / "checkpoints" / "2").rglob("*")  # noqa: E731
+                       if f.is_file())
+  base_bytes = sum(x.nbytes for x in jax.tree.leaves(runner.build(_toy(**grpo)).state.actor))
+  # (orbax's metadata is about 0.1 MB of each checkpoint of this tiny model)
+  assert size("lora") < min(0.2 * size("full"), base_bytes), (size("lora"), size("full"))
+  # the merged export is the trained policy as a plain model; the adapters in peft's layout
+  r = runner.build(config)
+  exported = load_model(str(tmp_path / "whole" / "policy"))
+  assert not any("lora" in jax.tree_util.keystr(p)
+                 for p, _ in jax.tree_util.tree_leaves_with_path(exported.params))
+  adapter_config = json.loads((tmp_path / "whole" / "adapters" / "adapter_config.json").read_text())
+  assert adapter_config["r"] == 4 and adapter_config["peft_type"] == "LORA"
+  assert (tmp_path / "whole" / "adapters" / "adapter_model.safetensors").exists()
+  assert r.models.reference.cfg.lora_rank == 0
+
+
+def test_a_lora_critic_shares_the_policy_base():
+  from ppojax import runner  # pylint: disable=import-outside-toplevel
+  r = runner.build(_toy(**{"lora.rank": 4, "lora.critic": True, "model.critic_init": "policy",
+                           "ppo.kl_coef": 0.1}))
+  state = r.state
+  names = {path[-1].key for path, _ in jax.tree_util.tree_leaves_with_path(state.critic)}
+  assert names == {"lora_a", "lora_b", "kernel"}  # its adapters and the value head only
+  assert set(state.critic) == {"model", "score"}
+  # the whole state holds one copy of the base: every non-adapter weight is in state.base
+  big = sum(x.size for x in jax.tree.leaves(state.base))
+  trained = sum(x.size for x in jax.tree.leaves((state.actor, state.critic)))
+  assert trained < 0.5 * big
+  prompts = r.source.batch(0).prompts
+  roll = jax.jit(r.step.rollout)(state, r.frozen, prompts)
+  new, metrics = r.step.learn(jax.tree.map(jnp.copy, state), roll,
+                              jnp.asarray(np.linspace(0, 1, roll.mask.shape[0]), jnp.float32))
+  assert metrics["val/grad_norm_avg"] > 0 and np.isfinite(metrics["loss/value_avg"])
+  moved = jax.tree.map(lambda a, b: float(np.abs(np.asarray(a) - np.asarray(b)).max()),
+                       new.critic, state.critic)
+  assert moved["score"]["kernel"] > 0
+  with pytest.raises(ValueError, match="lora.critic=True.*needs lora.rank > 0"):
+    runner.build(_toy(**{"lora.critic": True, "model.critic_init": "policy"}))
