@@ -7,7 +7,7 @@ below template to 44; shorter ones would be left-padded); every response is forc
 ``--response-length`` tokens (min_new_tokens = max_new_tokens), so the FLOP count below is exact:
 
     python benchmarks/ppo_step.py --batch 16 --response-length 32 [--iterations 3]
-        [--dtype float32|bfloat16] [--remat] [--unrolled] [--no-shared-prefix]
+        [--dtype float32|bfloat16] [--remat] [--unrolled] [--no-shared-prefix] [--lora RANK]
 
 Prints the compile time (first iteration minus the steady median), the median seconds per
 iteration of the fused step (one compiled function), a median over the phase-timed path
@@ -19,6 +19,16 @@ step, in a subprocess: ``benchmarks/trl_ppo.py``, in a virtual environment of it
 first ``--trl`` run creates under ``~/.cache/ppojax``; ``--no-trl`` skips it). The last line is a
 JSON object. Like the CLI, the script restarts itself once with glibc's huge-page tunable
 (``ppojax.hostmem``; ``PPOJAX_HUGE_PAGES=0``: off).
+
+``--lora RANK``: policy and critic train LoRA adapters of that rank (alpha ``--lora-alpha``) on
+every linear layer of the blocks, both on one frozen copy of the base (``lora.critic``), the
+reference being that base; trl's side wraps its policy with peft's ``LoraConfig`` of the same
+rank, alpha and layers (``ref_model=None``: its reference is the policy with adapters off; its
+critic and reward model stay full, as trl's PPOTrainer has them). ppojax's full fine-tuning
+iteration then runs once in a fresh process for its peak memory (``full``), and
+``checkpoint_mb`` (the bytes of the state a checkpoint holds: no frozen base) is compared
+with it. The FLOP count takes the update's backward as activation gradients only (no weight
+gradients; ``flops.model_flops(lora=True)``).
 
 Model FLOPs (multiply-add = 2 FLOPs), from the model config: d = hidden_size, f =
 intermediate_size, L = num_layers, H / H_kv = num_heads / num_kv_heads, D = head_dim, V =
@@ -153,6 +163,9 @@ def make_config(args, reward_dir: str):
   c.ppo.grad_accum = 1
   c.ppo.old_logprobs = args.old_logprobs
   c.ppo.reuse_update_forward = args.reuse_update_forward
+  if args.lora:  # adapters on every linear layer; the critic too, on the same frozen base
+    c.lora.update(rank=args.lora, alpha=args.lora_alpha, targets="all-linear", critic=True)
+    c.model.critic_init = "policy"  # the same backbone as the reward model's (its zero head)
   for name in ("actor", "critic"):  # a realistic fine-tuning lr: the weights stay finite
     c.optim[name].lr = 3e-6
     c.optim[name].warmup_steps = 0
@@ -220,7 +233,8 @@ def matmul_peak(dtype, n: int, repeats: int = 3) -> float:
 
 
 def run_trl(python: pathlib.Path, policy_dir: str, reward_dir: str, prompts: Prompts,
-            response_length: int, iterations: int) -> dict:
+            response_length: int, iterations: int, lora_rank: int = 0,
+            lora_alpha: float = 32.0) -> dict:
   """trl's seconds per iteration on the same models and prompts (``trl_ppo.py`` in its own
   environment, one warm-up iteration): the JSON object it prints last."""
   with tempfile.NamedTemporaryFile("w", suffix=".json") as f:
@@ -228,7 +242,8 @@ def run_trl(python: pathlib.Path, policy_dir: str, reward_dir: str, prompts: Pro
     f.flush()
     cmd = [str(python), str(pathlib.Path(trl_ppo.__file__)), "--policy", policy_dir,
            "--reward", reward_dir, "--prompts", f.name, "--response-length",
-           str(response_length), "--iterations", str(iterations), "--warmup", "1"]
+           str(response_length), "--iterations", str(iterations), "--warmup", "1",
+           "--lora-rank", str(lora_rank), "--lora-alpha", str(lora_alpha)]
     return run_json(cmd, "trl's PPOTrainer")
 
 
@@ -269,6 +284,11 @@ def main():
                       help="time trl's PPOTrainer on the same task in this run (default)")
   parser.add_argument("--trl-env", type=pathlib.Path, default=None,
                       help=f"its virtual environment (default {trl_ppo.default_env_dir()})")
+  parser.add_argument("--lora", type=int, default=0, metavar="RANK",
+                      help="LoRA adapters of this rank on policy and critic (one frozen base; "
+                      "trl side: peft on the policy) and ppojax's full PPO iteration's peak "
+                      "memory from a fresh process beside it (0: full fine-tuning)")
+  parser.add_argument("--lora-alpha", type=float, default=32.0)
   args = parser.parse_args()
   b, r_len = args.batch, args.response_length
 
@@ -284,7 +304,7 @@ def main():
       print(f"trl: {args.iterations} iterations after one warm-up ...", flush=True)
       trl = run_trl(python, policy_dir, reward_dir,
                     make_prompts(policy.tokenizer, b, args.prompt_length), r_len,
-                    args.iterations)
+                    args.iterations, args.lora, args.lora_alpha)
       trl_peaks.append(matmul_peak(jnp.float32, args.matmul_size))
       trl["matmul_peak_samples"] = trl_peaks
       del policy
@@ -293,6 +313,14 @@ def main():
             f"of {', '.join(f'{x:.2f}' for x in trl['iterations'])}; warm-up "
             f"{trl['warmup_seconds'][0]:.1f} s); float32 peak before / after: "
             f"{trl_peaks[0]:.0f} / {trl_peaks[1]:.0f} GFLOP/s", flush=True)
+    full = None
+    if args.lora:  # ppojax's own full fine-tuning on the same work, in a fresh process
+      print("ppojax full fine-tuning: one iteration in a fresh process for its peak memory ...",
+            flush=True)
+      full = run_json([sys.executable, __file__, "--no-trl", "--iterations", "1", "--batch",
+                       str(b), "--response-length", str(r_len), "--prompt-length",
+                       str(args.prompt_length), "--dtype", args.dtype],
+                      "ppojax's full fine-tuning iteration")
     config = make_config(args, reward_dir)
     t0 = time.perf_counter()
     run = runner.build(config)
@@ -353,10 +381,13 @@ def main():
     rows.append(metrics)
   jax.block_until_ready(state)
   rss = peak_rss_mb()
+  # what a checkpoint holds: the state without LoRA's frozen base (runner._saved)
+  checkpoint_mb = sum(x.nbytes for x in jax.tree.leaves(state._replace(base=None))) / 2**20
 
   recompute = args.old_logprobs == "recompute"
   single = step_lib.single_pass(config.ppo)  # the benchmark's 1 × 1 × 1 update
   runs = {"old_logp_fwd": recompute and not single, "critic_fwd": not single}
+  runs["lora"] = bool(args.lora)
   flops = model_flops(cfg, b, args.prompt_length, r_len, **runs, shared=shared)
   total = sum(flops.values())
   whole = sum(model_flops(cfg, b, args.prompt_length, r_len, **runs).values())
@@ -396,7 +427,7 @@ def main():
   print(f"  the same count with the LM head on every position (a plain HF forward): "
         f"{other['all']:.3f} TFLOP; without any LM head (2 × non-embedding parameters per "
         f"token + attention): {other['none']:.3f} TFLOP")
-  if b == 16 and args.prompt_length == 44 and r_len == 32 and all(runs.values()) and not (
+  if b == 16 and args.prompt_length == 44 and r_len == 32 and not args.lora and all(runs.values()) and not (
       0.8 < whole / 1e12 / REFERENCE_TFLOP < 1.25):
     print(f"  WARNING: {whole / 1e12:.2f} TFLOP is not in the ballpark of {REFERENCE_TFLOP}")
 
@@ -414,12 +445,18 @@ def main():
           f"{effective / peak:.1%} of the {args.dtype} matmul peak")
   print(f"peak host memory (ru_maxrss): {rss:.0f} MB ({build_rss:.0f} MB already after loading "
         f"the models and building the state)")
+  if full is not None:
+    print(f"LoRA rank {args.lora}: peak RSS {rss:.0f} MB vs ppojax full fine-tuning "
+          f"{full['peak_rss_mb']:.0f} MB = {rss / full['peak_rss_mb']:.2f}x; checkpoint "
+          f"{checkpoint_mb:.0f} MB vs {full['checkpoint_mb']:.0f} MB = "
+          f"{checkpoint_mb / full['checkpoint_mb']:.3f}x", flush=True)
   trl_ratio = None
   if trl is not None:
     trl_ratio = trl["seconds_per_iteration"] / seconds
     print(f"\ntrl {trl['trl']} PPOTrainer, same models, prompts and settings, this run: "
           f"{trl['seconds_per_iteration']:.2f} s/iteration; trl / ppojax fused = "
-          f"{trl['seconds_per_iteration']:.2f} / {seconds:.2f} = {trl_ratio:.2f}x")
+          f"{trl['seconds_per_iteration']:.2f} / {seconds:.2f} = {trl_ratio:.2f}x; peak RSS trl "
+          f"{trl.get('peak_rss_mb', float('nan')):.0f} MB, ppojax {rss:.0f} MB")
 
   print(json.dumps({
       "seconds_per_iteration": seconds, "iterations": fused, "compile_seconds": compile_s,
@@ -430,7 +467,13 @@ def main():
       "effective_gflops": effective, "effective_fraction_of_peak": effective / peak,
       "matmul_peak_gflops": peaks["float32"], "matmul_peak_samples": peak_samples["float32"],
       **({"matmul_peak_bf16_gflops": peaks["bfloat16"]} if "bfloat16" in peaks else {}),
-      "fraction_of_peak": achieved / peak, "peak_rss_mb": rss,
+      "fraction_of_peak": achieved / peak, "peak_rss_mb": rss, "checkpoint_mb": checkpoint_mb,
+      "lora_rank": args.lora, "full": full,
+      "memory_vs_full": None if full is None else rss / full["peak_rss_mb"],
+      "checkpoint_vs_full": None if full is None else checkpoint_mb / full["checkpoint_mb"],
+      "trl_peak_rss_mb": None if trl is None else trl.get("peak_rss_mb"),
+      "memory_vs_trl": None if trl is None or "peak_rss_mb" not in trl
+                       else rss / trl["peak_rss_mb"],
       "peak_rss_after_build_mb": build_rss, "phases": phases,
       "dtype": args.dtype, "remat": args.remat, "unrolled": args.unrolled,
       "old_logprobs": args.old_logprobs, "reuse_update_forward": args.reuse_update_forward,

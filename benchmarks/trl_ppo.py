@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import statistics
 import subprocess
 import sys
@@ -38,7 +39,7 @@ from pathlib import Path
 # What ``ensure_env`` installs: trl 0.17 (the version the reference figure was taken
 # with), the newest transformers 4.x it runs with, and the project's CPU build of torch.
 TRL_REQUIREMENTS = ("torch==2.13.0", "trl==0.17.0", "transformers==4.51.3", "accelerate==1.15.0",
-                    "datasets>=3")
+                    "datasets>=3", "peft==0.15.2")
 
 
 def default_env_dir() -> Path:
@@ -105,6 +106,10 @@ def main():
   parser.add_argument("--iterations", type=int, default=3)
   parser.add_argument("--warmup", type=int, default=1)
   parser.add_argument("--lr", type=float, default=3e-6)
+  parser.add_argument("--lora-rank", type=int, default=0,
+                      help="train LoRA adapters (peft) on every linear layer of the policy's "
+                      "blocks; the reference is the policy with its adapters off (0: full)")
+  parser.add_argument("--lora-alpha", type=float, default=32.0)
   args = parser.parse_args()
 
   # pylint: disable=import-outside-toplevel
@@ -126,7 +131,15 @@ def main():
   load = lambda cls, path, **kw: cls.from_pretrained(  # noqa: E731
       path, torch_dtype=torch.float32, **kw)
   policy = load(AutoModelForCausalLM, args.policy)
-  ref_policy = load(AutoModelForCausalLM, args.policy)
+  ref_policy, peft_config = None, None  # with peft: the policy with its adapters disabled
+  if args.lora_rank:
+    from peft import LoraConfig
+    peft_config = LoraConfig(r=args.lora_rank, lora_alpha=args.lora_alpha, lora_dropout=0.0,
+                             bias="none", task_type="CAUSAL_LM",
+                             target_modules=["q_proj", "k_proj", "v_proj", "o_proj",
+                                             "gate_proj", "up_proj", "down_proj"])
+  else:
+    ref_policy = load(AutoModelForCausalLM, args.policy)
   reward = load(AutoModelForSequenceClassification, args.reward, num_labels=1)
   value = load(AutoModelForSequenceClassification, args.reward, num_labels=1)
   data = Dataset.from_dict({"input_ids": prompts * n_iterations})
@@ -143,7 +156,7 @@ def main():
     trainer = PPOTrainer(args=config, processing_class=tokenizer, model=policy,
                          ref_model=ref_policy, reward_model=reward, value_model=value,
                          train_dataset=data, eval_dataset=data.select(range(batch)),
-                         callbacks=[clock])
+                         callbacks=[clock], peft_config=peft_config)
     trainer.train()
 
   steps = [b - a for a, b in zip(clock.marks, clock.marks[1:])]
@@ -155,7 +168,9 @@ def main():
       "warmup_seconds": steps[:args.warmup], "batch": batch,
       "prompt_length": len(prompts[0]), "response_length": args.response_length,
       "trl": trl.__version__, "transformers": transformers.__version__,
-      "torch": torch.__version__, "threads": torch.get_num_threads()}))
+      "torch": torch.__version__, "threads": torch.get_num_threads(),
+      "lora_rank": args.lora_rank,
+      "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))
 
 
 if __name__ == "__main__":

@@ -30,7 +30,7 @@ from __future__ import annotations
 def model_flops(cfg, batch: int, prompt_len: int, response_len: int, lm_head: str = "ppojax",
                 old_logp_fwd: bool = True, critic_fwd: bool = True, shared: int = 0,
                 epochs: int = 1, samples: int = 1, critic: bool = True, reference: bool = True,
-                reward_model: bool = True) -> dict[str, float]:
+                reward_model: bool = True, lora: bool = False) -> dict[str, float]:
   """Model FLOPs of one PPO iteration by part (the formulas above). ``lm_head``: where the
   policy's LM head runs — "ppojax" (the last prompt slot in the prefill, the R response
   positions in scoring passes), "all" (every position, as a plain Hugging Face forward) or
@@ -39,7 +39,10 @@ def model_flops(cfg, batch: int, prompt_len: int, response_len: int, lm_head: st
   length C of a prefix run once for the batch. ``epochs``: the update's passes over the batch.
   ``samples``: responses per prompt (the prefill runs over the ``batch`` prompts, everything
   after over batch × samples rows). ``critic`` / ``reference`` / ``reward_model`` False: the
-  iteration has none (a critic-free estimator; no KL penalty; a reward function)."""
+  iteration has none (a critic-free estimator; no KL penalty; a reward function). ``lora``:
+  the update trains adapters only (policy and critic), so its backward pass computes the
+  activations' gradients (1× the forward) and no weight gradients: fwd+bwd = 2× the forward
+  instead of 3× (the rank-r adapters' own matmuls, ~2r/d of the layer's, are not counted)."""
   d, f, n_layers = cfg.hidden_size, cfg.intermediate_size, cfg.num_layers
   h, hk, hd, vocab = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.vocab_size
   n_body = n_layers * (d * h * hd + 2 * d * hk * hd + h * hd * d + 3 * d * f)
@@ -63,12 +66,14 @@ def model_flops(cfg, batch: int, prompt_len: int, response_len: int, lm_head: st
   # decode step k feeds token k (slot p + k) and gives token k + 1; the last token is never fed
   decode = sum(batch * (2 * (n_body + n_lm) + attn(p + k + 1)) for k in range(r - 1))
   policy, value = full(n_lm, t if everywhere else r), full(n_score, t - c)
+  train = 2 if lora else 3  # forward + backward (+ weight gradients unless LoRA)
   parts = {
       "generation (prefill)": prefill, "generation (decode)": decode,
       "old log-probs (policy fwd)": policy if old_logp_fwd else 0,
       "reference log-probs (fwd)": policy if reference else 0,
       "critic values (fwd)": value if critic_fwd and critic else 0,
       "reward model (fwd)": value if reward_model else 0,
-      "policy fwd+bwd": 3 * epochs * policy, "critic fwd+bwd": 3 * epochs * value if critic else 0,
+      "policy fwd+bwd": train * epochs * policy,
+      "critic fwd+bwd": train * epochs * value if critic else 0,
   }
   return {k: float(v) for k, v in parts.items()}
