@@ -285,6 +285,45 @@ def _weight_matmul_bwd(w_axis, precision, residuals, dy):
 weight_matmul.defvjp(_weight_matmul_fwd, _weight_matmul_bwd)
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
+def lora_matmul(x: Array, w: Array, a: Array, b: Array, scale: float, w_axis: int) -> Array:
+  """x·(W + s·A·B), LoRA's product with W [in, out] (``w_axis`` 0) or [out, in] (1) frozen:
+
+      forward:   W' = W + s·A·B,  y = x·W'              (one product of x, as the base's)
+      backward:  ∂x = ∂y·W'ᵀ,  ∂A = s·xᵀ·(∂y·Bᵀ),  ∂B = s·(x·A)ᵀ·∂y,  ∂W = 0
+
+  The adapters' gradients contract over the rows through [rows, r] products: no [in, out]
+  weight gradient is formed, and no [rows, out] delta is added to the output as
+  y + s·(x·A)·B would (its extra products and transposes ran the update of a 4-layer model
+  slower than full fine-tuning on XLA:CPU). W is frozen by construction: its cotangent is 0."""
+  return weight_matmul(x, _lora_weight(w, a, b, scale, w_axis), w_axis)
+
+
+def _lora_weight(w, a, b, scale, w_axis):
+  delta = (scale * jnp.dot(a, b, preferred_element_type=jnp.float32)).astype(w.dtype)
+  return w + (delta.T if w_axis else delta)
+
+
+def _lora_matmul_fwd(x, w, a, b, scale, w_axis):
+  w_eff = _lora_weight(w, a, b, scale, w_axis)
+  return weight_matmul(x, w_eff, w_axis), (x, w_eff, a, b)
+
+
+def _lora_matmul_bwd(scale, w_axis, residuals, dy):
+  x, w_eff, a, b = residuals
+  dx = _dot_f32(dy, w_eff, (((dy.ndim - 1,), (1 - w_axis,)), ((), ())))
+  x2, dy2 = x.reshape(-1, x.shape[-1]), dy.reshape(-1, dy.shape[-1])
+  g = _dot_f32(dy2, b, (((1,), (1,)), ((), ())))  # ∂y·Bᵀ [N, r]
+  h = _dot_f32(x2, a, (((1,), (0,)), ((), ())))  # x·A [N, r]
+  rows = (((0,), (0,)), ((), ()))
+  da = scale * _dot_f32(x2, g, rows)  # xᵀ·(∂y·Bᵀ) [in, r]
+  db = scale * _dot_f32(h, dy2, rows)  # (x·A)ᵀ·∂y [r, out]
+  return dx.astype(x.dtype), None, da.astype(a.dtype), db.astype(b.dtype)
+
+
+lora_matmul.defvjp(_lora_matmul_fwd, _lora_matmul_bwd)
+
+
 class Linear(nn.Module):
   """y = x·W + b with W [in, out] ("kernel") — or stored [out, in] with
   ``cfg.transposed_kernels``, then y = x·Wᵀ + b; the same function of the same parameters up
@@ -302,16 +341,19 @@ class Linear(nn.Module):
     kernel = self.param("kernel", nn.initializers.normal(0.02),
                         shape[::-1] if cfg.transposed_kernels else shape, cfg.param_dtype)
     x, kernel = x.astype(cfg.compute_dtype), kernel.astype(cfg.compute_dtype)
+    w_axis = 1 if cfg.transposed_kernels else 0
+    if cfg.lora_rank and self.name in cfg.lora_targets:  # x·(W + (α/r)·A·B), W frozen
+      a = self.param("lora_a", lora_a_init, (shape[0], cfg.lora_rank), jnp.float32)
+      b = self.param("lora_b", nn.initializers.zeros, (cfg.lora_rank, shape[1]), jnp.float32)
+      y = lora_matmul(x, kernel, a.astype(x.dtype), b.astype(x.dtype),
+                      cfg.lora_alpha / cfg.lora_rank, w_axis)
+    else:
+      y = weight_matmul(x, kernel, w_axis)
     # named for the remat policies (REMAT_POLICIES): the custom VJP hides the dot inside
-    y = checkpoint_name(weight_matmul(x, kernel, 1 if cfg.transposed_kernels else 0),
-                        "weight_matmul")
+    y = checkpoint_name(y, "weight_matmul")
     if self.use_bias:
       bias = self.param("bias", nn.initializers.zeros, (self.features,), cfg.param_dtype)
       y = y + bias.astype(cfg.compute_dtype)
-    if cfg.lora_rank and self.name in cfg.lora_targets:  # + (α/r)·(x·A)·B
-      a = self.param("lora_a", lora_a_init, (shape[0], cfg.lora_rank), jnp.float32)
-      b = self.param("lora_b", nn.initializers.zeros, (cfg.lora_rank, shape[1]), jnp.float32)
-      y = y + (cfg.lora_alpha / cfg.lora_rank) * ((x @ a.astype(x.dtype)) @ b.astype(x.dtype))
     return y
 
 
