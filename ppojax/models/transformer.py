@@ -305,12 +305,14 @@ def _lora_weight(w, a, b, scale, w_axis):
 
 
 def _lora_matmul_fwd(x, w, a, b, scale, w_axis):
-  w_eff = _lora_weight(w, a, b, scale, w_axis)
-  return weight_matmul(x, w_eff, w_axis), (x, w_eff, a, b)
+  # W' is formed again in the backward pass (in·out·r multiply-adds): kept as a residual it
+  # would hold a second copy of every adapted weight until then
+  return lora_matmul(x, w, a, b, scale, w_axis), (x, w, a, b)
 
 
 def _lora_matmul_bwd(scale, w_axis, residuals, dy):
-  x, w_eff, a, b = residuals
+  x, w, a, b = residuals
+  w_eff = _lora_weight(w, a, b, scale, w_axis)
   dx = _dot_f32(dy, w_eff, (((dy.ndim - 1,), (1 - w_axis,)), ((), ())))
   x2, dy2 = x.reshape(-1, x.shape[-1]), dy.reshape(-1, dy.shape[-1])
   g = _dot_f32(dy2, b, (((1,), (1,)), ((), ())))  # ∂y·Bᵀ [N, r]
