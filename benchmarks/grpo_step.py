@@ -39,10 +39,11 @@ processes' memory never adds up.
 Timing: ppojax's first ``--warmup`` iterations (the first compiles) are not counted, nor are
 trl's; ``seconds_per_iteration`` is the median of the next ``--iterations``, each from the
 start of sampling to the end of the update (metrics copied to the host). ``peak_rss_mb`` is
-this process's ``ru_maxrss`` after the timed iterations (the model's load and Hugging Face
-export included); ``trl_peak_rss_mb`` the trl process's. ``--ppo-rss`` also runs one PPO
+this process's peak resident set (``VmHWM``: ``hostmem.peak_rss_mb``) after the timed
+iterations (the model's load and Hugging Face export included); ``trl_peak_rss_mb`` the trl
+process's. ``--ppo-rss`` also runs one PPO
 iteration of configs/quickstart.py's shape (32 prompts × 32 tokens, critic, 4 minibatches) in a
-fresh process and reports its ``ru_maxrss`` as ``ppo_quickstart_peak_rss_mb``. The last line is
+fresh process and reports its ``VmHWM`` as ``ppo_quickstart_peak_rss_mb``. The last line is
 a JSON object. Like the CLI, the script restarts itself once with glibc's huge-page tunable
 (``ppojax.hostmem``; ``PPOJAX_HUGE_PAGES=0``: off).
 """
@@ -121,7 +122,7 @@ def run_trl(python: pathlib.Path, policy_dir: str, tokens: np.ndarray, answers: 
 
 def ppo_quickstart_rss() -> dict:
   """One PPO iteration of configs/quickstart.py's shape in this process (called in a fresh
-  one by ``--ppo-rss``): its ``ru_maxrss`` and seconds (compile included)."""
+  one by ``--ppo-rss``): its ``VmHWM`` and seconds (compile included)."""
   config = quickstart_config()
   config.sample_every = 0
   config.phase_timing = False

@@ -12,7 +12,7 @@ below template to 44; shorter ones would be left-padded); every response is forc
 Prints the compile time (first iteration minus the steady median), the median seconds per
 iteration of the fused step (one compiled function), a median over the phase-timed path
 (sampling / scoring / update, three compiled functions, warmed up first), peak host memory
-(ru_maxrss), the model FLOPs of one iteration, the achieved GFLOP/s against the matmul peak (a
+(VmHWM), the model FLOPs of one iteration, the achieved GFLOP/s against the matmul peak (a
 4096² float32 ``jnp.dot``, sampled between the timed iterations of the same run), and trl 0.17's
 ``PPOTrainer`` on the same models, prompts and settings, timed in the same run (before ppojax's
 step, in a subprocess: ``benchmarks/trl_ppo.py``, in a virtual environment of its own that the
@@ -100,7 +100,6 @@ import importlib.util
 import json
 import os
 import pathlib
-import resource
 import statistics
 import subprocess
 import sys
@@ -258,7 +257,7 @@ def run_json(cmd: list[str], what: str) -> dict:
 
 
 def peak_rss_mb() -> float:
-  return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+  return hostmem.peak_rss_mb()  # VmHWM: a child's figure is its own (not its parent's)
 
 
 def main():
@@ -443,7 +442,7 @@ def main():
   if shared:
     print(f"effective (the FLOPs of whole rows over the same time): {effective:.1f} GFLOP/s = "
           f"{effective / peak:.1%} of the {args.dtype} matmul peak")
-  print(f"peak host memory (ru_maxrss): {rss:.0f} MB ({build_rss:.0f} MB already after loading "
+  print(f"peak host memory (VmHWM): {rss:.0f} MB ({build_rss:.0f} MB already after loading "
         f"the models and building the state)")
   if full is not None:
     print(f"LoRA rank {args.lora}: peak RSS {rss:.0f} MB vs ppojax full fine-tuning "

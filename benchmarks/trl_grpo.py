@@ -37,7 +37,7 @@ the update's own detached log-probs); the reference model's forward over prompt 
 An iteration is the time between two of trl's ``on_step_end`` callbacks: all of the above and
 trl's own bookkeeping of that iteration. The first ``--warmup`` iterations are not counted. The
 last line printed is a JSON object with ``seconds_per_iteration`` (the median), ``peak_rss_mb``
-(this process's ``ru_maxrss``), trl's last logged metrics and the versions used.
+(this process's ``VmHWM``), trl's last logged metrics and the versions used.
 """
 
 from __future__ import annotations
@@ -46,7 +46,6 @@ import argparse
 import importlib.util
 import json
 import os
-import resource
 import statistics
 import sys
 import tempfile
@@ -65,6 +64,13 @@ def arith_reward():
   module = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(module)
   return module.reward
+
+
+def peak_rss_mb() -> float:
+  """VmHWM of /proc/self/status in MiB (as ``ppojax.hostmem.peak_rss_mb``, which this
+  environment cannot import): ``ru_maxrss`` would count the parent's resident set at the fork."""
+  with open("/proc/self/status", encoding="ascii") as f:
+    return next(int(line.split()[1]) for line in f if line.startswith("VmHWM:")) / 1024
 
 
 def main():
@@ -143,7 +149,7 @@ def main():
   print(json.dumps({
       "seconds_per_iteration": statistics.median(timed), "iterations": timed,
       "warmup_seconds": steps[:args.warmup],
-      "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+      "peak_rss_mb": peak_rss_mb(),
       "prompts": n_prompts, "num_generations": args.num_generations,
       "prompt_length": len(token_ids[0]), "response_length": args.response_length,
       "metrics": {k: v for k, v in logs.logs.items() if isinstance(v, (int, float))},

@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import statistics
 import subprocess
 import sys
@@ -95,6 +94,13 @@ def step_clock():
       self.marks.append(time.perf_counter())
 
   return StepClock()
+
+
+def peak_rss_mb() -> float:
+  """VmHWM of /proc/self/status in MiB (as ``ppojax.hostmem.peak_rss_mb``, which this
+  environment cannot import): ``ru_maxrss`` would count the parent's resident set at the fork."""
+  with open("/proc/self/status", encoding="ascii") as f:
+    return next(int(line.split()[1]) for line in f if line.startswith("VmHWM:")) / 1024
 
 
 def main():
@@ -170,7 +176,7 @@ def main():
       "trl": trl.__version__, "transformers": transformers.__version__,
       "torch": torch.__version__, "threads": torch.get_num_threads(),
       "lora_rank": args.lora_rank,
-      "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))
+      "peak_rss_mb": peak_rss_mb()}))
 
 
 if __name__ == "__main__":

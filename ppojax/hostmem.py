@@ -72,3 +72,24 @@ def _own_argv() -> list[str]:
   if spec is not None and spec.name:
     return ["-m", spec.name.removesuffix(".__main__"), *sys.argv[1:]]
   return list(sys.argv)
+
+
+def peak_rss_mb() -> float:
+  """This process's peak resident set in MiB: ``VmHWM`` of /proc/self/status (Linux), else
+  ``ru_maxrss``.
+
+  ``ru_maxrss`` is wrong for a process started by another large one: Linux folds the memory
+  map's high-water mark into it at ``execve``, and a forked child's map starts as a copy of
+  the parent's, so the child reports at least the parent's resident set at the fork (a
+  benchmark's child run after the parent's own work reported exactly the parent's peak).
+  ``VmHWM`` belongs to the memory map that ``execve`` creates, so it counts this program only."""
+  try:
+    with open("/proc/self/status", encoding="ascii") as f:
+      for line in f:
+        if line.startswith("VmHWM:"):
+          return int(line.split()[1]) / 1024  # kB
+  except (OSError, ValueError, IndexError):
+    pass
+  import resource  # pylint: disable=import-outside-toplevel
+  rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, bytes on macOS
+  return rss / (2**20 if sys.platform == "darwin" else 2**10)

@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import json
 import pathlib
-import resource
-import sys
 import time
 from typing import NamedTuple
 
@@ -17,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ppojax import config as config_lib
-from ppojax import data, evaluation, files, lora, sources
+from ppojax import data, evaluation, files, hostmem, lora, sources
 from ppojax import sharding as sharding_lib
 from ppojax import step as step_lib
 # the builders are runner's API too: runner.build(config), runner.load_config(path), ...
@@ -324,11 +322,10 @@ def _held_out(r: Run, state, phase: str, workdir, writer, it: int, say=print) ->
 
 
 def peak_memory() -> dict[str, float]:
-  """The peaks so far, in MiB: this process's resident set (``memory/peak_rss_mb``, the
-  ``ru_maxrss`` that ``/usr/bin/time -v`` reports) and, on a device whose allocator counts (GPU,
-  TPU), the first local device's peak bytes in use (``memory/device_peak_mb``)."""
-  rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, bytes on macOS
-  out = {"memory/peak_rss_mb": rss / (2**20 if sys.platform == "darwin" else 2**10)}
+  """The peaks so far, in MiB: this process's resident set (``memory/peak_rss_mb``,
+  ``hostmem.peak_rss_mb``) and, on a device whose allocator counts (GPU, TPU), the first local
+  device's peak bytes in use (``memory/device_peak_mb``)."""
+  out = {"memory/peak_rss_mb": hostmem.peak_rss_mb()}
   try:
     stats = jax.local_devices()[0].memory_stats() or {}
   except (NotImplementedError, RuntimeError):  # CPU back ends may not count

@@ -139,3 +139,20 @@ def test_cli_results_do_not_depend_on_huge_pages(tmp_path, huge_pages):
   assert starts["1"] == ["''", repr(hostmem.TUNABLE)], starts  # restarted once, with it
   assert starts["0"] == ["''"], starts
   assert len(rows["1"]) == 4 and rows["1"] == rows["0"]
+
+
+def test_peak_rss_of_a_child_counts_the_child_only():
+  """A child of a large process: ``ru_maxrss`` reports at least the parent's resident set at
+  the fork (Linux folds the copied map's high-water mark in at execve); ``peak_rss_mb``
+  (VmHWM) counts the child's own program."""
+  import numpy as np  # pylint: disable=import-outside-toplevel
+  if not pathlib.Path("/proc/self/status").exists():
+    pytest.skip("VmHWM is Linux's")
+  ballast = np.ones(600 * 2**20 // 8)  # 600 MB resident in this process
+  script = ("import resource; from ppojax import hostmem; "
+            "print(hostmem.peak_rss_mb(), resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)")
+  out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                       check=True).stdout.split()
+  ours, maxrss = float(out[0]), float(out[1])
+  assert ballast.sum() > 0
+  assert ours < 400 < 600 <= maxrss, (ours, maxrss)
