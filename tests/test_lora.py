@@ -232,8 +232,9 @@ def test_a_lora_run_resumes_exactly_saves_small_checkpoints_and_exports(tmp_path
   size = lambda d: sum(f.stat().st_size for f in (tmp_path / d / "checkpoints" / "2").rglob("*")  # noqa: E731
                        if f.is_file())
   base_bytes = sum(x.nbytes for x in jax.tree.leaves(runner.build(_toy(**grpo)).state.actor))
-  # (orbax's metadata is about 0.1 MB of each checkpoint of this tiny model)
-  assert size("lora") < min(0.2 * size("full"), base_bytes), (size("lora"), size("full"))
+  # orbax's metadata, 0.1-0.2 MB whatever the arrays (it varied between machines), is most of
+  # this tiny model's LoRA checkpoint: the bound is the base's own bytes, which it must lack
+  assert size("lora") < min(0.3 * size("full"), base_bytes), (size("lora"), size("full"))
   # the merged export is the trained policy as a plain model; the adapters in peft's layout
   r = runner.build(config)
   exported = load_model(str(tmp_path / "whole" / "policy"))
