@@ -73,7 +73,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 import scale_table  # noqa: E402
 import trl_grpo  # noqa: E402
 import trl_ppo  # noqa: E402
-from ppo_step import CONFIGS, make_prompts, peak_rss_mb, run_json  # noqa: E402
+from ppo_step import CONFIGS, make_prompts, run_json  # noqa: E402
 
 PROMPT_LENGTH = 40  # a two-digit problem through SmolLM2's chat template
 
@@ -131,7 +131,8 @@ def ppo_quickstart_rss() -> dict:
   t0 = time.perf_counter()
   state, _, _, _ = runner.iteration(run, run.state, drawn.prompts, drawn.records)
   jax.block_until_ready(state)
-  return {"peak_rss_mb": peak_rss_mb(), "first_iteration_seconds": time.perf_counter() - t0,
+  return {"peak_rss_mb": hostmem.peak_rss_mb(),
+          "first_iteration_seconds": time.perf_counter() - t0,
           "batch": config.ppo.batch_size, "response_length": config.sampling.max_new_tokens,
           "num_minibatches": config.ppo.num_minibatches}
 
@@ -212,7 +213,7 @@ def main():
         raise RuntimeError(f"responses are not all {r_len} tokens long: {n_tokens} in all")
     (warm if i < args.warmup else rows).append(metrics)
   jax.block_until_ready(state)
-  rss = peak_rss_mb()
+  rss = hostmem.peak_rss_mb()
   times, warm_times = ([m["time/iteration"] for m in ms] for ms in (rows, warm))
   seconds = statistics.median(times)
   phases = {k: statistics.median(m[f"time/{k}"] for m in rows)

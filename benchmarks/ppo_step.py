@@ -256,10 +256,6 @@ def run_json(cmd: list[str], what: str) -> dict:
   return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def peak_rss_mb() -> float:
-  return hostmem.peak_rss_mb()  # VmHWM: a child's figure is its own (not its parent's)
-
-
 def main():
   hostmem.reexec_with_huge_pages()  # as the CLI does (PPOJAX_HUGE_PAGES=0: off)
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -324,7 +320,7 @@ def main():
     t0 = time.perf_counter()
     run = runner.build(config)
     build_s = time.perf_counter() - t0
-  build_rss = peak_rss_mb()
+  build_rss = hostmem.peak_rss_mb()
   cfg = run.policy.cfg
   prompts = make_prompts(run.policy.tokenizer, b, args.prompt_length, args.shared_prefix)
   shared = 0 if prompts.prefix is None else len(prompts.prefix)
@@ -379,17 +375,17 @@ def main():
     state, metrics, _, _ = runner.iteration(run, state, prompts, phase_timing=True)
     rows.append(metrics)
   jax.block_until_ready(state)
-  rss = peak_rss_mb()
+  rss = hostmem.peak_rss_mb()
   # what a checkpoint holds: the state without LoRA's frozen base (runner._saved)
   checkpoint_mb = sum(x.nbytes for x in jax.tree.leaves(state._replace(base=None))) / 2**20
 
   recompute = args.old_logprobs == "recompute"
   single = step_lib.single_pass(config.ppo)  # the benchmark's 1 × 1 × 1 update
   runs = {"old_logp_fwd": recompute and not single, "critic_fwd": not single}
-  runs["lora"] = bool(args.lora)
-  flops = model_flops(cfg, b, args.prompt_length, r_len, **runs, shared=shared)
+  lora = bool(args.lora)  # no weight gradients in the update
+  flops = model_flops(cfg, b, args.prompt_length, r_len, **runs, shared=shared, lora=lora)
   total = sum(flops.values())
-  whole = sum(model_flops(cfg, b, args.prompt_length, r_len, **runs).values())
+  whole = sum(model_flops(cfg, b, args.prompt_length, r_len, **runs, lora=lora).values())
   phase_s = {k: statistics.median(m[f"time/{k}"] for m in rows) for k in PHASE_PARTS}
   phased_total = statistics.median(m["time/iteration"] for m in rows)
 
@@ -417,7 +413,8 @@ def main():
   print(f"\nmodel FLOPs of one iteration ({b} × ({args.prompt_length} + {r_len}) tokens):")
   for name, fl in flops.items():
     print(f"  {name:<30}{fl / 1e12:>8.3f} TFLOP")
-  other = {k: sum(model_flops(cfg, b, args.prompt_length, r_len, k, **runs).values()) / 1e12
+  other = {k: sum(model_flops(cfg, b, args.prompt_length, r_len, k, **runs,
+                              lora=lora).values()) / 1e12
            for k in ("all", "none")}  # rows whole
   print(f"  {'total':<30}{total / 1e12:>8.3f} TFLOP"
         + (f"  ({whole / 1e12:.3f} TFLOP with every row whole: the {shared}-token prefix "
@@ -426,7 +423,8 @@ def main():
   print(f"  the same count with the LM head on every position (a plain HF forward): "
         f"{other['all']:.3f} TFLOP; without any LM head (2 × non-embedding parameters per "
         f"token + attention): {other['none']:.3f} TFLOP")
-  if b == 16 and args.prompt_length == 44 and r_len == 32 and not args.lora and all(runs.values()) and not (
+  if b == 16 and args.prompt_length == 44 and r_len == 32 and not lora and all(
+      runs.values()) and not (
       0.8 < whole / 1e12 / REFERENCE_TFLOP < 1.25):
     print(f"  WARNING: {whole / 1e12:.2f} TFLOP is not in the ballpark of {REFERENCE_TFLOP}")
 

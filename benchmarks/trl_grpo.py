@@ -66,13 +66,6 @@ def arith_reward():
   return module.reward
 
 
-def peak_rss_mb() -> float:
-  """VmHWM of /proc/self/status in MiB (as ``ppojax.hostmem.peak_rss_mb``, which this
-  environment cannot import): ``ru_maxrss`` would count the parent's resident set at the fork."""
-  with open("/proc/self/status", encoding="ascii") as f:
-    return next(int(line.split()[1]) for line in f if line.startswith("VmHWM:")) / 1024
-
-
 def main():
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--policy", required=True)
@@ -149,7 +142,7 @@ def main():
   print(json.dumps({
       "seconds_per_iteration": statistics.median(timed), "iterations": timed,
       "warmup_seconds": steps[:args.warmup],
-      "peak_rss_mb": peak_rss_mb(),
+      "peak_rss_mb": trl_ppo.peak_rss_mb(),
       "prompts": n_prompts, "num_generations": args.num_generations,
       "prompt_length": len(token_ids[0]), "response_length": args.response_length,
       "metrics": {k: v for k, v in logs.logs.items() if isinstance(v, (int, float))},

@@ -23,13 +23,9 @@ def _cfg(model_type="llama", **changes):
 
 
 def _base_params(cfg, seed=0):
-  tokens = jnp.zeros((1, 4), jnp.int32)
-  shapes = jax.eval_shape(lambda: T.CausalLM(cfg).init(
-      jax.random.PRNGKey(0), tokens, tokens, tokens > -1)["params"])
-  rng = np.random.RandomState(seed)
-  return jax.tree_util.tree_map_with_path(
-      lambda path, x: ((1.0 if "scale" in jax.tree_util.keystr(path) else 0.0)
-                       + 0.15 * rng.standard_normal(x.shape)).astype(x.dtype), shapes)
+  """Random base params (test_models' helper: no init compiled, norm scales ≈ 1)."""
+  from test_models import _random_params  # pylint: disable=import-outside-toplevel
+  return _random_params(cfg, seed)
 
 
 def _inputs(b=2, t=7, seed=1):
@@ -229,8 +225,8 @@ def test_a_lora_run_resumes_exactly_saves_small_checkpoints_and_exports(tmp_path
           "num_iterations": 2}
   runner.run(_toy(**grpo), str(tmp_path / "full"))
   runner.run(_toy(**grpo, **{"lora.rank": 2}), str(tmp_path / "lora"))
-  size = lambda d: sum(f.stat().st_size for f in (tmp_path / d / "checkpoints" / "2").rglob("*")  # noqa: E731
-                       if f.is_file())
+  size = lambda d: sum(f.stat().st_size  # noqa: E731
+                       for f in (tmp_path / d / "checkpoints" / "2").rglob("*") if f.is_file())
   base_bytes = sum(x.nbytes for x in jax.tree.leaves(runner.build(_toy(**grpo)).state.actor))
   # orbax's metadata, 0.1-0.2 MB whatever the arrays (it varied between machines), is most of
   # this tiny model's LoRA checkpoint: the bound is the base's own bytes, which it must lack
