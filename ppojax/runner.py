@@ -64,12 +64,14 @@ def iteration(run: Run, state, prompts: Prompts, records: list[dict] | None = No
           records, run.sampling.num_samples)), jnp.float32)
     else:
       scores = jax.block_until_ready(step.score(frozen, r))
+    hostmem.release()  # the sampling's and scoring's holes, before the update's temporaries
     t2 = time.perf_counter()
     state, metrics = step.learn(state, r, scores)
     jax.block_until_ready(metrics)
     timings = {"time/sampling": t1 - t0, "time/scoring": t2 - t1,
                "time/update": time.perf_counter() - t2}
   metrics = {k: float(v) for k, v in sharding_lib.to_host(metrics).items()}
+  hostmem.release()
   metrics["time/iteration"] = time.perf_counter() - t0
   return state, {**metrics, **timings}, r, scores
 
@@ -127,6 +129,8 @@ def _run(config, workdir, stop_after, signals: StopSignals) -> Result:
   from ppojax import checkpoint, reporting, resume  # pylint: disable=import-outside-toplevel
 
   r = build(config)
+  hostmem.release()  # loading's freed buffers (see hostmem.release: a phase's holes would
+  # otherwise stay resident under every later phase's peak)
   config = r.config  # the algorithm's defaults filled in (algorithms.resolve)
   state, start, n = r.state, 0, config.num_iterations
   bad = {"total": 0, "streak": 0}  # skipped iterations: all of them, and the latest run of them
@@ -218,6 +222,8 @@ def _run(config, workdir, stop_after, signals: StopSignals) -> Result:
       failed = skipped and 0 < max_bad <= bad["streak"]
       stop = it == n or it == stop_after or failed or signals.received is not None
       unsaved = not save(it, state, force=stop)
+      if not unsaved:
+        hostmem.release()  # what the checkpoint's writer threads freed
       if failed:
         saved = (f"is saved as checkpoint {it} in {ckpt.directory}" if ckpt
                  else "was not saved (no workdir)")
@@ -318,6 +324,7 @@ def _held_out(r: Run, state, phase: str, workdir, writer, it: int, say=print) ->
     evals = _read_evals(workdir)
     evals[phase] = summary
     _write_json(workdir / "eval.json", evals)  # the commit: this phase is done
+  hostmem.release()
   return summary
 
 

@@ -30,7 +30,7 @@ import numpy as np
 import optax
 
 from ppojax import config as config_lib
-from ppojax import checkpoint, data, reporting, resume, runner
+from ppojax import checkpoint, data, hostmem, reporting, resume, runner
 from ppojax import step as step_lib
 from ppojax.models import LoadedModel
 from ppojax.signals import StopSignals
@@ -250,6 +250,7 @@ def fit(config: ml_collections.ConfigDict, workdir: str | pathlib.Path | None, m
 
   def evaluation(params) -> dict[str, float]:
     stats = evaluate(eval_fn, params, held_out, t.eval_batch_size)
+    hostmem.release()  # as the PPO run: the freed holes of a phase given back between phases
     return {f"eval/{k}": v for k, v in stats.items()}
 
   state = {"params": jax.tree.map(jnp.array, model.params)}  # own buffers: the step donates them
@@ -300,6 +301,8 @@ def fit(config: ml_collections.ConfigDict, workdir: str | pathlib.Path | None, m
           progress.update(it, {k: metrics[k] for k in shown if k in metrics})
         stop = it == steps or it == stop_after or signals.received is not None
         unsaved = not save(it, force=stop)
+        if not unsaved:
+          hostmem.release()
         if stop:
           break
       if signals.received:

@@ -156,3 +156,49 @@ def test_peak_rss_of_a_child_counts_the_child_only():
   ours, maxrss = float(out[0]), float(out[1])
   assert ballast.sum() > 0
   assert ours < 400 < 600 <= maxrss, (ours, maxrss)
+
+
+RELEASE_SCRIPT = textwrap.dedent("""
+    import ctypes, json
+    from ppojax import hostmem
+    libc = ctypes.CDLL(None)
+    libc.malloc.restype = ctypes.c_void_p
+    libc.malloc.argtypes = [ctypes.c_size_t]
+    libc.free.argtypes = [ctypes.c_void_p]
+    libc.memset.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t]
+    def rss():
+      for line in open("/proc/self/status"):
+        if line.startswith("VmRSS:"):
+          return int(line.split()[1]) // 1024
+    # 256 MiB in 64 KiB blocks (under glibc's mmap threshold: they live in the heap), touched,
+    # then all freed but the last, which pins the heap's top so glibc cannot shrink it itself
+    blocks = [libc.malloc(64 << 10) for _ in range(4096)]
+    for b in blocks:
+      libc.memset(b, 1, 64 << 10)
+    before = rss()
+    for b in blocks[:-1]:
+      libc.free(b)
+    freed = rss()
+    released = hostmem.release()
+    print(json.dumps({"before": before, "freed": freed, "after": rss(), "released": released}))
+""")
+
+
+def _release_run(env_extra: dict) -> dict:
+  out = subprocess.run([sys.executable, "-c", RELEASE_SCRIPT], capture_output=True, text=True,
+                       env={**os.environ, **env_extra}, check=True)
+  return __import__("json").loads(out.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.skipif(not hostmem._load_libc(), reason="hostmem.release needs glibc")
+def test_release_returns_the_heaps_free_pages():
+  r = _release_run({})
+  assert r["released"] is True
+  assert r["freed"] - r["before"] > -64, r  # glibc keeps the freed blocks resident itself
+  assert r["freed"] - r["after"] > 200, r  # ... until release gives them back (256 MiB freed)
+
+
+def test_release_can_be_turned_off():
+  r = _release_run({"PPOJAX_RELEASE_MEMORY": "0"})
+  assert r["released"] is False
+  assert r["freed"] - r["after"] < 32, r

@@ -1,0 +1,99 @@
+"""Peak memory of whole training runs: GRPO (no critic) against PPO on the quickstart task.
+
+    python benchmarks/memory.py [--iterations 3] [--save-every 2] [--ab] \\
+        [NAME=CONFIG[,--config.FIELD=VALUE...] ...]
+
+Each job is ``python -m ppojax.train`` on its config in a process of its own: loading, the
+held-out evaluations before and after, ``--iterations`` iterations with a checkpoint every
+``--save-every``, and the export. A job's figure is that process's peak resident set (the
+kernel's ``ru_maxrss`` of the child, read by ``os.wait4``; this script imports no JAX, so
+nothing of its own is folded in). ``ratios`` divides every job's peak by the first job's.
+
+``--ab`` runs every job a second time with ``PPOJAX_RELEASE_MEMORY=0``: without
+``hostmem.release`` returning the C heap's free pages between phases (``*_no_release``).
+
+The last line printed is one JSON object: per job the peak in MiB and the wall seconds, the
+ratios, the CPU (``lscpu``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import shutil
+import subprocess
+import sys
+import time
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from algorithms import parse_job  # noqa: E402  pylint: disable=wrong-import-position
+
+DEFAULT_JOBS = ("ppo=configs/quickstart.py", "grpo=configs/grpo_arith.py")
+
+
+def run_job(config: str, flags: list[str], workdir: pathlib.Path, iterations: int,
+            save_every: int, env: dict) -> dict:
+  """One training process: its peak resident set (MiB) and wall seconds."""
+  shutil.rmtree(workdir, ignore_errors=True)
+  cmd = [sys.executable, "-m", "ppojax.train", "--config", config, "--workdir", str(workdir),
+         f"--config.num_iterations={iterations}", f"--config.save_every={save_every}",
+         "--config.eval.every=0", *flags]
+  t0 = time.perf_counter()
+  with open(workdir.parent / f"{workdir.name}.log", "w", encoding="utf-8") as log:
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=env)
+    _, status, usage = os.wait4(proc.pid, 0)
+  code = os.waitstatus_to_exitcode(status)
+  if code:
+    raise SystemExit(f"{' '.join(cmd)} failed ({code}); see {workdir.parent}/{workdir.name}.log")
+  return {"peak_rss_mb": round(usage.ru_maxrss / 1024, 1),  # KiB on Linux
+          "wall_s": round(time.perf_counter() - t0, 1)}
+
+
+def cpu_name() -> str:
+  try:
+    for line in subprocess.run(["lscpu"], capture_output=True, text=True,
+                               check=True).stdout.splitlines():
+      if line.startswith("Model name:"):
+        return line.split(":", 1)[1].strip()
+  except (OSError, subprocess.CalledProcessError):
+    pass
+  return "unknown"
+
+
+def main(argv=None) -> None:
+  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  parser.add_argument("jobs", nargs="*", default=list(DEFAULT_JOBS))
+  parser.add_argument("--iterations", type=int, default=3)
+  parser.add_argument("--save-every", type=int, default=2)
+  parser.add_argument("--out", default="/tmp/ppojax-memory")
+  parser.add_argument("--ab", action="store_true",
+                      help="also run every job with PPOJAX_RELEASE_MEMORY=0")
+  args = parser.parse_args(argv)
+  jobs = [parse_job(j) for j in args.jobs]
+  out = pathlib.Path(args.out)
+  out.mkdir(parents=True, exist_ok=True)
+  variants = [("", {})] + ([("_no_release", {"PPOJAX_RELEASE_MEMORY": "0"})] if args.ab else [])
+  results = {}
+  for suffix, extra in variants:
+    for name, config, flags in jobs:
+      key = name + suffix
+      results[key] = run_job(config, flags, out / key, args.iterations, args.save_every,
+                             {**os.environ, **extra})
+      print(f"{key}: peak {results[key]['peak_rss_mb'] / 1024:.2f} GiB, "
+            f"{results[key]['wall_s']:.0f} s", file=sys.stderr, flush=True)
+  ratios = {}
+  for suffix, _ in variants:
+    first = results[jobs[0][0] + suffix]["peak_rss_mb"]
+    for name, _, _ in jobs[1:]:
+      ratios[f"{name}{suffix}/{jobs[0][0]}{suffix}"] = round(
+          results[name + suffix]["peak_rss_mb"] / first, 3)
+  print(json.dumps({"jobs": results, "ratios": ratios, "iterations": args.iterations,
+                    "save_every": args.save_every, "cpu": cpu_name(),
+                    "cpus": os.cpu_count()}))
+
+
+if __name__ == "__main__":
+  main()
