@@ -109,6 +109,11 @@ def defaults() -> ml_collections.ConfigDict:
   c.eval.metrics = ml_collections.ConfigDict({"score": "ppojax.arith:reward"})  # name: fn
   c.eval.monitor = False  # also score every iteration's sampled responses ("monitor/NAME")
   c.eval.every = 0  # also evaluate after every N-th iteration (0: only before and after)
+  # Baselines: before training, the untrained policy is also evaluated with each of these
+  # instructions appended to every held-out prompt ("PROMPT INSTRUCTION"; for chat messages,
+  # to the last user message), as eval.json phase "before_NAME" and metrics "eval_NAME/..."
+  # e.g. {"instructed": "Reply with just the number."}
+  c.eval.baselines = ml_collections.ConfigDict()
 
   c.sampling = ml_collections.ConfigDict()
   c.sampling.max_new_tokens = 64
@@ -256,7 +261,8 @@ def supervised_defaults() -> ml_collections.ConfigDict:
 # Validation: before any model is loaded or anything compiles
 # ---------------------------------------------------------------------------------------------
 
-FREE_FORM = ("eval.metrics",)  # sections whose keys are the user's names
+# sections whose keys are the user's names
+FREE_FORM = ("eval.metrics", "eval.baselines")
 CHOICES = {
     "algorithm": tuple(algorithms.ALGORITHMS),
     "ppo.estimator": ("", *advantages.ESTIMATORS),
@@ -450,6 +456,15 @@ def check_packages(config: ml_collections.ConfigDict) -> None:
                       "leave wandb_project empty")
 
 
+def check_tasks(config: ml_collections.ConfigDict) -> None:
+  """The baselines' options (``baselines.check_config``), before any model loads."""
+  from ppojax import baselines  # pylint: disable=import-outside-toplevel
+  try:
+    baselines.check_config(config)
+  except ValueError as e:
+    raise ConfigError(str(e)) from None
+
+
 def rollout_rows(config) -> int:
   """Responses per iteration: ppo.batch_size prompts × sampling.num_samples_per_prompt."""
   return config.ppo.batch_size * config.sampling.get("num_samples_per_prompt", 1)
@@ -493,3 +508,4 @@ def validate(config: ml_collections.ConfigDict, num_devices: int,
   check_algorithm(config)
   check_sizes(config, num_devices, context_length)
   check_packages(config)
+  check_tasks(config)

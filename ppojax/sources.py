@@ -57,23 +57,17 @@ def make_source(config, tokenizer, shared_prefix: bool | None = None) -> Source:
   if tokenizer is None:
     raise ValueError(f"data.task={d.task!r} needs a tokenizer, and model.policy="
                      f"{config.model.policy!r} ships none: set model.tokenizer")
-  field = d.field
-
-  def encode(records: list[dict]) -> data.Encoded:
-    return data.encode_prompts(tokenizer, records, d.max_prompt_len, field=field,
-                               system=d.system or None, chat_template=d.chat_template,
-                               truncate=d.truncate)
-
+  encode = prompt_encoder(config, tokenizer)
   prefix = (data.template_prefix(tokenizer, system=d.system or None,
                                   chat_template=d.chat_template) if shared_prefix else None)
   if d.task == "arith":
     pick = lambda pos: arith.problems((config.seed, pos), batch_size, "train")  # noqa: E731
     held_out = arith.eval_problems(d.eval_per_digits) if d.eval_per_digits else None
   else:
-    records = data.read_records(d.path, required=(field,))
+    records = data.read_records(d.path, required=(d.field,))
     pick = lambda pos: [records[i] for i in data.batch_indices(  # noqa: E731
         len(records), batch_size, config.seed, pos)]
-    held_out = (data.read_records(d.eval_path, required=(field,)) if d.get("eval_path")
+    held_out = (data.read_records(d.eval_path, required=(d.field,)) if d.get("eval_path")
                 else None)
 
   def batch(pos: int) -> Batch:
@@ -83,6 +77,21 @@ def make_source(config, tokenizer, shared_prefix: bool | None = None) -> Source:
                  int(enc.truncated.sum()))
 
   return Source(batch, lambda t, m: decode_text(tokenizer, t, m), held_out, encode, prefix)
+
+
+def prompt_encoder(config, tokenizer, max_len: int | None = None
+                   ) -> Callable[[list[dict]], data.Encoded]:
+  """records → left-padded prompts [N, max_len] (default ``data.max_prompt_len``) through the
+  config's chat template, system prompt and truncation rule."""
+  d = config.data
+  length = max_len or d.max_prompt_len
+
+  def encode(records: list[dict]) -> data.Encoded:
+    return data.encode_prompts(tokenizer, records, length, field=d.field,
+                               system=d.system or None, chat_template=d.chat_template,
+                               truncate=d.truncate)
+
+  return encode
 
 
 def decode_text(tokenizer, tokens: np.ndarray, mask: np.ndarray) -> str:

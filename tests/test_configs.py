@@ -10,6 +10,7 @@ import pathlib
 import ml_collections
 import pytest
 
+from ppojax import config as config_lib
 from ppojax import runner
 from ppojax.config import defaults
 
@@ -28,11 +29,12 @@ def _kind(config) -> str:
 
 
 def _keys(node: ml_collections.ConfigDict, prefix: str = "") -> set[str]:
-  """Dotted names of every field; eval.metrics (a user's name → function table) is one leaf."""
+  """Dotted names of every field; a section of the user's names (config.FREE_FORM: eval.metrics,
+  eval.baselines) is one leaf."""
   out = set()
   for name, value in node.items():
     key = prefix + name
-    if isinstance(value, ml_collections.ConfigDict) and key != "eval.metrics":
+    if isinstance(value, ml_collections.ConfigDict) and key not in config_lib.FREE_FORM:
       out |= _keys(value, key + ".")
     else:
       out.add(key)
@@ -85,6 +87,8 @@ def test_ppo_config_validates_and_its_functions_import(path):
   if config.data.task in ("arith", "file"):
     for name, fn in config.eval.metrics.items():
       _check_text_fn(fn, f"eval.metrics.{name}")
+  if "accuracy" in config.eval.metrics:  # an evaluation table: the untrained model instructed
+    assert config.eval.baselines, f"{path.name}: set eval.baselines (docs/learning.md)"
   # every field can be overridden as on the command line, e.g. a local model directory
   local = runner.load_config(path, model__policy="/models/mine", ppo__batch_size=16)
   assert local.model.policy == "/models/mine" and local.ppo.batch_size == 16
