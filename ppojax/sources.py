@@ -10,6 +10,7 @@ with (the chat template's header: ``data.template_prefix``; BOS for the count ta
     data.task = "count"    the toy token task of ppojax/tasks.py (no tokenizer)
     data.task = "arith"    small-number arithmetic (ppojax/arith.py) through the chat template
     data.task = "file"     prompts from data.path: JSONL, JSON, a ``datasets`` directory, parquet
+    data.task = "reasoning_gym"   a reasoning-gym generator, data.rg (ppojax/reasoning.py)
 
 A *text reward* is a trl-style function ``fn(prompts, completions, **columns) -> scores``: it gets
 the prompt texts, the decoded completions and every other column of the batch's records as
@@ -22,7 +23,7 @@ from typing import Callable, NamedTuple
 
 import numpy as np
 
-from ppojax import arith, data, tasks
+from ppojax import arith, data, reasoning, tasks
 from ppojax.experience import Prompts, with_prefix
 
 
@@ -52,8 +53,9 @@ def make_source(config, tokenizer, shared_prefix: bool | None = None) -> Source:
     return Source(lambda pos: Batch(share(tasks.count_prompts(config.seed, pos, batch_size,
                                                               d.prompt_len), prefix), None, 0),
                   tasks.decode_count, None, None, prefix if shared_prefix else None)
-  if d.task not in ("arith", "file"):
-    raise ValueError(f"data.task={d.task!r} is not known; choose count, arith or file")
+  if d.task not in ("arith", "file", "reasoning_gym"):
+    raise ValueError(f"data.task={d.task!r} is not known; choose count, arith, file or "
+                     "reasoning_gym")
   if tokenizer is None:
     raise ValueError(f"data.task={d.task!r} needs a tokenizer, and model.policy="
                      f"{config.model.policy!r} ships none: set model.tokenizer")
@@ -63,6 +65,8 @@ def make_source(config, tokenizer, shared_prefix: bool | None = None) -> Source:
   if d.task == "arith":
     pick = lambda pos: arith.problems((config.seed, pos), batch_size, "train")  # noqa: E731
     held_out = arith.eval_problems(d.eval_per_digits) if d.eval_per_digits else None
+  elif d.task == "reasoning_gym":
+    pick, held_out = reasoning_gym_task(config)
   else:
     records = data.read_records(d.path, required=(d.field,))
     pick = lambda pos: [records[i] for i in data.batch_indices(  # noqa: E731
@@ -92,6 +96,19 @@ def prompt_encoder(config, tokenizer, max_len: int | None = None
                                truncate=d.truncate)
 
   return encode
+
+
+def reasoning_gym_task(config) -> tuple[Callable[[int], list[dict]], list[dict] | None]:
+  """(data position → the batch's records, the held-out records) of ``data.rg``: the held-out
+  questions never appear in a training batch (ppojax/reasoning.py)."""
+  rg = config.data.rg
+  options = rg.options.to_dict()
+  held_out = (reasoning.held_out(rg.dataset, options, rg.eval_seed, rg.eval_size)
+              if rg.eval_size else [])
+  exclude = frozenset(r["prompt"] for r in held_out)
+  pick = lambda pos: reasoning.train_records(  # noqa: E731
+      rg.dataset, options, config.seed, pos, config.ppo.batch_size, exclude)
+  return pick, held_out or None
 
 
 def decode_text(tokenizer, tokens: np.ndarray, mask: np.ndarray) -> str:
