@@ -7,10 +7,11 @@ Needs the extra: ``pip install -e ".[reasoning]"``.
 Questions come from ``reasoning_gym.create_dataset("gsm_symbolic", seed=..., size=...)``: 64
 held-out ones from seed 10000, training batches from seeds drawn per data position, held-out
 questions skipped (ppojax/reasoning.py). The reward is gsm_symbolic's ``score_answer`` of the
-completion's answer (its last ``<answer>`` tag, else its last line): 1 when its first number is
-right, 0.01 for another number, 0 without one. Prompts run to about 190 tokens and answers need
-room to reason (256 new tokens): an accelerator's job more than a 2-core CPU's; SmolLM2-135M
-starts near 0 (docs/learning.md), so a larger instruct model (model.policy) suits it better.
+completion's answer (its last ``<answer>`` tag, else its last number: where a worked solution
+ends): 1 when it is right, 0.01 for another number, 0 without one. Prompts run to about 190
+tokens and answers need room to reason (256 new tokens): an accelerator's job more than a
+2-core CPU's. SmolLM2-135M's untrained accuracy is in docs/learning.md; a larger instruct
+model (model.policy) suits the task better.
 """
 
 import pathlib
@@ -32,6 +33,7 @@ def get_config() -> ml_collections.ConfigDict:
   c.data.rg.dataset = "gsm_symbolic"
   c.data.rg.options = ml_collections.ConfigDict()  # difficulty 1.0, the only one it supports
   c.data.rg.eval_seed = 10_000
+  c.data.rg.extract = "last_number"  # "... = 15 apples." answers 15 (the default: the last line)
   c.data.rg.eval_size = 64
   c.data.max_prompt_len = 192  # the longest question through the chat template: 182
 

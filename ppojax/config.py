@@ -104,6 +104,9 @@ def defaults() -> ml_collections.ConfigDict:
   c.data.rg.options = ml_collections.ConfigDict()  # the dataset's config fields
   c.data.rg.eval_seed = 10_000
   c.data.rg.eval_size = 128  # generated held-out questions (0: no held-out evaluation)
+  # the answer in a completion: its last <answer> tag, else its "last_line" (any answer type)
+  # or its "last_number" (numeric answers); scored by the dataset's own score_answer
+  c.data.rg.extract = "last_line"
 
   c.reward = ml_collections.ConfigDict()
   # "jax": a jnp rule (prompts, prompt_mask, responses, mask) -> [B], traced into the step;

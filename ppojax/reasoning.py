@@ -22,22 +22,29 @@ space such as one-digit sums repeats questions under any seeds). Training may re
 question across batches, as arith's draws with replacement do.
 
 A record is ``{"prompt": question, "answer": answer, "entry": the dataset's entry,
-"rg_dataset": name, "rg_options": options}`` plus the entry's scalar metadata fields (e.g.
-chain_sum's ``num_terms``, ``num_digits``: usable as ``eval.group_by``). The reward reads
-``entry``, ``rg_dataset`` and ``rg_options`` from those columns (trl's convention: a text reward
-gets every column as a keyword list).
+"rg_dataset": name, "rg_options": options, "rg_extract": data.rg.extract}`` plus the entry's
+scalar metadata fields (e.g. chain_sum's ``num_terms``, ``num_digits``: usable as
+``eval.group_by``). The reward reads ``entry``, ``rg_dataset``, ``rg_options`` and
+``rg_extract`` from those columns (trl's convention: a text reward gets every column as a
+keyword list).
 
-Answer extraction (``extract``): the content of the completion's last ``<answer>…</answer>``
-(``reasoning_gym.utils.extract_answer``, the format reasoning-gym's system prompts ask for)
-where there is one, else the completion's last non-empty line, stripped. The score is then the
-dataset's ``score_answer(answer, entry)``, unchanged: for chain_sum 1 for the exact number and
-len(answer) / len(text) partial credit where the text contains it; for gsm_symbolic 1 when the
-first number of the answer is right, 0.01 for another number.
+Answer extraction (``extract``, rule ``data.rg.extract``): the content of the completion's last
+``<answer>…</answer>`` (``reasoning_gym.utils.extract_answer``, the format reasoning-gym's
+system prompts ask for) where there is one, else
+
+    "last_line"    the completion's last non-empty line, stripped (any answer type)
+    "last_number"  the completion's last number, commas dropped ("2 + 9 = 11" -> "11"; for
+                   numeric answers: the same rule as arith's exact match)
+
+The score is then the dataset's ``score_answer(answer, entry)``, unchanged: for chain_sum 1 for
+the exact number and len(answer) / len(text) partial credit where the text contains it; for
+gsm_symbolic 1 when the first number of the answer is right, 0.01 for another number.
 """
 
 from __future__ import annotations
 
 import json
+import re
 from typing import Any, Mapping, Sequence
 
 import numpy as np
@@ -47,6 +54,8 @@ INSTALL = 'pip install -e ".[reasoning]"'
 # a copy, so that configs load without the package): an eval.baselines instruction
 DIRECT = ("Answer the question directly. Provide your answer between <answer> and </answer> "
           "tags. Do not return any preamble, explanation, or reasoning.")
+EXTRACT_RULES = ("last_line", "last_number")  # data.rg.extract (see ``extract``)
+_NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
 MAX_DRAWS = 64  # datasets drawn per batch before the held-out set is called too large
 _SCALARS = (bool, int, float, str)
 
@@ -91,25 +100,31 @@ def check_config(config) -> None:
   if d.rg.eval_size < 0:
     raise ValueError(f"data.rg.eval_size={d.rg.eval_size} must be >= 0 (held-out questions "
                      "generated; 0: no held-out evaluation)")
+  if d.rg.extract not in EXTRACT_RULES:
+    raise ValueError(f"data.rg.extract={d.rg.extract!r} is not one of "
+                     f"{', '.join(map(repr, EXTRACT_RULES))}: the answer is the last <answer> "
+                     "tag, else the last line or the last number of the completion")
   if d.field != "prompt":
     raise ValueError(f"data.field={d.field!r}: reasoning-gym records hold the question in "
                      '"prompt"; leave data.field at "prompt"')
   create(d.rg.dataset, d.rg.options.to_dict(), d.rg.eval_seed, 1)
 
 
-def record(entry: Mapping[str, Any], name: str, options: Mapping[str, Any]) -> dict:
+def record(entry: Mapping[str, Any], name: str, options: Mapping[str, Any],
+           rule: str = "last_line") -> dict:
   """The record of one entry (see the module docstring): prompt, answer, the entry itself, the
-  dataset's name and options, and the entry's scalar metadata as columns of their own."""
+  dataset's name and options, the extraction rule, and the entry's scalar metadata as columns
+  of their own."""
   out = {"prompt": entry["question"], "answer": entry["answer"], "entry": dict(entry),
-         "rg_dataset": name, "rg_options": dict(options)}
+         "rg_dataset": name, "rg_options": dict(options), "rg_extract": rule}
   for key, value in entry.get("metadata", {}).items():
     if isinstance(value, _SCALARS) and key not in out:
       out[key] = value
   return out
 
 
-def held_out(name: str, options: Mapping[str, Any], eval_seed: int, eval_size: int
-             ) -> list[dict]:
+def held_out(name: str, options: Mapping[str, Any], eval_seed: int, eval_size: int,
+             rule: str = "last_line") -> list[dict]:
   """The held-out records: the dataset of ``eval_seed`` and ``eval_size``, in order, each
   question once (so there may be fewer than ``eval_size`` where the question space is small)."""
   dataset, seen, out = create(name, options, eval_seed, eval_size), set(), []
@@ -117,12 +132,13 @@ def held_out(name: str, options: Mapping[str, Any], eval_seed: int, eval_size: i
     entry = dataset[i]
     if entry["question"] not in seen:
       seen.add(entry["question"])
-      out.append(record(entry, name, options))
+      out.append(record(entry, name, options, rule))
   return out
 
 
 def train_records(name: str, options: Mapping[str, Any], seed: int, position: int, n: int,
-                  exclude: frozenset[str] = frozenset()) -> list[dict]:
+                  exclude: frozenset[str] = frozenset(), rule: str = "last_line"
+                  ) -> list[dict]:
   """Training batch ``position``: ``n`` records from datasets of seeds drawn from
   ``default_rng([seed, position, 31])``, read in order, questions in ``exclude`` skipped (a pure
   function of its arguments)."""
@@ -134,7 +150,7 @@ def train_records(name: str, options: Mapping[str, Any], seed: int, position: in
       entry = dataset[i]
       seen += 1
       if entry["question"] not in exclude:
-        out.append(record(entry, name, options))
+        out.append(record(entry, name, options, rule))
         if len(out) == n:
           return out
   raise ValueError(f"data.rg: {seen - len(out)} of {seen} generated {name!r} questions are held "
@@ -143,13 +159,19 @@ def train_records(name: str, options: Mapping[str, Any], seed: int, position: in
                    "data.rg.options")
 
 
-def extract(completion: str) -> str | None:
+def extract(completion: str, rule: str = "last_line") -> str | None:
   """The answer in a completion: the content of its last ``<answer>…</answer>``
-  (``reasoning_gym.utils.extract_answer``) if it has one, else its last non-empty line,
-  stripped; None for an empty completion."""
+  (``reasoning_gym.utils.extract_answer``) if it has one, else by ``rule``: its last non-empty
+  line, stripped ("last_line"), or its last number, commas dropped ("last_number"); None if
+  there is none."""
+  if rule not in EXTRACT_RULES:
+    raise ValueError(f"data.rg.extract={rule!r} is not one of {', '.join(EXTRACT_RULES)}")
   tagged = require().utils.extract_answer(completion)
   if tagged is not None:
     return tagged
+  if rule == "last_number":
+    numbers = _NUMBER.findall(completion.replace(",", ""))
+    return numbers[-1] if numbers else None
   lines = [line.strip() for line in completion.splitlines() if line.strip()]
   return lines[-1] if lines else None
 
@@ -158,25 +180,29 @@ _SCORERS: dict[tuple[str, str], Any] = {}  # (name, options as JSON) -> score_an
 
 
 def score(completion: str, entry: Mapping[str, Any], name: str,
-          options: Mapping[str, Any]) -> float:
-  """``score_answer(extract(completion), entry)`` of the dataset ``name`` with ``options`` (one
-  dataset instance per name and options, made once)."""
+          options: Mapping[str, Any], rule: str = "last_line") -> float:
+  """``score_answer(extract(completion, rule), entry)`` of the dataset ``name`` with ``options``
+  (one dataset instance per name and options, made once)."""
   key = (name, json.dumps(dict(options), sort_keys=True, default=repr))
   if key not in _SCORERS:
     _SCORERS[key] = create(name, options, 0, 1).score_answer
-  return float(_SCORERS[key](extract(completion), dict(entry)))
+  return float(_SCORERS[key](extract(completion, rule), dict(entry)))
 
 
 def reward(prompts: Sequence[str], completions: Sequence[str], entry: Sequence[dict],
-           rg_dataset: Sequence[str], rg_options: Sequence[dict], **_) -> list[float]:
+           rg_dataset: Sequence[str], rg_options: Sequence[dict],
+           rg_extract: Sequence[str] | None = None, **_) -> list[float]:
   """The dataset's own ``score_answer`` of each completion's extracted answer (a trl-style
-  reward: the record's columns arrive as keyword lists)."""
+  reward: the record's columns arrive as keyword lists; no ``rg_extract``: "last_line")."""
   del prompts
-  return [score(c, e, n, o) for c, e, n, o in
-          zip(completions, entry, rg_dataset, rg_options, strict=True)]
+  rules = rg_extract or ["last_line"] * len(completions)
+  return [score(c, e, n, o, r) for c, e, n, o, r in
+          zip(completions, entry, rg_dataset, rg_options, rules, strict=True)]
 
 
 def accuracy(prompts: Sequence[str], completions: Sequence[str], entry: Sequence[dict],
-             rg_dataset: Sequence[str], rg_options: Sequence[dict], **_) -> list[float]:
+             rg_dataset: Sequence[str], rg_options: Sequence[dict],
+             rg_extract: Sequence[str] | None = None, **_) -> list[float]:
   """1.0 where the dataset scores the extracted answer as fully right (score 1), else 0.0."""
-  return [float(s >= 1.0) for s in reward(prompts, completions, entry, rg_dataset, rg_options)]
+  return [float(s >= 1.0) for s in
+          reward(prompts, completions, entry, rg_dataset, rg_options, rg_extract)]

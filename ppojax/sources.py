@@ -103,11 +103,11 @@ def reasoning_gym_task(config) -> tuple[Callable[[int], list[dict]], list[dict] 
   questions never appear in a training batch (ppojax/reasoning.py)."""
   rg = config.data.rg
   options = rg.options.to_dict()
-  held_out = (reasoning.held_out(rg.dataset, options, rg.eval_seed, rg.eval_size)
+  held_out = (reasoning.held_out(rg.dataset, options, rg.eval_seed, rg.eval_size, rg.extract)
               if rg.eval_size else [])
   exclude = frozenset(r["prompt"] for r in held_out)
   pick = lambda pos: reasoning.train_records(  # noqa: E731
-      rg.dataset, options, config.seed, pos, config.ppo.batch_size, exclude)
+      rg.dataset, options, config.seed, pos, config.ppo.batch_size, exclude, rg.extract)
   return pick, held_out or None
 
 

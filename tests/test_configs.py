@@ -43,7 +43,7 @@ def _keys(node: ml_collections.ConfigDict, prefix: str = "") -> set[str]:
 
 # the columns a task's records carry that its functions need (besides prompts, completions)
 COLUMNS = {"arith": ("answer",), "file": ("answer",),
-           "reasoning_gym": ("answer", "entry", "rg_dataset", "rg_options")}
+           "reasoning_gym": ("answer", "entry", "rg_dataset", "rg_options", "rg_extract")}
 
 
 def _check_text_fn(path: str, what: str, task: str) -> None:

@@ -46,7 +46,8 @@ def test_batches_are_a_pure_function_of_seed_and_position(char_tokenizer):
   # the record: the question, the answer, the entry, the dataset and its options, metadata
   r = b.records[0]
   assert r["prompt"] == r["entry"]["question"] and r["answer"] == r["entry"]["answer"]
-  assert (r["rg_dataset"], r["rg_options"]) == ("chain_sum", ONE_DIGIT)
+  assert (r["rg_dataset"], r["rg_options"], r["rg_extract"]) == ("chain_sum", ONE_DIGIT,
+                                                                  "last_line")
   assert r["num_digits"] == 1 and r["num_terms"] == 2
 
 
@@ -77,7 +78,8 @@ def test_a_held_out_set_that_covers_everything_is_refused():
 
 
 def _columns(records):
-  return {k: [r[k] for r in records] for k in ("entry", "rg_dataset", "rg_options")}
+  return {k: [r[k] for r in records]
+          for k in ("entry", "rg_dataset", "rg_options", "rg_extract")}
 
 
 @pytest.mark.parametrize("completion, extracted", [
@@ -106,12 +108,36 @@ def test_the_reward_is_the_datasets_score_of_the_extracted_answer(completion, ex
     assert got == [0.0] * len(records)
 
 
+@pytest.mark.parametrize("completion, last_line, last_number", [
+    ("2 + 9 = 11", "2 + 9 = 11", "11"),
+    ("Step 1: 3 + 4 = 7.\nSo it is 1,000.5 apples.\n", "So it is 1,000.5 apples.", "1000.5"),
+    ("I think <answer> 12 </answer>, so 13", "12", "12"),  # a tag wins under both rules
+    ("The result is -4", "The result is -4", "-4"),
+    ("no number", "no number", None), ("", None, None),
+])
+def test_extraction_rules(completion, last_line, last_number):
+  assert reasoning.extract(completion) == reasoning.extract(completion, "last_line") == last_line
+  assert reasoning.extract(completion, "last_number") == last_number
+  with pytest.raises(ValueError, match=r"data\.rg\.extract='first' is not one of last_line, "
+                     "last_number"):
+    reasoning.extract(completion, "first")
+
+
+def test_last_number_scores_an_equation_by_its_result():
+  records = reasoning.held_out("chain_sum", ONE_DIGIT, 3, 4, rule="last_number")
+  texts = [f"{r['entry']['metadata']['expression']} = {r['answer']}" for r in records]
+  assert reasoning.reward(None, texts, **_columns(records)) == [1.0] * len(records)
+  as_lines = [dict(r, rg_extract="last_line") for r in records]  # the whole line: partial credit
+  assert all(0 < s < 1 for s in reasoning.reward(None, texts, **_columns(as_lines)))
+
+
 def test_gsm_symbolic_scores_with_its_own_rule():
-  (record,) = reasoning.held_out("gsm_symbolic", {}, 0, 1)
+  (record,) = reasoning.held_out("gsm_symbolic", {}, 0, 1, rule="last_number")
   a = record["answer"]
-  texts = [f"Step one.\nSo the answer is {a} apples.", "Step one.\nIt is 99999.", "No idea."]
+  texts = [f"Step one: 2 + 3 = 5.\nSo the answer is {a} apples.", "Step one.\nIt is 99999.",
+           "No idea."]
   got = reasoning.reward(None, texts, **_columns([record] * 3))
-  assert got == [1.0, 0.01, 0.0]  # gsm_symbolic: first number of the answer line right / wrong
+  assert got == [1.0, 0.01, 0.0]  # gsm_symbolic: the extracted number right / wrong / none
 
 
 def test_direct_instruction_is_reasoning_gyms():
@@ -128,6 +154,8 @@ def test_direct_instruction_is_reasoning_gyms():
     (dict(options=ml_collections.ConfigDict({"min_digits": 3, "max_digits": 2})),
      r"AssertionError: max_digits must be >= min_digits"),
     (dict(eval_size=-1), r"data\.rg\.eval_size=-1 must be >= 0"),
+    (dict(extract="first"), r"data\.rg\.extract='first' is not one of 'last_line', "
+     r"'last_number': the answer is the last <answer> tag"),
 ])
 def test_bad_options_fail_validation_naming_them(change, message):
   c = _config()
@@ -150,7 +178,7 @@ def test_the_configs_validate_and_build_their_source(name, char_tokenizer):
   c = runner.load_config(ROOT / "configs" / f"{name}.py")
   runner.validate(c)
   assert c.data.task == "reasoning_gym" and c.data.rg.dataset == name.removeprefix("rg_")
-  assert c.reward.fn == "ppojax.reasoning:reward"
+  assert c.reward.fn == "ppojax.reasoning:reward" and c.data.rg.extract == "last_number"
   assert set(c.eval.baselines) == {"instructed", "rg_direct"}
   source = sources.make_source(c, char_tokenizer)
   assert 0 < len(source.eval_records) <= c.data.rg.eval_size
