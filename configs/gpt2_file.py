@@ -54,6 +54,7 @@ def get_config() -> ml_collections.ConfigDict:
   c.eval.batch_size = 50
   c.eval.metrics = ml_collections.ConfigDict(
       {"accuracy": "ppojax.arith:accuracy", "score": "ppojax.arith:reward"})
+  c.eval.baselines = ml_collections.ConfigDict({"instructed": "Reply with just the number."})
 
   c.sampling.max_new_tokens = 24
   c.sampling.temperature = 1.0

@@ -6,7 +6,9 @@ reward, on a 2-core CPU in about 15 minutes (the model is fetched once from PyPI
 Prompts are one- and two-digit additions and subtractions ("What is 23 + 45?") through the
 model's chat template; the reward is 1 for the right final number plus 0.1 for ending on a
 number (ppojax/arith.py), with a KL penalty against the reference model. Greedy exact-match
-accuracy on 112 held-out problems is measured before and after training (eval.json).
+accuracy on 112 held-out problems is measured before and after training (eval.json), and
+before training also with "Reply with just the number." appended to each problem (the honest
+baseline, "before_instructed": docs/learning.md).
 """
 
 import ml_collections
@@ -32,6 +34,8 @@ def get_config() -> ml_collections.ConfigDict:
   c.eval.group_by = "digits"
   c.eval.metrics = ml_collections.ConfigDict(
       {"accuracy": "ppojax.arith:accuracy", "score": "ppojax.arith:reward"})
+  # the untrained model with a plain instruction too (eval.json "before_instructed")
+  c.eval.baselines = ml_collections.ConfigDict({"instructed": "Reply with just the number."})
 
   c.sampling.max_new_tokens = 32
   c.sampling.temperature = 0.7

@@ -44,6 +44,7 @@ def get_config() -> ml_collections.ConfigDict:
   c.eval.group_by = "digits"
   c.eval.metrics = ml_collections.ConfigDict(
       {"accuracy": "ppojax.arith:accuracy", "score": "ppojax.arith:reward"})
+  c.eval.baselines = ml_collections.ConfigDict({"instructed": "Reply with just the number."})
 
   c.sampling.max_new_tokens = 64
   c.sampling.temperature = 0.8

@@ -81,7 +81,9 @@ def defaults() -> ml_collections.ConfigDict:
   c.lora.critic = False
 
   c.data = ml_collections.ConfigDict()
-  c.data.task = "arith"  # "count" (toy tokens), "arith" (ppojax/arith.py), "file" (data.path)
+  # "count" (toy tokens), "arith" (ppojax/arith.py), "file" (data.path), "reasoning_gym"
+  # (a reasoning-gym generator, data.rg: ppojax/reasoning.py; pip install -e ".[reasoning]")
+  c.data.task = "arith"
   c.data.path = ""  # task "file": JSONL / JSON / datasets directory / parquet of prompts
   c.data.eval_path = ""  # task "file": held-out prompts (evaluated before and after training)
   c.data.field = "prompt"  # the prompt column (a string or a list of chat messages)
@@ -94,6 +96,17 @@ def defaults() -> ml_collections.ConfigDict:
   # header) once per batch, not once per row: the same numbers, about 30% fewer FLOPs for
   # SmolLM2's 24-token header on 44-token prompts
   c.data.eval_per_digits = 64  # task "arith": held-out problems per digit count
+  # task "reasoning_gym": reasoning_gym.create_dataset(dataset, seed=..., size=..., **options);
+  # the held-out set is the dataset of eval_seed and eval_size (repeats dropped), and training
+  # batches skip its questions (ppojax/reasoning.py)
+  c.data.rg = ml_collections.ConfigDict()
+  c.data.rg.dataset = ""  # e.g. "chain_sum", "basic_arithmetic", "gsm_symbolic"
+  c.data.rg.options = ml_collections.ConfigDict()  # the dataset's config fields
+  c.data.rg.eval_seed = 10_000
+  c.data.rg.eval_size = 128  # generated held-out questions (0: no held-out evaluation)
+  # the answer in a completion: its last <answer> tag, else its "last_line" (any answer type)
+  # or its "last_number" (numeric answers); scored by the dataset's own score_answer
+  c.data.rg.extract = "last_line"
 
   c.reward = ml_collections.ConfigDict()
   # "jax": a jnp rule (prompts, prompt_mask, responses, mask) -> [B], traced into the step;
@@ -109,6 +122,11 @@ def defaults() -> ml_collections.ConfigDict:
   c.eval.metrics = ml_collections.ConfigDict({"score": "ppojax.arith:reward"})  # name: fn
   c.eval.monitor = False  # also score every iteration's sampled responses ("monitor/NAME")
   c.eval.every = 0  # also evaluate after every N-th iteration (0: only before and after)
+  # Baselines: before training, the untrained policy is also evaluated with each of these
+  # instructions appended to every held-out prompt ("PROMPT INSTRUCTION"; for chat messages,
+  # to the last user message), as eval.json phase "before_NAME" and metrics "eval_NAME/..."
+  # e.g. {"instructed": "Reply with just the number."}
+  c.eval.baselines = ml_collections.ConfigDict()
 
   c.sampling = ml_collections.ConfigDict()
   c.sampling.max_new_tokens = 64
@@ -256,14 +274,15 @@ def supervised_defaults() -> ml_collections.ConfigDict:
 # Validation: before any model is loaded or anything compiles
 # ---------------------------------------------------------------------------------------------
 
-FREE_FORM = ("eval.metrics",)  # sections whose keys are the user's names
+# sections whose keys are the user's names
+FREE_FORM = ("eval.metrics", "eval.baselines", "data.rg.options")
 CHOICES = {
     "algorithm": tuple(algorithms.ALGORITHMS),
     "ppo.estimator": ("", *advantages.ESTIMATORS),
     "ppo.kl_in": ("", *algorithms.KL_PLACEMENTS),
     "reward.kind": ("jax", "python", "text", "model"),
     "model.critic_init": ("auto", "reward", "policy"),
-    "data.task": ("count", "arith", "file"),
+    "data.task": ("count", "arith", "file", "reasoning_gym"),
     "data.truncate": ("left", "error"),
     "ppo.aggregation": ("", *ops.AGGREGATIONS),
     "ppo.old_logprobs": ("recompute", "sampler"),
@@ -448,6 +467,20 @@ def check_packages(config: ml_collections.ConfigDict) -> None:
     raise ConfigError(f"wandb_project={config.wandb_project!r} needs the wandb package, which is "
                       "not installed: pip install 'ppojax[wandb]' (or pip install wandb), or "
                       "leave wandb_project empty")
+  if config.data.task == "reasoning_gym" and importlib.util.find_spec("reasoning_gym") is None:
+    raise ConfigError('data.task="reasoning_gym" needs the reasoning-gym package, which is not '
+                      'installed: pip install -e ".[reasoning]" (in the ppojax checkout)')
+
+
+def check_tasks(config: ml_collections.ConfigDict) -> None:
+  """The task's own options (``reasoning.check_config``: data.rg makes a dataset) and the
+  baselines' (``baselines.check_config``), before any model loads."""
+  from ppojax import baselines, reasoning  # pylint: disable=import-outside-toplevel
+  try:
+    reasoning.check_config(config)
+    baselines.check_config(config)
+  except ValueError as e:
+    raise ConfigError(str(e)) from None
 
 
 def rollout_rows(config) -> int:
@@ -493,3 +526,4 @@ def validate(config: ml_collections.ConfigDict, num_devices: int,
   check_algorithm(config)
   check_sizes(config, num_devices, context_length)
   check_packages(config)
+  check_tasks(config)

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ppojax import config as config_lib
-from ppojax import data, evaluation, files, hostmem, lora, sources
+from ppojax import baselines, data, evaluation, files, hostmem, lora, sources
 from ppojax import sharding as sharding_lib
 from ppojax import step as step_lib
 # the builders are runner's API too: runner.build(config), runner.load_config(path), ...
@@ -78,7 +78,9 @@ def iteration(run: Run, state, prompts: Prompts, records: list[dict] | None = No
 
 class Result(NamedTuple):
   history: list[dict]  # the logged metric rows
-  evals: dict[str, dict]  # "before", "iteration_N" (eval.every), "after": held-out summaries
+  # held-out summaries: "before", "before_NAME" (eval.baselines), "iteration_N" (eval.every),
+  # "after"
+  evals: dict[str, dict]
 
 
 class NonFiniteError(RuntimeError):
@@ -95,7 +97,9 @@ def run(config, workdir: str | None = None, stop_after: int | None = None) -> Re
   checkpoints/ and, at the end, policy/ (the trained policy in Hugging Face format).
   ``stop_after``: stop (with a checkpoint) after that iteration, as an interrupted run would;
   running again resumes. A task with held-out prompts is evaluated greedily before the first and
-  after the last iteration, and after every ``eval.every``-th (eval.json). Each logged row
+  after the last iteration, and after every ``eval.every``-th (eval.json); before the first
+  also with each instruction of ``eval.baselines`` (ppojax/baselines.py). ``num_iterations``
+  0 evaluates the untrained policy only ("before" and the baselines; no export). Each logged row
   carries ``time/train_s`` (the iterations' seconds so far, carried across a resume) and the
   peak memory so far (``peak_memory``).
 
@@ -157,16 +161,24 @@ def _run(config, workdir, stop_after, signals: StopSignals) -> Result:
       print(f"resumed from {workdir / 'checkpoints'} at iteration {start}", flush=True)
     _write_json(workdir / "config.json", config.to_dict())  # this invocation's resolved config
     # an evaluation cut short after its metrics row but before eval.json is done again
-    redo = [it for it, phase in ((0, "before"), (n, "after"))
-            if it == start and phase not in evals]
-    _drop_eval_rows(workdir / reporting.METRICS_FILE, redo)
+    phases = [(0, "before"), *((0, p) for p, _ in baselines.phases(config))]
+    for it, phase in phases + ([(n, "after")] if n else []):  # n = 0: evaluation only
+      if it == start and phase not in evals:
+        _drop_eval_rows(workdir / reporting.METRICS_FILE, [it], baselines.metric_prefix(phase))
     wandb = config.get("wandb_project") or None
     writer = reporting.MetricWriter(str(workdir), wandb_project=wandb,
                                     wandb_config=config.to_dict() if wandb else None,
                                     resume_step=start)
   batch = config_lib.rollout_rows(config)  # episodes (responses) per iteration
-  if "before" not in evals and start == 0 and r.source.eval_records and not signals.received:
-    evals["before"] = _held_out(r, state, "before", workdir, writer, 0)
+  if start == 0 and r.source.eval_records:  # the untrained policy, and its baselines
+    for phase, instruction in (("before", None), *baselines.phases(config)):
+      if phase not in evals and not signals.received:
+        evals[phase] = _held_out(r, state, phase, workdir, writer, 0, instruction=instruction)
+  if not n:  # num_iterations = 0: the evaluations above only (no training, no export)
+    for closing in (ckpt, writer):
+      if closing:
+        closing.close()
+    return Result([], evals)
   progress = reporting.Progress(n, start=start)
   history, last, unsaved = [], start, False  # last: the latest completed iteration
   what: set[str] = set()  # what was non-finite in the current run of skipped iterations
@@ -264,8 +276,9 @@ def _names(what: set[str]) -> str:
   return ", ".join(k for k in step_lib.NONFINITE_CHECKS if k in what) or "values"
 
 
-def _drop_eval_rows(path: pathlib.Path, steps: list[int]) -> None:
-  """Removes the held-out evaluation rows at ``steps`` from metrics.jsonl (atomically)."""
+def _drop_eval_rows(path: pathlib.Path, steps: list[int], prefix: str = "eval/") -> None:
+  """Removes the held-out evaluation rows at ``steps`` (those with a metric named
+  ``prefix``...) from metrics.jsonl (atomically)."""
   if not steps or not path.exists():
     return
   lines = path.read_bytes().splitlines(keepends=True)
@@ -277,7 +290,7 @@ def _drop_eval_rows(path: pathlib.Path, steps: list[int]) -> None:
       keep.append(line)  # not ours to judge: the writer's resume drops a partial last line
       continue
     if not (isinstance(row, dict) and row.get("step") in steps
-            and any(k.startswith("eval/") for k in row)):
+            and any(k.startswith(prefix) for k in row)):
       keep.append(line)
   if len(keep) != len(lines):
     with files.atomic_write(path, "wb") as f:
@@ -303,22 +316,28 @@ def policy_model(r: Run, state) -> tuple:
   return r.models.reference, merged
 
 
-def _held_out(r: Run, state, phase: str, workdir, writer, it: int, say=print) -> dict:
+def _held_out(r: Run, state, phase: str, workdir, writer, it: int, say=print,
+              instruction: str | None = None) -> dict:
   """Greedy completions of the held-out prompts, scored by ``config.eval.metrics``; written to
   eval.json, eval_samples_{phase}.jsonl and the metrics (at iteration ``it``), and shown
-  (``say``). ``phase``: "before", "after", or "iteration_N" (``eval.every``)."""
+  (``say``). ``phase``: "before", "after", "iteration_N" (``eval.every``) or "before_NAME"
+  (``eval.baselines``: each prompt with ``instruction`` appended, ppojax/baselines.py)."""
   e = r.config.eval
   metrics = {name: _import(path) for name, path in e.metrics.items()}
+  records, encode = r.source.eval_records, r.source.encode
+  if instruction is not None:
+    records, encode = baselines.instructed(r.config, r.policy.tokenizer, records, instruction)
   t0 = time.perf_counter()
   summary, rows = evaluation.evaluate(
-      *policy_model(r, state), r.source.eval_records, r.source.encode,
+      *policy_model(r, state), records, encode,
       evaluation.greedy(r.sampling, e.max_new_tokens or None), r.policy.tokenizer, metrics,
       e.batch_size, e.group_by or None, r.config.data.field)
   shown = ", ".join(f"{k.removeprefix('eval/')} {v:.3f}" for k, v in summary.items())
   say(f"held-out eval {phase.replace('_', ' ')} ({len(rows)} prompts, "
       f"{time.perf_counter() - t0:.0f} s): {shown}")
   if writer:  # first: a run cut off before eval.json is written evaluates again (_run)
-    writer.write(it, summary)
+    prefix = baselines.metric_prefix(phase)
+    writer.write(it, {prefix + k.removeprefix("eval/"): v for k, v in summary.items()})
   if workdir:
     data.write_jsonl(rows, workdir / f"eval_samples_{phase}.jsonl")
     evals = _read_evals(workdir)

@@ -10,6 +10,7 @@ with (the chat template's header: ``data.template_prefix``; BOS for the count ta
     data.task = "count"    the toy token task of ppojax/tasks.py (no tokenizer)
     data.task = "arith"    small-number arithmetic (ppojax/arith.py) through the chat template
     data.task = "file"     prompts from data.path: JSONL, JSON, a ``datasets`` directory, parquet
+    data.task = "reasoning_gym"   a reasoning-gym generator, data.rg (ppojax/reasoning.py)
 
 A *text reward* is a trl-style function ``fn(prompts, completions, **columns) -> scores``: it gets
 the prompt texts, the decoded completions and every other column of the batch's records as
@@ -22,7 +23,7 @@ from typing import Callable, NamedTuple
 
 import numpy as np
 
-from ppojax import arith, data, tasks
+from ppojax import arith, data, reasoning, tasks
 from ppojax.experience import Prompts, with_prefix
 
 
@@ -52,28 +53,25 @@ def make_source(config, tokenizer, shared_prefix: bool | None = None) -> Source:
     return Source(lambda pos: Batch(share(tasks.count_prompts(config.seed, pos, batch_size,
                                                               d.prompt_len), prefix), None, 0),
                   tasks.decode_count, None, None, prefix if shared_prefix else None)
-  if d.task not in ("arith", "file"):
-    raise ValueError(f"data.task={d.task!r} is not known; choose count, arith or file")
+  if d.task not in ("arith", "file", "reasoning_gym"):
+    raise ValueError(f"data.task={d.task!r} is not known; choose count, arith, file or "
+                     "reasoning_gym")
   if tokenizer is None:
     raise ValueError(f"data.task={d.task!r} needs a tokenizer, and model.policy="
                      f"{config.model.policy!r} ships none: set model.tokenizer")
-  field = d.field
-
-  def encode(records: list[dict]) -> data.Encoded:
-    return data.encode_prompts(tokenizer, records, d.max_prompt_len, field=field,
-                               system=d.system or None, chat_template=d.chat_template,
-                               truncate=d.truncate)
-
+  encode = prompt_encoder(config, tokenizer)
   prefix = (data.template_prefix(tokenizer, system=d.system or None,
                                   chat_template=d.chat_template) if shared_prefix else None)
   if d.task == "arith":
     pick = lambda pos: arith.problems((config.seed, pos), batch_size, "train")  # noqa: E731
     held_out = arith.eval_problems(d.eval_per_digits) if d.eval_per_digits else None
+  elif d.task == "reasoning_gym":
+    pick, held_out = reasoning_gym_task(config)
   else:
-    records = data.read_records(d.path, required=(field,))
+    records = data.read_records(d.path, required=(d.field,))
     pick = lambda pos: [records[i] for i in data.batch_indices(  # noqa: E731
         len(records), batch_size, config.seed, pos)]
-    held_out = (data.read_records(d.eval_path, required=(field,)) if d.get("eval_path")
+    held_out = (data.read_records(d.eval_path, required=(d.field,)) if d.get("eval_path")
                 else None)
 
   def batch(pos: int) -> Batch:
@@ -83,6 +81,34 @@ def make_source(config, tokenizer, shared_prefix: bool | None = None) -> Source:
                  int(enc.truncated.sum()))
 
   return Source(batch, lambda t, m: decode_text(tokenizer, t, m), held_out, encode, prefix)
+
+
+def prompt_encoder(config, tokenizer, max_len: int | None = None
+                   ) -> Callable[[list[dict]], data.Encoded]:
+  """records → left-padded prompts [N, max_len] (default ``data.max_prompt_len``) through the
+  config's chat template, system prompt and truncation rule."""
+  d = config.data
+  length = max_len or d.max_prompt_len
+
+  def encode(records: list[dict]) -> data.Encoded:
+    return data.encode_prompts(tokenizer, records, length, field=d.field,
+                               system=d.system or None, chat_template=d.chat_template,
+                               truncate=d.truncate)
+
+  return encode
+
+
+def reasoning_gym_task(config) -> tuple[Callable[[int], list[dict]], list[dict] | None]:
+  """(data position → the batch's records, the held-out records) of ``data.rg``: the held-out
+  questions never appear in a training batch (ppojax/reasoning.py)."""
+  rg = config.data.rg
+  options = rg.options.to_dict()
+  held_out = (reasoning.held_out(rg.dataset, options, rg.eval_seed, rg.eval_size, rg.extract)
+              if rg.eval_size else [])
+  exclude = frozenset(r["prompt"] for r in held_out)
+  pick = lambda pos: reasoning.train_records(  # noqa: E731
+      rg.dataset, options, config.seed, pos, config.ppo.batch_size, exclude, rg.extract)
+  return pick, held_out or None
 
 
 def decode_text(tokenizer, tokens: np.ndarray, mask: np.ndarray) -> str:

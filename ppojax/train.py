@@ -41,11 +41,13 @@ def main(argv):
     first, last = history[0]["objective/scores"], history[-1]["objective/scores"]
     print(f"score: {first:.3f} -> {last:.3f} (iterations {history[0]['iteration']}-"
           f"{history[-1]['iteration']})", flush=True)
-  if "before" in evals and "after" in evals:
-    for name in evals["after"]:
-      print(f"held-out {name.removeprefix('eval/')}: {evals['before'].get(name, float('nan')):.3f}"
-            f" -> {evals['after'][name]:.3f}", flush=True)
-
+  if "before" in evals:  # and "after" unless num_iterations = 0
+    shown = [p for p in evals if p.startswith("before_")]  # eval.baselines: untrained, instructed
+    for name in evals["before"]:
+      get = lambda phase, name=name: f"{evals[phase].get(name, float('nan')):.3f}"  # noqa: E731
+      after = f" -> {get('after')}" if "after" in evals else ""
+      also = "".join(f", {p.removeprefix('before_')} (untrained) {get(p)}" for p in shown)
+      print(f"held-out {name.removeprefix('eval/')}: {get('before')}{after}{also}", flush=True)
 
 if __name__ == "__main__":
   hostmem.reexec_with_huge_pages()

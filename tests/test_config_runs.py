@@ -151,7 +151,9 @@ def test_hugging_face_config_runs_one_iteration(name, stand_in, tmp_path):
   if config.reward.kind == "model":  # the random reward model scored the responses
     assert row["objective/scores"] != 0
   held_out = config.data.task == "arith" or bool(config.data.eval_path)  # not llama3_2_rm's
-  assert set(result.evals) == ({"before", "after"} if held_out else set())
+  baselines = {f"before_{name}" for name in config.eval.baselines}  # the untrained, instructed
+  assert set(result.evals) == ({"before", "after"} | baselines if held_out else set())
+  assert bool(baselines) == held_out  # tests/test_configs.py: every accuracy table has one
   if held_out:
     assert json.loads((work / "eval.json").read_text()) == result.evals
     assert {"eval/accuracy", "eval/score"} <= set(result.evals["after"])

@@ -10,6 +10,7 @@ import pathlib
 import ml_collections
 import pytest
 
+from ppojax import config as config_lib
 from ppojax import runner
 from ppojax.config import defaults
 
@@ -28,22 +29,28 @@ def _kind(config) -> str:
 
 
 def _keys(node: ml_collections.ConfigDict, prefix: str = "") -> set[str]:
-  """Dotted names of every field; eval.metrics (a user's name → function table) is one leaf."""
+  """Dotted names of every field; a section of the user's names (config.FREE_FORM: eval.metrics,
+  eval.baselines, data.rg.options) is one leaf."""
   out = set()
   for name, value in node.items():
     key = prefix + name
-    if isinstance(value, ml_collections.ConfigDict) and key != "eval.metrics":
+    if isinstance(value, ml_collections.ConfigDict) and key not in config_lib.FREE_FORM:
       out |= _keys(value, key + ".")
     else:
       out.add(key)
   return out
 
 
-def _check_text_fn(path: str, what: str) -> None:
+# the columns a task's records carry that its functions need (besides prompts, completions)
+COLUMNS = {"arith": ("answer",), "file": ("answer",),
+           "reasoning_gym": ("answer", "entry", "rg_dataset", "rg_options", "rg_extract")}
+
+
+def _check_text_fn(path: str, what: str, task: str) -> None:
   fn = runner._import(path)
   assert callable(fn), f"{what}={path!r} is not callable"
-  try:  # the trl signature: fn(prompts, completions, **columns); arith's functions need "answer"
-    inspect.signature(fn).bind(prompts=[], completions=[], answer=[])
+  try:  # the trl signature: fn(prompts, completions, **columns) with the task's columns
+    inspect.signature(fn).bind(prompts=[], completions=[], **dict.fromkeys(COLUMNS[task], []))
   except TypeError as e:
     raise AssertionError(f"{what}={path!r} does not take (prompts, completions, **columns): "
                          f"{e}") from e
@@ -52,7 +59,8 @@ def _check_text_fn(path: str, what: str) -> None:
 def test_there_are_configs_of_every_kind():
   names = {p.stem for p in CONFIGS}
   assert {"toy", "quickstart", "qwen2_5_arith", "llama3_2_rm", "gpt2_file", "sft_arith",
-          "rm_arith", "grpo_arith", "dr_grpo_arith", "rloo_arith", "reinforce_pp_arith"} <= names
+          "rm_arith", "grpo_arith", "dr_grpo_arith", "rloo_arith", "reinforce_pp_arith",
+          "rg_chain_sum", "rg_gsm_symbolic"} <= names
   from ppojax import algorithms  # pylint: disable=import-outside-toplevel
   for name in set(algorithms.ALGORITHMS) - {"ppo"}:  # one config per critic-free algorithm
     assert runner.load_config(ROOT / "configs" / f"{name}_arith.py").algorithm == name
@@ -79,12 +87,14 @@ def test_ppo_config_validates_and_its_functions_import(path):
   if kind == "model":
     assert config.model.reward, f"{path.name}: reward.kind='model' needs model.reward"
   elif kind == "text":
-    _check_text_fn(config.reward.fn, "reward.fn")
+    _check_text_fn(config.reward.fn, "reward.fn", config.data.task)
   else:
     assert callable(runner._import(config.reward.fn))
-  if config.data.task in ("arith", "file"):
+  if config.data.task in COLUMNS:
     for name, fn in config.eval.metrics.items():
-      _check_text_fn(fn, f"eval.metrics.{name}")
+      _check_text_fn(fn, f"eval.metrics.{name}", config.data.task)
+  if "accuracy" in config.eval.metrics:  # an evaluation table: the untrained model instructed
+    assert config.eval.baselines, f"{path.name}: set eval.baselines (docs/learning.md)"
   # every field can be overridden as on the command line, e.g. a local model directory
   local = runner.load_config(path, model__policy="/models/mine", ppo__batch_size=16)
   assert local.model.policy == "/models/mine" and local.ppo.batch_size == 16

@@ -19,7 +19,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 # Imported only behind an option, with an error naming the extra that installs it:
 # module -> (the extra, the requirement in it that brings the module)
 OPTIONAL = {"wandb": ("wandb", "wandb"), "torch": ("torch", "torch"), "libtpu": ("tpu", "jax"),
-            "gymnax": ("classic", "gymnax")}
+            "gymnax": ("classic", "gymnax"), "reasoning_gym": ("reasoning", "reasoning-gym")}
 
 
 def _imported_modules() -> dict[str, list[str]]:
