@@ -356,8 +356,8 @@ def lora_dropout_matmul(x: Array, w: Array, a: Array, b: Array, keep: Array, sca
 
 
 def _dropped(x, keep, rate):
-  """x ⊙ keep/(1 − p) in x's dtype."""
-  return jnp.where(keep, x * jnp.asarray(1.0 / (1.0 - rate), x.dtype), jnp.zeros((), x.dtype))
+  """x ⊙ keep/(1 − p), scaled in float32 (1/(1 − p) is not exact in bfloat16), in x's dtype."""
+  return jnp.where(keep, x.astype(jnp.float32) / (1.0 - rate), 0.0).astype(x.dtype)
 
 
 def _lora_dropout_matmul_fwd(x, w, a, b, keep, scale, rate, w_axis):
