@@ -271,7 +271,7 @@ import pathlib, jax, jax.numpy as jnp, numpy as np
 from ppojax import runner, sharding
 root = pathlib.Path("ROOT")
 over = dict(ppo__batch_size=16, lora__rank=4, lora__critic=True, model__critic_init="policy",
-            ppo__kl_coef=0.1, model__tiny__hidden_size=64)
+            ppo__kl_coef=0.1, model__tiny__hidden_size=64, lora__dropout=DROPOUT)
 one = runner.build(runner.load_config(root / "configs" / "toy.py", **over))
 mesh = runner.build(runner.load_config(root / "configs" / "toy.py", mesh__shape=(2, 4, 1), **over))
 q = mesh.state.base["model"]["layers"]["attn"]["q"]["kernel"]
@@ -290,11 +290,12 @@ print("OK")
 """
 
 
+@pytest.mark.parametrize("dropout", [0.0, 0.2])  # LoRA dropout's masks: the same on a mesh
 def test_lora_on_a_mesh_shards_the_base_replicates_adapters_and_matches_one_device(
-    run_on_8_cpu_devices):
+    run_on_8_cpu_devices, dropout):
   import pathlib  # pylint: disable=import-outside-toplevel
   root = pathlib.Path(__file__).resolve().parent.parent
-  run_on_8_cpu_devices(MESH_SCRIPT.replace("ROOT", str(root)))
+  run_on_8_cpu_devices(MESH_SCRIPT.replace("ROOT", str(root)).replace("DROPOUT", str(dropout)))
 
 
 @pytest.mark.parametrize("w_axis", [0, 1])
