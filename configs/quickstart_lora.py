@@ -21,5 +21,8 @@ def get_config() -> ml_collections.ConfigDict:
   c.lora.rank = 16
   c.lora.alpha = 32.0
   c.lora.targets = "all-linear"  # q, k, v, o, gate, up, down
+  # dropout on the adapters' input in the update only (peft's lora_dropout; 0.05 is common);
+  # 0 keeps the one-step update's reuse of its forward pass for the old log-probs and values
+  c.lora.dropout = 0.0
   c.optim.actor.lr = 5e-5
   return c

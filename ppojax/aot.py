@@ -172,7 +172,7 @@ def iteration_flops(run) -> float:
   """Model FLOPs of one iteration (``ppojax.flops``; XLA's ``cost_analysis`` counts a loop's
   body once, so it cannot give them for a scanned, decoding step)."""
   config = run.config
-  one_pass = step_lib.single_pass(config.ppo)
+  one_pass = step_lib.single_pass(config.ppo, config.lora.dropout)
   parts = flops.model_flops(
       run.policy.cfg, config.ppo.batch_size, config_lib.prompt_length(config),
       config.sampling.max_new_tokens, old_logp_fwd=not one_pass and

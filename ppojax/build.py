@@ -257,7 +257,7 @@ def build(config, *, devices=None, abstract: bool = False) -> Run:
   policy_cfg = policy.cfg  # with LoRA: the base's, and the policy module's has the adapters
   if config.lora.rank:
     policy_cfg = lora.adapted_config(policy.cfg, config.lora.rank, config.lora.alpha,
-                                     config.lora.targets)
+                                     config.lora.targets, config.lora.dropout)
   with_sampler = (sampler_dtype and sampler_dtype != policy.cfg.dtype) or config.lora.rank
   critic_module = ValueModel(policy_cfg) if lora_critic else (
       ValueModel(critic.cfg) if critic else None)

@@ -73,7 +73,11 @@ def defaults() -> ml_collections.ConfigDict:
   c.lora = ml_collections.ConfigDict()
   c.lora.rank = 0  # r (0: full fine-tuning)
   c.lora.alpha = 16.0  # the adapters' output is scaled by alpha / rank
-  c.lora.dropout = 0.0  # on the adapters' input while training: only 0 is implemented yet
+  # dropout p on the adapters' input, y = x·W + (α/r)·(dropout_p(x)·A)·B (peft's lora_dropout),
+  # in the policy update only (and a LoRA critic's): sampling, old and reference log-probs and
+  # evaluation run without. 0: none (the update's forward then also gives the old log-probs
+  # and values where ppo.reuse_update_forward allows; with p > 0 the rollout computes them)
+  c.lora.dropout = 0.0
   c.lora.targets = "all-linear"  # layers: q,k,v,o,gate,up,down (or peft's q_proj, ...)
   c.lora.base_dtype = ""  # the frozen base's dtype ("bfloat16": half its memory; "": float32)
   # the critic as its own adapters + value head on the policy's frozen base (model.critic_init
@@ -432,9 +436,9 @@ RANGES = (
      "must be an integer >= 0: the rank of the LoRA adapters (0: full fine-tuning; 8-64 is "
      "usual)"),
     ("lora.alpha", lambda v: v > 0, "must be > 0 (the adapters are scaled by alpha / rank)"),
-    ("lora.dropout", lambda v: v == 0,
-     "must be 0: dropout on the adapters' input is not implemented yet (RL fine-tuning with "
-     "LoRA usually runs without it; peft's default is 0 too)"),
+    ("lora.dropout", lambda v: 0 <= v < 1,
+     "must be in [0, 1): the probability of dropping each entry of the adapters' input in the "
+     "update (0: none, peft's default; 0.05-0.1 is usual)"),
     ("optim.max_grad_norm", lambda v: v > 0, "must be > 0 (gradients are clipped to this "
      "global norm; 1.0 is usual)"),
 )
@@ -497,6 +501,10 @@ def check_algorithm(config: ml_collections.ConfigDict) -> None:
         f"lora.rank > 0 (got {config.lora.rank}) and model.critic_init='policy' (got "
         f"{config.model.critic_init!r}); a critic initialised from a reward model has another "
         "base")
+  if config.lora.dropout and not config.lora.rank:
+    raise ConfigError(
+        f"lora.dropout={config.lora.dropout} drops out the LoRA adapters' input, but "
+        "lora.rank=0 (full fine-tuning) has no adapters: set lora.rank > 0 or lora.dropout=0")
   if config.lora.rank:
     from ppojax import lora  # pylint: disable=import-outside-toplevel
     try:

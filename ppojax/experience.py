@@ -129,12 +129,13 @@ def response_logits(module: nn.Module, params, prompts, prompt_mask, responses, 
 
 
 def response_hidden(module: nn.Module, params, prompts, prompt_mask, responses, response_mask,
-                    prefix: Array | None = None) -> Array:
+                    prefix: Array | None = None, rngs: dict | None = None) -> Array:
   """The policy's final hidden states [B, R, D] at the R positions before each response token
-  (where the LM head predicts it)."""
+  (where the LM head predicts it). ``rngs``: ``apply``'s (the update's LoRA dropout; None:
+  deterministic, as every rollout pass)."""
   tokens, mask, positions = sequence(prompts, prompt_mask, responses, response_mask, prefix)
   hidden, _ = module.apply({"params": params}, tokens, positions, mask, prefix=prefix,
-                           method="hidden")
+                           method="hidden", rngs=rngs)
   r = responses.shape[1]
   return hidden[:, -r - 1:-1]
 
@@ -194,10 +195,11 @@ def response_logprobs(module, params, prompts, prompt_mask, responses, response_
 
 
 def response_values(module: nn.Module, params, prompts, prompt_mask, responses, response_mask,
-                    prefix: Array | None = None) -> Array:
-  """V(s_t) [B, R] from a ``ValueModel``: its output at the position before response token t."""
+                    prefix: Array | None = None, rngs: dict | None = None) -> Array:
+  """V(s_t) [B, R] from a ``ValueModel``: its output at the position before response token t
+  (``rngs``: as ``response_hidden``'s)."""
   tokens, mask, positions = sequence(prompts, prompt_mask, responses, response_mask, prefix)
-  out, _ = module.apply({"params": params}, tokens, positions, mask, prefix=prefix)
+  out, _ = module.apply({"params": params}, tokens, positions, mask, prefix=prefix, rngs=rngs)
   r = responses.shape[1]
   return jnp.where(response_mask, out[:, -r - 1:-1], 0.0)
 

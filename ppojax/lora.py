@@ -15,6 +15,12 @@ views of it:
 The reference policy is the base itself: the base parameters applied by a module without
 adapters (``base_config``), so no second copy of the weights exists.
 
+LoRA dropout (``lora_dropout`` p, peft's): the adapters' input is dropped out in the policy
+update's forward and backward passes only, y = x·W + (α/r)·(dropout_p(x)·A)·B
+(``transformer.lora_dropout_matmul``). Sampling, the old and reference log-probs and evaluation
+are deterministic: PPO's ratio divides by the log-probs of the policy that sampled, which had
+no dropout (peft + trl likewise switch dropout on with ``model.train()`` for the update only).
+
 ``peft_state_dict``/``save_peft`` write the adapters in peft's layout
 (``adapter_model.safetensors`` with ``base_model.model.<HF name>.lora_A.weight`` [r, in] and
 ``lora_B.weight`` [out, r], plus ``adapter_config.json``), which ``peft.PeftModel.from_pretrained``
@@ -63,16 +69,19 @@ def targets(names) -> tuple[str, ...]:
   return tuple(dict.fromkeys(out))
 
 
-def adapted_config(cfg: ModelConfig, rank: int, alpha: float, names) -> ModelConfig:
-  """``cfg`` with adapters of rank r and scale α/r on the ``names`` layers."""
+def adapted_config(cfg: ModelConfig, rank: int, alpha: float, names, dropout: float = 0.0
+                   ) -> ModelConfig:
+  """``cfg`` with adapters of rank r and scale α/r on the ``names`` layers, and dropout p on
+  their input in the passes that ask for it (``transformer.Linear``)."""
   if rank < 1:
     raise ValueError(f"LoRA rank must be >= 1, got {rank}")
-  return cfg.replace(lora_rank=int(rank), lora_alpha=float(alpha), lora_targets=targets(names))
+  return cfg.replace(lora_rank=int(rank), lora_alpha=float(alpha), lora_targets=targets(names),
+                     lora_dropout=float(dropout))
 
 
 def base_config(cfg: ModelConfig) -> ModelConfig:
   """``cfg`` without adapters: the module that applies the base parameters (the reference)."""
-  return cfg.replace(lora_rank=0, lora_targets=())
+  return cfg.replace(lora_rank=0, lora_targets=(), lora_dropout=0.0)
 
 
 def _is_adapter(path) -> bool:
@@ -156,6 +165,25 @@ def merge(params: Params, cfg: ModelConfig) -> Params:
     return {k: walk(v) for k, v in node.items()}
 
   return walk(params)
+
+
+# fold_in(update key, DROPOUT_STREAM): dropout's keys, apart from the minibatch shuffles'
+# (split(key, E) = fold_in(key, 0 … E − 1))
+DROPOUT_STREAM = 0x64726F70  # "drop"
+
+
+def dropout_keys(key: jax.Array, n: int) -> jax.Array:
+  """n keys for LoRA dropout (one per optimizer step) from the update's key."""
+  return jax.random.split(jax.random.fold_in(key, DROPOUT_STREAM), n)
+
+
+def dropout_rngs(module, key: jax.Array | None, stream: int) -> dict | None:
+  """``module.apply``'s rngs for LoRA dropout: {"dropout": a key of its own} (``stream``: 0
+  the policy, 1 a LoRA critic) where there is a ``key`` and the module drops out; else None,
+  and the module is deterministic."""
+  if key is None or not module.cfg.lora_dropout:
+    return None
+  return {"dropout": jax.random.fold_in(key, stream)}
 
 
 def count(adapters: Params) -> int:

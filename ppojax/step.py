@@ -112,6 +112,17 @@ def init_state(key: Array, actor: Params, critic: Params | None, actor_tx, criti
       kl=kl_controller(cfg).init(), step=jnp.zeros((), jnp.int32), key=key, base=base)
 
 
+class Context(NamedTuple):
+  """What the update's forward passes read besides the trained parameters.
+
+  ``base``: LoRA's frozen base (then the actor's params are its adapters); None: full
+  fine-tuning. ``dropout_key``: the key of LoRA's dropout on the adapters' input in this
+  forward pass (``transformer.Linear``); None: none (also for the models without dropout)."""
+
+  base: Params | None = None
+  dropout_key: Array | None = None
+
+
 def policy_params(actor: Params, base: Params | None) -> Params:
   """The policy's whole parameter tree: ``actor`` itself, or with LoRA the frozen base and the
   adapters together (``lora.combine``; the gradient of a function of it flows to ``actor``)."""
@@ -136,14 +147,15 @@ def _micro_weight(micro_mask: Array, minibatch_mask: Array, aggregation: str) ->
 
 
 def actor_forward(actor, models: Models, r: Rollout, temperature: float, ent_coef: float,
-                  base: Params | None = None) -> tuple[Array, Array]:
+                  ctx: Context = Context()) -> tuple[Array, Array]:
   """The update's policy pass over prompt + response: (log π_T(response_t), entropy_t), each
   [B, R], at the sampling ``temperature``. The entropy carries a gradient only when
-  ``ent_coef`` is non-zero (otherwise it is a metric). ``base``: LoRA's frozen base (then
-  ``actor`` holds the adapters)."""
+  ``ent_coef`` is non-zero (otherwise it is a metric). ``ctx``: LoRA's frozen base (then
+  ``actor`` holds the adapters) and dropout key (``Context``)."""
   args = (r.prompts, r.prompt_mask, r.responses, r.mask, r.prefix)
-  actor = policy_params(actor, base)
-  hidden = response_hidden(models.policy, actor, *args)
+  actor = policy_params(actor, ctx.base)
+  hidden = response_hidden(models.policy, actor, *args,
+                           rngs=lora.dropout_rngs(models.policy, ctx.dropout_key, 0))
   logp, entropy = head_logprobs(models.policy, actor, hidden, r.responses, temperature,
                                 entropy=True, chunk_size=None)
   return logp, entropy if ent_coef else jax.lax.stop_gradient(entropy)
@@ -158,23 +170,24 @@ def critic_params(critic: Params, models: Models, base: Params | None) -> Params
   return lora.combine({"model": base["model"]}, critic)
 
 
-def critic_forward(critic, models: Models, r: Rollout, base: Params | None = None
+def critic_forward(critic, models: Models, r: Rollout, ctx: Context = Context()
                    ) -> Array | None:
-  """The update's critic pass: V(s_t) [B, R], 0 off the mask (None without a critic)."""
+  """The update's critic pass: V(s_t) [B, R], 0 off the mask (None without a critic); a LoRA
+  critic's adapters get the policy's dropout, with a key of their own."""
   if models.critic is None:
     return None
-  critic = critic_params(critic, models, base)
+  critic = critic_params(critic, models, ctx.base)
   return response_values(models.critic, critic, r.prompts, r.prompt_mask, r.responses, r.mask,
-                          r.prefix)
+                          r.prefix, rngs=lora.dropout_rngs(models.critic, ctx.dropout_key, 1))
 
 
 def update_forward(params, models: Models, r: Rollout, temperature: float, ent_coef: float,
-                   base: Params | None = None) -> tuple[Array, Array, Array]:
+                   ctx: Context = Context()) -> tuple[Array, Array, Array]:
   """(log π_T(response_t), entropy_t, V(s_t)), each [B, R]: ``actor_forward`` and
   ``critic_forward``."""
   actor, critic = params
-  return (*actor_forward(actor, models, r, temperature, ent_coef, base),
-          critic_forward(critic, models, r, base))
+  return (*actor_forward(actor, models, r, temperature, ent_coef, ctx),
+          critic_forward(critic, models, r, ctx))
 
 
 def _clipped_loss(logp, entropy, values, exp: Experience, cfg) -> tuple[Array, dict]:
@@ -197,11 +210,12 @@ def _clipped_loss(logp, entropy, values, exp: Experience, cfg) -> tuple[Array, d
 
 
 def ppo_loss_on(params, models: Models, exp: Experience, cfg, temperature: float,
-                base: Params | None = None) -> tuple[Array, dict]:
+                ctx: Context = Context()) -> tuple[Array, dict]:
   """The clipped PPO loss of actor and critic on (a slice of) the experience; log-probs and
-  entropy at the sampling ``temperature``."""
+  entropy at the sampling ``temperature`` (with LoRA dropout where ``ctx`` has a key: the old
+  log-probs it is compared with are the sampling policy's, without)."""
   logp, entropy, values = update_forward(params, models, exp.rollout, temperature, cfg.ent_coef,
-                                         base)
+                                         ctx)
   return _clipped_loss(logp, entropy, values, exp, cfg)
 
 
@@ -227,30 +241,32 @@ def single_pass_loss(outputs, r: Rollout, scores: Array, beta: Array, cfg, group
 
 
 def _minibatch_grads(params, models: Models, exp: Experience, idx: Array, cfg, temperature,
-                     shardings=None, base=None):  # params, shardings: (actor, critic or None)
+                     shardings=None, ctx: Context = Context()):
   """Gradient and metrics of the minibatch ``idx`` [K, n], summed over its K micro-batches;
-  the gradients laid out as ``shardings`` (the parameters')."""
+  the gradients laid out as ``shardings`` (the parameters'; both pairs are (actor, critic or
+  None)). A dropout key in ``ctx`` is split into one per micro-batch."""
   mb_mask = exp.rollout.mask[idx.reshape(-1)]
 
   def grad_fn(*args):
     g, metrics = jax.grad(ppo_loss_on, has_aux=True)(*args)
     return sharding.constrain(g, shardings), metrics
 
-  def micro(grads, micro_idx):
+  def micro(grads, xs):
+    micro_idx, key = xs
     part = take_rows(exp, micro_idx)
     w = _micro_weight(part.rollout.mask, mb_mask, cfg.aggregation)
     w_tokens = _micro_weight(part.rollout.mask, mb_mask, "token_mean")
-    g, metrics = grad_fn(params, models, part, cfg, temperature, base)
+    g, metrics = grad_fn(params, models, part, cfg, temperature, ctx._replace(dropout_key=key))
     # the aggregated quantities (losses, the entropy bonus) add up with the aggregation's
     # weights, the token means (clip fractions, ratios, approx. KL, value error) with tokens'
     metrics = {k: (w if k.startswith(AGGREGATED) else w_tokens) * v for k, v in metrics.items()}
     return jax.tree.map(jnp.add, grads, jax.tree.map(lambda x: w * x, g)), metrics
 
   if idx.shape[0] == 1:  # no accumulation buffer
-    grads, metrics = grad_fn(params, models, take_rows(exp, idx[0]), cfg, temperature, base)
-    return grads, metrics
+    return grad_fn(params, models, take_rows(exp, idx[0]), cfg, temperature, ctx)
+  keys = None if ctx.dropout_key is None else jax.random.split(ctx.dropout_key, idx.shape[0])
   zeros = sharding.constrain(jax.tree.map(jnp.zeros_like, params), shardings)
-  grads, metrics = jax.lax.scan(micro, zeros, idx)
+  grads, metrics = jax.lax.scan(micro, zeros, (idx, keys))
   return grads, jax.tree.map(lambda m: jnp.sum(m, axis=0), metrics)
 
 
@@ -296,16 +312,20 @@ def update(models: Models, actor_tx, critic_tx, state: TrainState, exp: Experien
   gradients; metrics are averaged over the E·M steps.
 
   Each step is a ``lax.cond``: taken where ``ok`` (the experience is finite) and the step's own
-  losses and gradient norms are finite, skipped otherwise; no copy of the old state is kept."""
+  losses and gradient norms are finite, skipped otherwise; no copy of the old state is kept.
+
+  LoRA dropout (p > 0): each step draws its masks from its own key (``lora.dropout_keys``),
+  split again per micro-batch; with p = 0 nothing is drawn: the update without dropout."""
   batch = exp.advantages.shape[0]
   e, m, k = cfg.num_epochs, cfg.num_minibatches, cfg.grad_accum
   perms = jax.vmap(lambda kk: jax.random.permutation(kk, batch))(jax.random.split(key, e))
   indices = perms.reshape(e * m, k, batch // (m * k))
+  dropout_keys = lora.dropout_keys(key, e * m) if models.policy.cfg.lora_dropout else None
 
-  def step(carry, idx):
-    actor, critic = carry[:2]
+  def step(carry, xs):
+    (actor, critic), (idx, dropout_key) = carry[:2], xs
     grads, metrics = _minibatch_grads((actor, critic), models, exp, idx, cfg, temperature,
-                                      shardings, state.base)
+                                      shardings, Context(state.base, dropout_key))
     metrics = {**metrics, **_grad_norms(grads)}
     take = ok & _all_finite([v for name, v in metrics.items() if name.startswith("loss/")
                              or name.endswith("grad_norm")])
@@ -313,17 +333,20 @@ def update(models: Models, actor_tx, critic_tx, state: TrainState, exp: Experien
                          lambda c: c, carry)
     return carry, metrics
 
-  carry, metrics = jax.lax.scan(step, _params_and_opts(state), indices)
+  carry, metrics = jax.lax.scan(step, _params_and_opts(state), (indices, dropout_keys))
   return _with_params(state, carry), jax.tree.map(jnp.mean, metrics)
 
 
-def single_pass(cfg) -> bool:
+def single_pass(cfg, lora_dropout: float = 0.0) -> bool:
   """Whether the update is one gradient step on the whole batch at the rollout's params (1
   epoch × 1 minibatch × 1 micro-batch) and ``ppo.reuse_update_forward`` lets it take the old
   values (and, with ``ppo.old_logprobs = "recompute"``, the old log-probs) from its own forward
   pass instead of a rollout forward (``single_pass_loss``): one critic forward pass (and one
-  policy forward pass) fewer per iteration, the same iteration up to float rounding."""
-  return bool(cfg.get("reuse_update_forward", True)) and (
+  policy forward pass) fewer per iteration, the same iteration up to float rounding.
+
+  Never with LoRA dropout (``lora_dropout`` > 0): the update's forward pass then drops out,
+  and the old log-probs and values must be the sampling policy's, without."""
+  return bool(cfg.get("reuse_update_forward", True)) and not lora_dropout and (
       cfg.num_epochs * cfg.num_minibatches * cfg.grad_accum == 1)
 
 
@@ -360,12 +383,12 @@ def single_pass_update(models: Models, actor_tx, critic_tx, state: TrainState, r
   critic only the actor's half runs. Returns (state, experience, experience metrics, update
   metrics)."""
   actor_shardings, critic_shardings = (None, None) if shardings is None else shardings
+  ctx = Context(state.base)  # no dropout: these log-probs and values are also the old ones
   (logp, entropy), actor_vjp = jax.vjp(
-      lambda a: actor_forward(a, models, r, temperature, cfg.ent_coef, state.base), state.actor)
+      lambda a: actor_forward(a, models, r, temperature, cfg.ent_coef, ctx), state.actor)
   values = None
   if state.critic is not None:
-    values, critic_vjp = jax.vjp(lambda c: critic_forward(c, models, r, state.base),
-                                 state.critic)
+    values, critic_vjp = jax.vjp(lambda c: critic_forward(c, models, r, ctx), state.critic)
   (d_logp, d_entropy, d_values), (metrics, exp, exp_metrics) = jax.grad(
       single_pass_loss, has_aux=True)((logp, entropy, values), r, scores, state.kl.beta, cfg,
                                       group_size)
@@ -482,7 +505,7 @@ def make_ppo_step(models: Models, actor_tx, critic_tx, actor_schedule: optax.Sch
     raise ValueError("give exactly one reward: Models.reward (a reward model), Models.reward_fn "
                      "(a JAX rule) or python_reward (a host function)")
 
-  one_pass = single_pass(cfg)
+  one_pass = single_pass(cfg, models.policy.cfg.lora_dropout)
   micro_batches = forward_micro_batches(cfg, mesh)
   grad_shardings = None if state_shardings is None else (state_shardings.actor,
                                                          state_shardings.critic)

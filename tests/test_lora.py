@@ -271,7 +271,7 @@ import pathlib, jax, jax.numpy as jnp, numpy as np
 from ppojax import runner, sharding
 root = pathlib.Path("ROOT")
 over = dict(ppo__batch_size=16, lora__rank=4, lora__critic=True, model__critic_init="policy",
-            ppo__kl_coef=0.1, model__tiny__hidden_size=64)
+            ppo__kl_coef=0.1, model__tiny__hidden_size=64, lora__dropout=DROPOUT)
 one = runner.build(runner.load_config(root / "configs" / "toy.py", **over))
 mesh = runner.build(runner.load_config(root / "configs" / "toy.py", mesh__shape=(2, 4, 1), **over))
 q = mesh.state.base["model"]["layers"]["attn"]["q"]["kernel"]
@@ -290,11 +290,12 @@ print("OK")
 """
 
 
+@pytest.mark.parametrize("dropout", [0.0, 0.2])  # LoRA dropout's masks: the same on a mesh
 def test_lora_on_a_mesh_shards_the_base_replicates_adapters_and_matches_one_device(
-    run_on_8_cpu_devices):
+    run_on_8_cpu_devices, dropout):
   import pathlib  # pylint: disable=import-outside-toplevel
   root = pathlib.Path(__file__).resolve().parent.parent
-  run_on_8_cpu_devices(MESH_SCRIPT.replace("ROOT", str(root)))
+  run_on_8_cpu_devices(MESH_SCRIPT.replace("ROOT", str(root)).replace("DROPOUT", str(dropout)))
 
 
 @pytest.mark.parametrize("w_axis", [0, 1])
@@ -319,3 +320,159 @@ def test_lora_matmul_gradients_equal_autodiff_of_the_plain_formula(w_axis):
   # the base kernel is frozen by construction
   g_w = jax.grad(lambda k: jnp.sum(T.lora_matmul(x, k, a, b, 0.5, w_axis) * dy))(kernel)
   assert not np.any(g_w)
+
+
+# ---------------------------------------------------------------------------------------------
+# LoRA dropout: on the adapters' input, in the update only
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("w_axis", [0, 1])
+def test_lora_dropout_matmul_gradients_equal_autodiff_with_the_same_mask(w_axis):
+  rng = np.random.RandomState(0)
+  x = jnp.asarray(rng.standard_normal((2, 5, 6)), jnp.float32)
+  w = jnp.asarray(rng.standard_normal((6, 7)), jnp.float32)
+  a = jnp.asarray(rng.standard_normal((6, 3)), jnp.float32)
+  b = jnp.asarray(rng.standard_normal((3, 7)), jnp.float32)
+  dy = jnp.asarray(rng.standard_normal((2, 5, 7)), jnp.float32)
+  keep = jax.random.bernoulli(jax.random.key(0), 0.7, x.shape)
+  kernel = w.T if w_axis else w
+
+  def ours(x, a, b):
+    return jnp.sum(T.lora_dropout_matmul(x, kernel, a, b, keep, 0.5, 0.3, w_axis) * dy)
+
+  def plain(x, a, b):  # y = x·W + s·(x_d·A)·B, x_d = x ⊙ keep/(1 − p)
+    return jnp.sum((x @ w + 0.5 * ((x * keep / 0.7) @ a) @ b) * dy)
+
+  np.testing.assert_allclose(ours(x, a, b), plain(x, a, b), rtol=1e-5)
+  for got, want in zip(jax.grad(ours, (0, 1, 2))(x, a, b), jax.grad(plain, (0, 1, 2))(x, a, b)):
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+  g_w = jax.grad(lambda k: jnp.sum(T.lora_dropout_matmul(x, k, a, b, keep, 0.5, 0.3, w_axis)
+                                   * dy))(kernel)
+  assert not np.any(g_w)  # the base stays frozen
+
+
+def test_lora_dropout_masks_keep_1_minus_p_scaled_and_differ_per_layer(monkeypatch):
+  # y = x_d exactly: W = 0, A = B = I, α = r; x = 1, so y shows the scaled mask
+  n, p = 256, 0.25
+  cfg = lora.adapted_config(_cfg(hidden_size=n), rank=n, alpha=n, names="q", dropout=p)
+  params = {"kernel": jnp.zeros((n, n)), "lora_a": jnp.eye(n), "lora_b": jnp.eye(n)}
+  linear = T.Linear(cfg, n, False, name="q")
+  x = jnp.ones((4, 8, n))
+  y = np.asarray(linear.apply({"params": params}, x, rngs={"dropout": jax.random.key(0)}))
+  kept = y != 0
+  assert abs(kept.mean() - (1 - p)) < 0.02  # 8,192 draws: σ ≈ 0.005
+  np.testing.assert_allclose(y[kept], 1 / (1 - p), rtol=1e-6)  # inverted dropout
+  np.testing.assert_array_equal(linear.apply({"params": params}, x), x)  # no rng: no dropout
+  # in a model (scanned layers): every layer and projection draws its own mask
+  masks = []
+  plain = T.lora_dropout_matmul
+
+  def spy(x, w, a, b, keep, *args):
+    jax.debug.callback(lambda k: masks.append(np.asarray(k)), keep)
+    return plain(x, w, a, b, keep, *args)
+
+  monkeypatch.setattr(T, "lora_dropout_matmul", spy)
+  cfg = lora.adapted_config(_cfg(), rank=2, alpha=4, names="all-linear", dropout=0.5)
+  base = _base_params(lora.base_config(cfg))
+  params = lora.combine(base, lora.init_adapters(base, cfg, jax.random.PRNGKey(0)))
+  T.CausalLM(cfg).apply({"params": params}, *_inputs(), rngs={"dropout": jax.random.key(1)})
+  jax.effects_barrier()
+  assert len(masks) == L * 7 and len({m.tobytes() for m in masks}) == L * 7
+
+
+def test_lora_dropout_only_with_an_rng_and_p_0_is_the_path_without():
+  cfg = lora.adapted_config(_cfg(), rank=4, alpha=8, names="all-linear", dropout=0.3)
+  base = _base_params(lora.base_config(cfg))
+  params = lora.combine(base, _trained(lora.init_adapters(base, cfg, jax.random.PRNGKey(0))))
+  no_dropout = _logits(cfg.replace(lora_dropout=0.0), params)
+  np.testing.assert_array_equal(_logits(cfg, params), no_dropout)  # no rng: deterministic
+  with_rng = lambda c, k: T.CausalLM(c).apply(  # noqa: E731
+      {"params": params}, *_inputs(), rngs={"dropout": jax.random.key(k)})[0]
+  np.testing.assert_array_equal(with_rng(cfg, 1), with_rng(cfg, 1))
+  assert np.abs(with_rng(cfg, 1) - with_rng(cfg, 2)).max() > 1e-3
+  assert np.abs(with_rng(cfg, 1) - no_dropout).max() > 1e-3
+  np.testing.assert_array_equal(with_rng(cfg.replace(lora_dropout=0.0), 1), no_dropout)
+  # the reference (base_config) has no dropout to switch on
+  assert lora.base_config(cfg).lora_dropout == 0.0
+  with pytest.raises(ValueError, match="lora_dropout=1.0 must be in"):
+    cfg.replace(lora_dropout=1.0)
+
+
+def test_lora_dropout_0_compiles_the_update_without_random_bits():
+  """p = 0 draws nothing (the update's program is the one without dropout; its lowered text
+  was also compared with the one before dropout existed); p > 0 draws in the gradient, and a
+  module with p > 0 given no key is again the program without dropout."""
+  import dataclasses  # pylint: disable=import-outside-toplevel
+  from ppojax import algorithms, experience, runner  # pylint: disable=import-outside-toplevel
+  from ppojax import step as step_lib  # pylint: disable=import-outside-toplevel
+  r = runner.build(_toy(**{"lora.rank": 4, "lora.critic": True, "model.critic_init": "policy",
+                           "ppo.kl_coef": 0.1}))
+  ppo = algorithms.resolve(r.config).ppo
+  roll = jax.eval_shape(r.step.rollout, r.state, r.frozen, r.source.batch(0).prompts)
+  exp = jax.eval_shape(lambda roll: experience.make_experience(
+      roll, jnp.zeros(roll.mask.shape[0]), 0.1, ppo)[0], roll)
+  dropped = dataclasses.replace(
+      r.models, policy=T.CausalLM(r.models.policy.cfg.replace(lora_dropout=0.1)),
+      critic=T.ValueModel(r.models.critic.cfg.replace(lora_dropout=0.1)))
+  idx = jnp.arange(16).reshape(2, 8)
+  params = (r.state.actor, r.state.critic)
+
+  def grads_jaxpr(models, key):
+    ctx = step_lib.Context(r.state.base, key)
+    return str(jax.make_jaxpr(lambda p, e: step_lib._minibatch_grads(  # pylint: disable=W0212
+        p, models, e, idx, ppo, 1.0, ctx=ctx))(params, exp))
+
+  random_ops = ("random_bits", "threefry2x32", "random_fold_in", "random_split")
+  p0 = grads_jaxpr(r.models, None)
+  assert not any(op in p0 for op in random_ops)
+  assert grads_jaxpr(dropped, None) == p0  # p > 0 but no key: the same program
+  assert "random_bits" in grads_jaxpr(dropped, jax.random.key(0))
+
+  # a one-step update takes its old log-probs and values from a rollout forward with dropout
+  one = ppo.copy_and_resolve_references()
+  one.num_epochs = one.num_minibatches = one.grad_accum = 1
+  assert step_lib.single_pass(one) and not step_lib.single_pass(one, 0.1)
+
+
+def _same(a, b) -> bool:
+  return all(np.array_equal(x, y) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
+
+
+def test_lora_dropout_acts_in_the_update_only_and_is_reproducible():
+  """Policy and LoRA critic: the rollout (samples, old and reference log-probs, old values) is
+  bit for bit the one without dropout; the update is another, and the same for the same state."""
+  from ppojax import runner  # pylint: disable=import-outside-toplevel
+  runs = {p: runner.build(_toy(**{"lora.rank": 4, "lora.critic": True, "lora.dropout": p,
+                                  "model.critic_init": "policy", "ppo.kl_coef": 0.1}))
+          for p in (0.0, 0.3)}
+  prompts = runs[0.0].source.batch(0).prompts
+  rolls = {p: r.step.rollout(r.state, r.frozen, prompts) for p, r in runs.items()}
+  for field in ("responses", "old_logp", "ref_logp", "old_values"):
+    np.testing.assert_array_equal(getattr(rolls[0.3], field), getattr(rolls[0.0], field))
+  scores = jnp.asarray(np.linspace(0, 1, rolls[0.0].mask.shape[0]), jnp.float32)
+
+  def learn(p):
+    return runs[p].step.learn(jax.tree.map(jnp.copy, runs[p].state), rolls[p], scores)
+
+  (once, m_once), (again, _), (without, _) = learn(0.3), learn(0.3), learn(0.0)
+  assert _same(once.actor, again.actor) and _same(once.critic, again.critic)
+  assert not _same(once.actor, without.actor) and not _same(once.critic, without.critic)
+  assert np.isfinite(m_once["loss/policy_avg"]) and np.isfinite(m_once["loss/value_avg"])
+
+
+def test_a_lora_dropout_run_resumes_exactly_and_exports_its_dropout(tmp_path):
+  import json  # pylint: disable=import-outside-toplevel
+  from ppojax import reporting, runner  # pylint: disable=import-outside-toplevel
+  config = _toy(**{"lora.rank": 4, "lora.dropout": 0.1, "ppo.kl_coef": 0.1})
+  whole = runner.run(config, str(tmp_path / "whole")).history
+  runner.run(config, str(tmp_path / "parts"), stop_after=2)
+  runner.run(config, str(tmp_path / "parts"))
+  volatile = ("time/", "eps", "memory/")
+  read = lambda d: [{k: v for k, v in row.items() if not k.startswith(volatile)}  # noqa: E731
+                    for row in reporting.read_metrics(str(tmp_path / d / "metrics.jsonl"))]
+  assert read("parts") == read("whole") and len(whole) == 4
+  assert all(np.isfinite(row["loss/policy_avg"]) and row["skipped/nonfinite"] == 0
+             for row in read("whole"))
+  adapter_config = json.loads((tmp_path / "whole" / "adapters" / "adapter_config.json").read_text())
+  assert adapter_config["lora_dropout"] == 0.1

@@ -90,6 +90,9 @@ def test_unknown_choices(name, value, message):
     ("ppo.missing_stop_penalty", -1.0, r"ppo\.missing_stop_penalty=-1\.0 must be >= 0: it is "
      r"subtracted from the score"),
     ("optim.max_grad_norm", 0.0, r"optim\.max_grad_norm=0\.0 must be > 0"),
+    ("lora.dropout", 1.0, r"lora\.dropout=1\.0 must be in \[0, 1\): the probability of "
+     r"dropping"),
+    ("lora.dropout", -0.1, r"lora\.dropout=-0\.1 must be in \[0, 1\)"),
 ])
 def test_out_of_range_values(name, value, message):
   c = toy()
@@ -107,6 +110,13 @@ def test_in_range_edge_values_pass():
   c.ppo.gamma, c.ppo.lam = 1.0, 0.0
   c.ppo.score_clip = 5.0
   config_lib.validate(c, num_devices=1)
+
+
+def test_lora_dropout_needs_adapters():
+  with pytest.raises(config_lib.ConfigError, match=r"lora\.dropout=0\.1 drops out the LoRA "
+                     r"adapters' input, but lora\.rank=0 \(full fine-tuning\) has no adapters"):
+    config_lib.validate(toy(lora__dropout=0.1), num_devices=1)
+  config_lib.validate(toy(lora__dropout=0.1, lora__rank=4), num_devices=1)
 
 
 def test_adaptive_kl_needs_positive_target_and_horizon():

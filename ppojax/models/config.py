@@ -73,6 +73,9 @@ class ModelConfig:
   lora_rank: int = 0
   lora_alpha: float = 16.0
   lora_targets: tuple[str, ...] = ()
+  # dropout p on the adapters' input, (α/r)·(dropout_p(x)·A)·B: only in an ``apply`` given a
+  # "dropout" rng (the update's forward passes); every other pass is deterministic
+  lora_dropout: float = 0.0
 
   def __post_init__(self):
     if self.model_type not in SUPPORTED:
@@ -89,6 +92,9 @@ class ModelConfig:
       raise ValueError("LoRA (lora_rank > 0) needs lora_targets and separate projections "
                        "(fused_projections=False; merge the adapters before decoding: "
                        "ppojax.lora.merge)")
+    if not 0 <= self.lora_dropout < 1 or (self.lora_dropout and not self.lora_rank):
+      raise ValueError(f"lora_dropout={self.lora_dropout} must be in [0, 1), and 0 without "
+                       "adapters (lora_rank = 0)")
     if self.layer_windows is not None and len(self.layer_windows) != self.num_layers:
       raise ValueError(f"layer_windows has {len(self.layer_windows)} entries for "
                        f"{self.num_layers} layers")

@@ -326,11 +326,75 @@ def _lora_matmul_bwd(scale, w_axis, residuals, dy):
 lora_matmul.defvjp(_lora_matmul_fwd, _lora_matmul_bwd)
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
+def lora_dropout_matmul(x: Array, w: Array, a: Array, b: Array, keep: Array, scale: float,
+                        rate: float, w_axis: int) -> Array:
+  """x·W + s·(x_d·A)·B with LoRA dropout on the adapters' input (peft's ``lora_dropout``):
+  x_d = x ⊙ keep/(1 − p), ``keep`` [..., in] a boolean mask of P(True) = 1 − p (inverted
+  dropout: E[x_d] = x); the base path x·W never sees it. With dy and x, dy flattened to rows:
+
+      forward:   y = x·W + s·(x_d·A)·B
+      backward:  g = dy·Bᵀ [N, r],  ∂x = dy·Wᵀ + s·(g·Aᵀ) ⊙ keep/(1 − p),
+                 ∂A = s·x_dᵀ·g,  ∂B = s·(x_d·A)ᵀ·dy,  ∂W = 0
+
+  The base and the adapters see different inputs, so W + s·A·B cannot be merged as in
+  ``lora_matmul``; still, each direction holds one full-size product (x·W forward, dy·Wᵀ
+  backward) and the adapters' products are all rank r, contracting over the rows as there (no
+  [in, out] weight gradient). The mask comes in as an argument, drawn outside (``Linear``), and
+  stays for the backward pass as booleans: a byte per input element (a quarter of float32 x);
+  x_d is recomputed from x and the mask, elementwise, rather than kept. Drawing the mask again
+  from a key in the backward pass would save that byte at the cost of a second pass of the
+  random-bits generator over [N, in]; under ``remat`` the layer's forward is recomputed from
+  the same key anyway."""
+  x_d = _dropped(x, keep, rate)
+  h = _dot_f32(x_d, a, (((x.ndim - 1,), (0,)), ((), ())))  # x_d·A [..., r]
+  y = jax.lax.dot_general(x, w, (((x.ndim - 1,), (w_axis,)), ((), ())),
+                          preferred_element_type=jnp.float32)
+  y += scale * jax.lax.dot_general(h, b, (((h.ndim - 1,), (0,)), ((), ())),
+                                   preferred_element_type=jnp.float32)
+  return y.astype(jnp.result_type(x, w))
+
+
+def _dropped(x, keep, rate):
+  """x ⊙ keep/(1 − p), scaled in float32 (1/(1 − p) is not exact in bfloat16), in x's dtype."""
+  return jnp.where(keep, x.astype(jnp.float32) / (1.0 - rate), 0.0).astype(x.dtype)
+
+
+def _lora_dropout_matmul_fwd(x, w, a, b, keep, scale, rate, w_axis):
+  return lora_dropout_matmul(x, w, a, b, keep, scale, rate, w_axis), (x, w, a, b, keep)
+
+
+def _lora_dropout_matmul_bwd(scale, rate, w_axis, residuals, dy):
+  x, w, a, b, keep = residuals
+  x_d = _dropped(x, keep, rate).reshape(-1, x.shape[-1])
+  dy2 = dy.reshape(-1, dy.shape[-1])
+  g = _dot_f32(dy2, b, (((1,), (1,)), ((), ())))  # ∂y·Bᵀ [N, r]
+  h = _dot_f32(x_d, a, (((1,), (0,)), ((), ())))  # x_d·A [N, r]
+  dx = jax.lax.dot_general(dy, w, (((dy.ndim - 1,), (1 - w_axis,)), ((), ())),
+                           preferred_element_type=jnp.float32)  # ∂y·Wᵀ
+  dx_d = jax.lax.dot_general(g, a, (((1,), (1,)), ((), ())),
+                             preferred_element_type=jnp.float32)  # (∂y·Bᵀ)·Aᵀ [N, in]
+  dx += scale * _dropped(dx_d, keep.reshape(dx_d.shape), rate).reshape(dx.shape)
+  rows = (((0,), (0,)), ((), ()))
+  da = scale * _dot_f32(x_d, g, rows)  # x_dᵀ·(∂y·Bᵀ) [in, r]
+  db = scale * _dot_f32(h, dy2, rows)  # (x_d·A)ᵀ·∂y [r, out]
+  return dx.astype(x.dtype), None, da.astype(a.dtype), db.astype(b.dtype), None
+
+
+lora_dropout_matmul.defvjp(_lora_dropout_matmul_fwd, _lora_dropout_matmul_bwd)
+
+
 class Linear(nn.Module):
   """y = x·W + b with W [in, out] ("kernel") — or stored [out, in] with
   ``cfg.transposed_kernels``, then y = x·Wᵀ + b; the same function of the same parameters up
   to the transpose (``transpose_kernels``). Computed in the compute dtype, accumulated in
-  float32 (``weight_matmul``)."""
+  float32 (``weight_matmul``).
+
+  A LoRA target adds (α/r)·(x·A)·B (``lora_matmul``). With ``cfg.lora_dropout`` p > 0 and a
+  "dropout" rng in the ``apply`` call (the policy update's forward passes), the adapters' input
+  is dropped out, (α/r)·(dropout_p(x)·A)·B (``lora_dropout_matmul``), with a mask of its own
+  for each layer and each call; without that rng (sampling, old and reference log-probs,
+  evaluation) the layer is deterministic, and p = 0 never looks for one."""
 
   cfg: ModelConfig
   features: int
@@ -347,8 +411,12 @@ class Linear(nn.Module):
     if cfg.lora_rank and self.name in cfg.lora_targets:  # x·(W + (α/r)·A·B), W frozen
       a = self.param("lora_a", lora_a_init, (shape[0], cfg.lora_rank), jnp.float32)
       b = self.param("lora_b", nn.initializers.zeros, (cfg.lora_rank, shape[1]), jnp.float32)
-      y = lora_matmul(x, kernel, a.astype(x.dtype), b.astype(x.dtype),
-                      cfg.lora_alpha / cfg.lora_rank, w_axis)
+      a, b, scale = a.astype(x.dtype), b.astype(x.dtype), cfg.lora_alpha / cfg.lora_rank
+      if cfg.lora_dropout and self.has_rng("dropout"):
+        keep = jax.random.bernoulli(self.make_rng("dropout"), 1.0 - cfg.lora_dropout, x.shape)
+        y = lora_dropout_matmul(x, kernel, a, b, keep, scale, cfg.lora_dropout, w_axis)
+      else:
+        y = lora_matmul(x, kernel, a, b, scale, w_axis)
     else:
       y = weight_matmul(x, kernel, w_axis)
     # named for the remat policies (REMAT_POLICIES): the custom VJP hides the dot inside
@@ -580,7 +648,7 @@ class Decoder(nn.Module):
                      policy=REMAT_POLICIES[cfg.remat_policy]) if cfg.remat else Block
     if cfg.scan_layers:
       self.layers = nn.scan(
-          block, variable_axes={"params": 0}, split_rngs={"params": True},
+          block, variable_axes={"params": 0}, split_rngs={"params": True, "dropout": True},
           in_axes=(0, 0, nn.broadcast, nn.broadcast, nn.broadcast, nn.broadcast),
           length=cfg.num_layers,
       )(cfg, name="layers")
