@@ -9,6 +9,12 @@ held-out evaluations before and after, ``--iterations`` iterations with a checkp
 kernel's ``ru_maxrss`` of the child, read by ``os.wait4``; this script imports no JAX, so
 nothing of its own is folded in). ``ratios`` divides every job's peak by the first job's.
 
+``--compiled`` adds what the compiled programs need (XLA's ``memory_analysis`` of the
+sampling half and the update half, built abstractly, no weights read): the state, the frozen
+models (reference) and each half's temporaries. The difference between a run's peak and
+state + frozen + the larger temporaries is the process's own memory (Python, JAX, the
+tokenizer, compiled code) and whatever its allocator holds.
+
 ``--ab`` runs every job a second time with ``PPOJAX_RELEASE_MEMORY=0``: without
 ``hostmem.release`` returning the C heap's free pages between phases (``*_no_release``).
 
@@ -19,6 +25,7 @@ ratios, the CPU (``lscpu``).
 from __future__ import annotations
 
 import argparse
+import ast
 import json
 import os
 import pathlib
@@ -52,6 +59,39 @@ def run_job(config: str, flags: list[str], workdir: pathlib.Path, iterations: in
           "wall_s": round(time.perf_counter() - t0, 1)}
 
 
+def compiled_mb(config: str, flags: list[str]) -> dict:
+  """MiB of the state, the frozen models and the two compiled halves' temporaries of
+  ``config``, on this machine's first device. A text reward runs on the host between the
+  halves and holds no device memory: it is swapped for a JAX rule of the same shapes, so that
+  the step builds without a tokenizer."""
+  import jax  # pylint: disable=import-outside-toplevel
+  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
+
+  from ppojax import aot, runner  # pylint: disable=import-outside-toplevel
+  from ppojax.build import load_config  # pylint: disable=import-outside-toplevel
+
+  def value(text: str):
+    try:
+      return ast.literal_eval(text)
+    except (ValueError, SyntaxError):
+      return text  # a string option
+
+  c = load_config(config, **{k.removeprefix("--config.").replace(".", "__"): value(v)
+                             for k, v in (f.split("=", 1) for f in flags)})
+  c.reward.update(kind="jax", fn="ppojax.tasks:count_reward")
+  run = runner.build(c, devices=jax.devices()[:1], abstract=True)
+  prompts = aot.abstract_prompts(c, run.mesh)
+  mb = lambda tree: round(sum(x.size * x.dtype.itemsize  # noqa: E731
+                              for x in jax.tree.leaves(tree)) / 2**20, 1)
+  rollout = jax.eval_shape(run.step.rollout, run.state, run.frozen, prompts)
+  scores = jax.ShapeDtypeStruct((rollout.responses.shape[0],), jnp.float32)
+  temp = lambda fn, *a: round(  # noqa: E731
+      fn.lower(*a).compile().memory_analysis().temp_size_in_bytes / 2**20, 1)
+  return {"state_mb": mb(run.state), "frozen_mb": mb(run.frozen),
+          "sampling_temp_mb": temp(run.step.rollout, run.state, run.frozen, prompts),
+          "update_temp_mb": temp(run.step.learn, run.state, rollout, scores)}
+
+
 def cpu_name() -> str:
   try:
     for line in subprocess.run(["lscpu"], capture_output=True, text=True,
@@ -69,6 +109,8 @@ def main(argv=None) -> None:
   parser.add_argument("--iterations", type=int, default=3)
   parser.add_argument("--save-every", type=int, default=2)
   parser.add_argument("--out", default="/tmp/ppojax-memory")
+  parser.add_argument("--compiled", action="store_true",
+                      help="also report what the compiled programs need (no run)")
   parser.add_argument("--ab", action="store_true",
                       help="also run every job with PPOJAX_RELEASE_MEMORY=0")
   args = parser.parse_args(argv)
@@ -90,6 +132,9 @@ def main(argv=None) -> None:
     for name, _, _ in jobs[1:]:
       ratios[f"{name}{suffix}/{jobs[0][0]}{suffix}"] = round(
           results[name + suffix]["peak_rss_mb"] / first, 3)
+  if args.compiled:
+    for name, config, flags in jobs:
+      results[name]["compiled"] = compiled_mb(config, flags)
   print(json.dumps({"jobs": results, "ratios": ratios, "iterations": args.iterations,
                     "save_every": args.save_every, "cpu": cpu_name(),
                     "cpus": os.cpu_count()}))
