@@ -251,7 +251,7 @@ def rollout(policy: nn.Module, critic: nn.Module | None, actor, ref_actor, criti
     the same actor params (the two differ only by float rounding: the KV-cache decode sums in
     another order than the full forward);
   * "update": not here (``Rollout.old_logp`` is None); a single-pass update takes it from its
-    own forward pass at the same params (``step.single_pass_update``).
+    own forward pass at the same params (``update.single_pass_update``).
 
   ``old_values=False`` leaves ``Rollout.old_values`` None for the same reason."""
   if old_logp not in ("recompute", "sampler", "update"):

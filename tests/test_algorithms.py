@@ -15,6 +15,7 @@ import pytest
 from ppojax import algorithms, experience, runner
 from ppojax import config as config_lib
 from ppojax import step as step_lib
+from ppojax import update as update_lib
 from ppojax.models import CausalLM, init_params
 from ppojax.sampling import SamplingConfig, generate
 
@@ -94,7 +95,7 @@ def test_critic_free_step_holds_and_runs_no_critic(monkeypatch, algorithm, split
   """No critic parameters or optimizer state, no value forward pass (the value functions are
   booby-trapped while the step traces), still one compiled function; trl's GRPO metric
   names."""
-  for module in (experience, step_lib):
+  for module in (experience, update_lib):
     _forbid(monkeypatch, module, "response_values")
   changes = {} if split == "two_pass" else {"ppo__num_epochs": 1, "ppo__num_minibatches": 1}
   run = runner.build(toy(algorithm, **changes))

@@ -33,6 +33,7 @@ import pytest
 import reference as ref
 from ppojax import algorithms, runner, tasks
 from ppojax import step as step_lib
+from ppojax import update as update_lib
 
 _TOY = pathlib.Path(__file__).parents[1] / "configs" / "toy.py"
 LR = 0.2
@@ -281,20 +282,20 @@ def test_critic_free_step_equals_the_reference_iteration(trained_grouped, split)
     assert want["policy/clipfrac_avg"] > 0
 
 
-def _miswired(monkeypatch, name, wrap):
-  monkeypatch.setattr(step_lib, name, wrap(getattr(step_lib, name)))
+def _miswired(monkeypatch, module, name, wrap):
+  monkeypatch.setattr(module, name, wrap(getattr(module, name)))
 
 
 MISWIRINGS = {
     # log π_old and log π_ref exchanged in the rollout
-    "swapped_old_ref": ("rollout", lambda f: lambda *a, **k: (lambda r: r._replace(
+    "swapped_old_ref": (step_lib, "rollout", lambda f: lambda *a, **k: (lambda r: r._replace(
         old_logp=r.ref_logp, ref_logp=r.old_logp))(f(*a, **k))),
     # each minibatch takes the rows after its own
-    "wrong_minibatch_rows": ("take_rows", lambda f: lambda exp, idx: f(
+    "wrong_minibatch_rows": (update_lib, "take_rows", lambda f: lambda exp, idx: f(
         exp, (idx + 1) % exp.advantages.shape[0])),
     # the update's log-probs and entropy at T = 1 whatever the sampler's temperature
-    "update_at_temperature_1": ("actor_forward", lambda f: lambda a, m, r, t, e, base=None: f(
-        a, m, r, 1.0, e, base)),
+    "update_at_temperature_1": (update_lib, "actor_forward", lambda f: (
+        lambda a, m, r, t, e, base=None: f(a, m, r, 1.0, e, base))),
 }
 
 

@@ -406,6 +406,7 @@ def test_lora_dropout_0_compiles_the_update_without_random_bits():
   import dataclasses  # pylint: disable=import-outside-toplevel
   from ppojax import algorithms, experience, runner  # pylint: disable=import-outside-toplevel
   from ppojax import step as step_lib  # pylint: disable=import-outside-toplevel
+  from ppojax import update as update_lib  # pylint: disable=import-outside-toplevel
   r = runner.build(_toy(**{"lora.rank": 4, "lora.critic": True, "model.critic_init": "policy",
                            "ppo.kl_coef": 0.1}))
   ppo = algorithms.resolve(r.config).ppo
@@ -420,7 +421,7 @@ def test_lora_dropout_0_compiles_the_update_without_random_bits():
 
   def grads_jaxpr(models, key):
     ctx = step_lib.Context(r.state.base, key)
-    return str(jax.make_jaxpr(lambda p, e: step_lib._minibatch_grads(  # pylint: disable=W0212
+    return str(jax.make_jaxpr(lambda p, e: update_lib._minibatch_grads(  # pylint: disable=W0212
         p, models, e, idx, ppo, 1.0, ctx=ctx))(params, exp))
 
   random_ops = ("random_bits", "threefry2x32", "random_fold_in", "random_split")

@@ -176,7 +176,7 @@ def test_aggregate_empty_mask(mode):
 @pytest.mark.parametrize("mode", AGG_MODES)
 def test_aggregation_count_splits_exactly(mode):
   """Σ_k count_k/count · aggregate(part k) = aggregate(all): the micro-batch weights of gradient
-  accumulation (step._micro_weight) for every mode; parts with empty rows included."""
+  accumulation (update._micro_weight) for every mode; parts with empty rows included."""
   rng = _rng((8, 9), 0, salt=21)
   m = prefix_mask(rng, 8, 9)
   x, x64 = f32(poison(rng.normal(size=(8, 9)), m))

@@ -217,7 +217,7 @@ def test_metrics_have_trl_names_and_sane_values(fused_run):
                          ["token_mean", "seq_mean", "seq_mean_token_sum_norm"])
 def test_gradient_accumulation_is_exact(aggregation):
   """The sum of K weighted micro-batch gradients is the minibatch gradient (ragged masks)."""
-  from ppojax import step as step_lib  # pylint: disable=import-outside-toplevel
+  from ppojax import update as update_lib  # pylint: disable=import-outside-toplevel
 
   config = toy_config(**{"ppo.aggregation": aggregation})
   r = runner.build(config)
@@ -227,7 +227,7 @@ def test_gradient_accumulation_is_exact(aggregation):
   exp, _ = experience.make_experience(rollout, r.step.score(r.frozen, rollout), 0.05, ppo)
   params = (r.state.actor, r.state.critic)
   order = jnp.asarray(np.random.default_rng(0).permutation(16))
-  grads = lambda k: step_lib._minibatch_grads(  # noqa: E731  pylint: disable=protected-access
+  grads = lambda k: update_lib._minibatch_grads(  # noqa: E731  pylint: disable=protected-access
       params, r.models, exp, order.reshape(k, 16 // k), ppo, 1.0)
   (g1, m1), (g4, m4) = grads(1), grads(4)
   _assert_close(g1, g4, rtol=1e-4, atol=1e-7)
