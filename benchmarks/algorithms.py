@@ -185,6 +185,8 @@ def main(argv=None):
   parser.add_argument("--parallel", type=int, default=1)
   parser.add_argument("--eval-every", type=int, default=5)
   parser.add_argument("--figure", type=pathlib.Path, default=None)
+  parser.add_argument("--report-only", action="store_true",
+                      help="summarise the finished runs under --out; start none")
   args = parser.parse_args(argv)
   jobs = [parse_job(j) for j in args.jobs]
   names = [n for n, _, _ in jobs]
@@ -192,6 +194,14 @@ def main(argv=None):
     raise SystemExit(f"job names must differ: {names}")
   out = args.out.resolve()
   tasks = [(job, seed) for seed in args.seeds for job in jobs]  # every job's seed 0 first
+  if args.report_only:
+    finished = [(job, seed) for job, seed in tasks
+                if (out / job[0] / f"seed{seed}" / "done.json").exists()]
+    missing = [t for t in tasks if t not in finished]
+    if missing:
+      print("not finished: " + ", ".join(f"{job[0]} seed {seed}" for job, seed in missing),
+            file=sys.stderr)
+    tasks = finished
   runs: dict[str, list[dict]] = {n: [] for n in names}
   failures = []
   with concurrent.futures.ThreadPoolExecutor(args.parallel) as pool:
