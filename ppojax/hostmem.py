@@ -83,10 +83,11 @@ def release() -> bool:
   XLA's thread pools each get one) for the next ``malloc``; it returns memory on its own only
   from the top of a heap. Loading a model, every iteration's smaller buffers and every
   checkpoint's writer threads leave such holes, so without this the resident set grows from
-  phase to phase and the next compiled program's temporaries come on top: the GRPO quickstart
-  (``configs/grpo_arith.py``) peaked at 5.1 GB in its first iterations and 6.2 GB after its
-  first save, against the 2.1 GB of parameters, optimizer state and reference plus 1.4 GB of
-  XLA temporaries it needs (``benchmarks/memory.py`` has the figures with and without)."""
+  phase to phase and the next compiled program's temporaries come on top. Three iterations
+  of the quickstart with a save (``python benchmarks/memory.py --ab``) peaked at 6.80 GiB
+  without this and 4.96 GiB with it for GRPO (``configs/grpo_arith.py``: 2.0 GiB of
+  parameters, optimizer state and reference, 1.3 GiB of XLA temporaries), 9.70 and 7.52 GiB
+  for PPO."""
   global _LIBC
   if os.environ.get("PPOJAX_RELEASE_MEMORY", "1") == "0":  # for A/B measurements
     return False
