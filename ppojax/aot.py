@@ -187,9 +187,12 @@ def report(config, topology: str, result: Compiled) -> dict[str, Any]:
   """The figures of one deviceless compile (the JSON line of the CLI)."""
   run, devices = result.run, list(result.run.mesh.devices.flat)
   chip = chip_of(devices)
-  models = (run.state.actor, run.state.critic, run.frozen.ref_actor, run.frozen.reward)
+  models = (run.state.actor, run.state.critic, run.state.base, run.frozen.ref_actor,
+            run.frozen.reward)  # base: LoRA's frozen base (None otherwise)
   _, total_bytes, device_bytes = _param_bytes(models)
-  params = int(sum(np.prod(x.shape) for x in jax.tree.leaves(run.state.actor)))
+  count = lambda tree: int(sum(np.prod(x.shape) for x in jax.tree.leaves(tree)))  # noqa: E731
+  trained = count(run.state.actor)  # with LoRA: the adapters
+  params = trained + count(run.state.base)  # the policy's own: the frozen base's too
   if result.out_of_memory is None:
     mem = result.compiled.memory_analysis()
     sizes = (mem.argument_size_in_bytes, mem.output_size_in_bytes, mem.temp_size_in_bytes,
@@ -208,6 +211,7 @@ def report(config, topology: str, result: Compiled) -> dict[str, Any]:
   return {
       "topology": topology, "device_kind": chip["kind"], "devices": len(devices),
       "mesh": dict(run.mesh.shape), "model": str(config.model.policy), "params": params,
+      "trained_params": trained,
       "batch": config.ppo.batch_size, "prompt_len": config_lib.prompt_length(config),
       "response_len": config.sampling.max_new_tokens, "dtype": config.model.dtype,
       "remat": bool(config.model.remat), "compile_seconds": round(result.seconds, 1),
@@ -226,18 +230,24 @@ def report(config, topology: str, result: Compiled) -> dict[str, Any]:
   }
 
 
+def _trained(r: dict[str, Any]) -> str:
+  """", 0.04B of them trained" where only part of the policy trains (LoRA)."""
+  trained = r.get("trained_params", r["params"])
+  return "" if trained == r["params"] else f", {trained / 1e9:.2f}B of them trained"
+
+
 def format_report(r: dict[str, Any]) -> str:
   gib = lambda b: "?" if b is None else f"{b / 2**30:.2f} GiB"  # noqa: E731
   verdict = {True: "fits", False: "DOES NOT FIT", None: "unknown HBM"}[r["fits"]]
   lines = [
-      f"{r['model']} ({r['params'] / 1e9:.2f}B params), {r['batch']} x ({r['prompt_len']} + "
+      f"{r['model']} ({r['params'] / 1e9:.2f}B params{_trained(r)}), {r['batch']} x ({r['prompt_len']} + "
       f"{r['response_len']}) tokens, {r['dtype']}{', remat' if r['remat'] else ''}",
       f"{r['topology']}: {r['devices']} x {r['device_kind']}, mesh {r['mesh']}, "
       f"compiled in {r['compile_seconds']:.0f} s",
       f"  per device  {gib(r['per_device_bytes'])} of {gib(r['hbm_bytes_per_device'])}: {verdict}",
       f"    arguments {gib(r['argument_bytes'])}, outputs {gib(r['output_bytes'])}, "
       f"temporaries {gib(r['temp_bytes'])}, aliased {gib(r['alias_bytes'])}",
-      f"  parameters (4 models) {gib(r['param_bytes_total'])} in all, "
+      f"  parameters (every model) {gib(r['param_bytes_total'])} in all, "
       f"{gib(r['param_bytes_per_device'])} on a device ({r['param_shard_ratio']:.2f} x "
       f"total/devices)",
   ]

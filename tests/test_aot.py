@@ -182,3 +182,18 @@ def test_a_refused_compile_never_fits():
     r = aot.report(config, "v5e:2x4", aot.Compiled(None, run, 1.0, oom))
     assert r["compiler_out_of_memory"] and r["fits"] is False  # the estimate alone would fit
     assert r["per_device_bytes"] == (per_device or r["argument_bytes"] + 1)
+
+
+def test_lora_step_compiles_deviceless_with_one_base_and_counts_it():
+  """LoRA on policy and critic: the report counts the frozen base among the parameters (and
+  the adapters as the trained ones), and the arguments hold less than full PPO's."""
+  lora = {"lora__rank": 4, "lora__critic": True, "model__critic_init": "policy"}
+  out = _compile_deviceless(ppo={"model__critic_init": "policy"}, lora=lora)
+  full, r = out["ppo"]["report"], out["lora"]["report"]
+  # the policy's parameters: the base's (full fine-tuning's) and the adapters'
+  assert r["params"] == full["params"] + r["trained_params"]
+  assert 0 < r["trained_params"] < r["params"] / 10
+  assert full["trained_params"] == full["params"]
+  # one base (float32) instead of policy, critic and their Adam moments
+  assert r["argument_bytes"] < 0.6 * full["argument_bytes"]
+  assert r["param_bytes_total"] > 0.3 * full["param_bytes_total"]  # the base is counted
