@@ -216,7 +216,8 @@ def check_packages(config: ml_collections.ConfigDict) -> None:
     raise ConfigError(f"wandb_project={config.wandb_project!r} needs the wandb package, which is "
                       "not installed: pip install 'ppojax[wandb]' (or pip install wandb), or "
                       "leave wandb_project empty")
-  if config.data.task == "reasoning_gym" and importlib.util.find_spec("reasoning_gym") is None:
+  if (config.get("data", {}).get("task") == "reasoning_gym"  # supervised configs have none
+      and importlib.util.find_spec("reasoning_gym") is None):
     raise ConfigError('data.task="reasoning_gym" needs the reasoning-gym package, which is not '
                       'installed: pip install -e ".[reasoning]" (in the ppojax checkout)')
 
