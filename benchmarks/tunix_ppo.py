@@ -69,11 +69,11 @@ temperature 1.0. What differs, and how each side is made to match:
   int32 completion ids, so the reward model's score is cast to an integer before the KL penalty
   is subtracted (jax warns). No shapes or work change.
 
-Status (2026-11-26): the script builds tunix's cluster and learner (about 6.2 GB resident),
-checks the tokenization and starts the first iteration, but it has not yet finished one on the
-shared 24 GB development VM: the kernel's OOM killer stopped it at 12.5 GB during the first
-iteration (8 new tokens), while other jobs held about 11.5 GB. ``--rss-limit-mb`` stops it
-earlier and cleanly. So the PPO loop past that point, and the timing code, are untested.
+Status (2026-11-26): on the shared 24 GB development VM, with 32 new tokens, the script builds
+tunix's cluster and learner (6.2 GB resident), checks the tokenization and runs the warm-up
+iteration to its end (peak 12.2 GB), but the second iteration passed 13 GB (``--rss-limit-mb
+13000`` stopped it); an earlier run was killed by the kernel's OOM killer at 12.5 GB. So no
+timed iteration has finished yet, and the JSON output is untested.
 
 An iteration is the time between two requests of tunix's trainer for its next batch (the
 iterator this script hands to ``train``): rollout, scoring, both updates and tunix's own
