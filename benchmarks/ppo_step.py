@@ -16,7 +16,10 @@ iteration of the fused step (one compiled function), a median over the phase-tim
 4096² float32 ``jnp.dot``, sampled between the timed iterations of the same run), and trl 0.17's
 ``PPOTrainer`` on the same models, prompts and settings, timed in the same run (before ppojax's
 step, in a subprocess: ``benchmarks/trl_ppo.py``, in a virtual environment of its own that the
-first ``--trl`` run creates under ``~/.cache/ppojax``; ``--no-trl`` skips it). The last line is a
+first ``--trl`` run creates under ``~/.cache/ppojax``; ``--no-trl`` skips it). ``--tunix`` also
+times Google's tunix ``PPOLearner`` on the same models, prompts and lengths in the same run
+(``benchmarks/tunix_ppo.py``, in its own environment under ``~/.cache/ppojax``; its docstring lists
+what differs) and prints its figure and the ratio beside trl's. The last line is a
 JSON object. Like the CLI, the script restarts itself once with glibc's huge-page tunable
 (``ppojax.hostmem``; ``PPOJAX_HUGE_PAGES=0``: off).
 
@@ -120,6 +123,7 @@ from ppojax.models import load_model, save_model
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 import trl_ppo  # noqa: E402  pylint: disable=wrong-import-position
+import tunix_ppo  # noqa: E402  pylint: disable=wrong-import-position
 
 CONFIGS = pathlib.Path(__file__).resolve().parents[1] / "configs"
 # Chat prompts whose templated length is exactly 44 SmolLM2 tokens (default system prompt
@@ -246,13 +250,30 @@ def run_trl(python: pathlib.Path, policy_dir: str, reward_dir: str, prompts: Pro
     return run_json(cmd, "trl's PPOTrainer")
 
 
-def run_json(cmd: list[str], what: str) -> dict:
+def run_tunix(python: pathlib.Path, policy_dir: str, reward_dir: str, prompts: Prompts,
+              response_length: int, iterations: int, kl_coef: float,
+              temperature: float) -> dict:
+  """tunix's seconds per iteration on the same models and prompts (``tunix_ppo.py`` in its
+  own environment, one warm-up iteration): the JSON object it prints last."""
+  with tempfile.NamedTemporaryFile("w", suffix=".json") as f:
+    json.dump(np.asarray(prompts.tokens).tolist(), f)
+    f.flush()
+    cmd = [str(python), str(pathlib.Path(tunix_ppo.__file__)), "--policy", policy_dir,
+           "--reward", reward_dir, "--prompts", f.name, "--response-length",
+           str(response_length), "--iterations", str(iterations), "--warmup", "1",
+           "--kl-coef", str(kl_coef), "--temperature", str(temperature)]
+    if os.environ.get("TUNIX_RSS_LIMIT_MB"):  # a shared machine: stop before the OOM killer
+      cmd += ["--rss-limit-mb", os.environ["TUNIX_RSS_LIMIT_MB"]]
+    return run_json(cmd, "tunix's PPOLearner", "--no-tunix")
+
+
+def run_json(cmd: list[str], what: str, skip: str = "--no-trl") -> dict:
   """The last stdout line of ``cmd`` as JSON (the peer's side of a benchmark, run in the same
   environment as ppojax's, the huge-page tunable included); a failure names ``what``."""
   proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
   if proc.returncode:
     raise RuntimeError(f"{what} failed (rc={proc.returncode}); its last output:\n"
-                       f"{proc.stderr[-3000:]}\n(--no-trl skips the comparison)")
+                       f"{proc.stderr[-3000:]}\n({skip} skips the comparison)")
   return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
@@ -279,6 +300,11 @@ def main():
                       help="time trl's PPOTrainer on the same task in this run (default)")
   parser.add_argument("--trl-env", type=pathlib.Path, default=None,
                       help=f"its virtual environment (default {trl_ppo.default_env_dir()})")
+  parser.add_argument("--tunix", action=argparse.BooleanOptionalAction, default=False,
+                      help="time tunix's PPOLearner on the same task in this run "
+                      "(benchmarks/tunix_ppo.py; its docstring lists what differs)")
+  parser.add_argument("--tunix-env", type=pathlib.Path, default=None,
+                      help=f"its virtual environment (default {tunix_ppo.default_env_dir()})")
   parser.add_argument("--lora", type=int, default=0, metavar="RANK",
                       help="LoRA adapters of this rank on policy and critic (one frozen base; "
                       "trl side: peft on the policy) and ppojax's full PPO iteration's peak "
@@ -308,6 +334,28 @@ def main():
             f"of {', '.join(f'{x:.2f}' for x in trl['iterations'])}; warm-up "
             f"{trl['warmup_seconds'][0]:.1f} s); float32 peak before / after: "
             f"{trl_peaks[0]:.0f} / {trl_peaks[1]:.0f} GFLOP/s", flush=True)
+    tunix = None
+    if args.tunix:  # likewise first, in its own process and environment
+      if args.lora:
+        raise SystemExit("--tunix compares full fine-tuning only (no --lora)")
+      python = tunix_ppo.ensure_env(args.tunix_env)
+      policy = load_model("smollm2")
+      save_model(policy_dir, policy)
+      tunix_prompts = make_prompts(policy.tokenizer, b, args.prompt_length)
+      del policy
+      c0 = make_config(args, reward_dir)
+      tunix_peaks = [matmul_peak(jnp.float32, args.matmul_size)]
+      print(f"tunix: {args.iterations} iterations after one warm-up ...", flush=True)
+      tunix = run_tunix(python, policy_dir, reward_dir, tunix_prompts, r_len, args.iterations,
+                        c0.ppo.kl_coef, c0.sampling.temperature)
+      tunix_peaks.append(matmul_peak(jnp.float32, args.matmul_size))
+      tunix["matmul_peak_samples"] = tunix_peaks
+      print(f"tunix {tunix['tunix']} (jax {tunix['jax']}, flax {tunix['flax']}): "
+            f"{tunix['seconds_per_iteration']:.2f} s/iteration (median of "
+            f"{', '.join(f'{x:.2f}' for x in tunix['iterations'])}; warm-up "
+            f"{tunix['warmup_seconds'][0]:.1f} s); peak RSS {tunix['peak_rss_mb']:.0f} MB; "
+            f"float32 peak before / after: {tunix_peaks[0]:.0f} / {tunix_peaks[1]:.0f} GFLOP/s",
+            flush=True)
     full = None
     if args.lora:  # ppojax's own full fine-tuning on the same work, in a fresh process
       print("ppojax full fine-tuning: one iteration in a fresh process for its peak memory ...",
@@ -455,6 +503,16 @@ def main():
           f"{trl['seconds_per_iteration']:.2f} / {seconds:.2f} = {trl_ratio:.2f}x; peak RSS trl "
           f"{trl.get('peak_rss_mb', float('nan')):.0f} MB, ppojax {rss:.0f} MB")
 
+  tunix_ratio = None
+  if tunix is not None:
+    tunix_ratio = tunix["seconds_per_iteration"] / seconds
+    print(f"tunix {tunix['tunix']} PPOLearner, same models, prompts and lengths (see "
+          f"benchmarks/tunix_ppo.py for what differs), this run: "
+          f"{tunix['seconds_per_iteration']:.2f} s/iteration; tunix / ppojax fused = "
+          f"{tunix['seconds_per_iteration']:.2f} / {seconds:.2f} = {tunix_ratio:.2f}x"
+          + (f" (trl / ppojax {trl_ratio:.2f}x)" if trl_ratio is not None else "")
+          + f"; peak RSS tunix {tunix['peak_rss_mb']:.0f} MB, ppojax {rss:.0f} MB")
+
   print(json.dumps({
       "seconds_per_iteration": seconds, "iterations": fused, "compile_seconds": compile_s,
       "first_iteration_seconds": first_s, "phase_timed_warmup_seconds": phase_first_s,
@@ -480,6 +538,9 @@ def main():
       "response_length": r_len,
       "trl_seconds_per_iteration": None if trl is None else trl["seconds_per_iteration"],
       "trl_ratio": trl_ratio, "trl": trl,
+      "tunix_seconds_per_iteration": None if tunix is None else tunix["seconds_per_iteration"],
+      "tunix_ratio": tunix_ratio, "tunix_peak_rss_mb": None if tunix is None
+      else tunix["peak_rss_mb"], "tunix": tunix,
       "device": jax.devices()[0].device_kind, "cpus": os.cpu_count()}))
 
 
