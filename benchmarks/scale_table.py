@@ -1,6 +1,6 @@
 """The fit table of docs/scale.md: ``python -m ppojax.aot`` for each (config, topology, options).
 
-    python benchmarks/scale_table.py [--jobs 2] [--only qwen2_5_0_5b | --goals] [--out FILE]
+    python benchmarks/scale_table.py [--jobs 2] [--only qwen2_5_0_5b | --goals | --lora] [--out FILE]
 
 Each row is one deviceless compile in its own process (``python -m ppojax.aot --config
 configs/scale.py:NAME --topology T [--config.X=Y ...]``), so a row's figures are exactly what that
@@ -29,6 +29,12 @@ GRPO = ("--config.algorithm=grpo", "--config.sampling.num_samples_per_prompt=4",
         "--config.ppo.batch_size=16")
 GRPO_ROWS = (("qwen2_5_0_5b", "v5e:2x4", GRPO), ("llama3_1_8b", "v5e:4x4", GRPO),
              ("qwen2_5_7b", "v5e:4x4", GRPO))
+# LoRA (rank 16 on every linear layer of policy and critic, both on the one frozen base that is
+# also the reference; reward model kept) where full PPO does not fit: Llama-3.1-8B on 8 chips.
+LORA = ("--config.lora.rank=16", "--config.lora.critic=True", "--config.model.critic_init=policy")
+LORA_ROWS = (("llama3_1_8b", "v5e:2x4", LORA),
+             ("llama3_1_8b", "v5e:2x4", LORA + ("--config.ppo.grad_accum=2",)),
+             ("llama3_1_8b", "v5e:2x4", LORA + ("--config.lora.base_dtype=bfloat16",)))
 # The rows beyond the model x topology grid: the goals' topologies, the batch splits whose
 # temporaries should fall (issue 24), and the critic-free step where PPO's does not fit.
 EXTRA = (
@@ -39,15 +45,17 @@ EXTRA = (
     ("qwen2_5_0_5b", "v5e:2x4", ("--config.ppo.grad_accum=4",)),
     ("qwen2_5_0_5b", "v5e:2x4", ("--config.ppo.num_minibatches=4",)),
     ("llama3_1_8b", "v5e:4x4", ("--config.optim.state_dtype=float32",)),
-) + GRPO_ROWS
+) + GRPO_ROWS + LORA_ROWS
 # Issue 24's goals (PPO with critic, reward model and reference) and the GRPO rows: --goals.
 GOALS = (("qwen2_5_0_5b", "v5e:2x4", ()), ("qwen2_5_1_5b", "v5e:2x4", ()),
          ("llama3_1_8b", "v5e:4x4", ()), ("qwen2_5_7b", "v5p:2x2x1", ())) + GRPO_ROWS
 
 
-def rows(only: str | None, goals: bool = False):
+def rows(only: str | None, goals: bool = False, lora: bool = False):
   if goals:
     return list(GOALS)
+  if lora:
+    return list(LORA_ROWS)
   grid = [(m, t, ()) for m in MODELS for t in TOPOLOGIES]
   return [r for r in grid + list(EXTRA) if only is None or r[0] == only]
 
@@ -96,9 +104,10 @@ def main() -> None:
   which.add_argument("--only", choices=MODELS, help="only this config's rows")
   which.add_argument("--goals", action="store_true", help="only issue 24's goal rows (PPO) and "
                      "the GRPO rows")
+  which.add_argument("--lora", action="store_true", help="only the LoRA rows")
   parser.add_argument("--out", type=Path, help="also append each row's JSON to this file")
   args = parser.parse_args()
-  todo = rows(args.only, args.goals)
+  todo = rows(args.only, args.goals, args.lora)
   results = {}
   with concurrent.futures.ThreadPoolExecutor(args.jobs) as pool:
     futures = {pool.submit(compile_row, *row): i for i, row in enumerate(todo)}
