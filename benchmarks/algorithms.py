@@ -30,6 +30,7 @@ import json
 import os
 import pathlib
 import platform
+import shutil
 import statistics
 import subprocess
 import sys
@@ -55,8 +56,10 @@ def parse_job(spec: str) -> tuple[str, str, list[str]]:
 
 
 def run_one(name: str, config: str, flags: list[str], seed: int, out: pathlib.Path,
-            eval_every: int, shared_device: bool) -> dict:
-  """Trains one (job, seed) in its own process unless its workdir holds a finished run."""
+            eval_every: int, shared_device: bool, keep_checkpoints: bool = False) -> dict:
+  """Trains one (job, seed) in its own process unless its workdir holds a finished run; a
+  finished run's checkpoints are deleted unless ``keep_checkpoints`` (its metrics, evaluations
+  and exported policy stay)."""
   workdir = out / name / f"seed{seed}"
   done = workdir / "done.json"
   if done.exists():
@@ -78,6 +81,8 @@ def run_one(name: str, config: str, flags: list[str], seed: int, out: pathlib.Pa
   result = {"name": name, "seed": seed, "wall_s": wall, "command": " ".join(cmd[1:]),
             **read_run(workdir)}
   done.write_text(json.dumps(result))
+  if not keep_checkpoints:  # 3 GB per PPO run of the quickstart: a seed sweep filled a disk
+    shutil.rmtree(workdir / "checkpoints", ignore_errors=True)
   return result
 
 
@@ -185,6 +190,8 @@ def main(argv=None):
   parser.add_argument("--parallel", type=int, default=1)
   parser.add_argument("--eval-every", type=int, default=5)
   parser.add_argument("--figure", type=pathlib.Path, default=None)
+  parser.add_argument("--keep-checkpoints", action="store_true",
+                      help="keep each finished run's checkpoints (deleted by default)")
   parser.add_argument("--report-only", action="store_true",
                       help="summarise the finished runs under --out; start none")
   args = parser.parse_args(argv)
@@ -205,7 +212,8 @@ def main(argv=None):
   runs: dict[str, list[dict]] = {n: [] for n in names}
   failures = []
   with concurrent.futures.ThreadPoolExecutor(args.parallel) as pool:
-    futures = {pool.submit(run_one, *job, seed, out, args.eval_every, args.parallel > 1):
+    futures = {pool.submit(run_one, *job, seed, out, args.eval_every, args.parallel > 1,
+                           args.keep_checkpoints):
                (job[0], seed) for job, seed in tasks}
     for f in concurrent.futures.as_completed(futures):
       name, seed = futures[f]
