@@ -6,7 +6,8 @@ itself (no second copy), and only the adapters have gradients, Adam moments and 
 
 The run exports the merged policy (workdir/policy, a plain Hugging Face model) and the adapters
 alone in peft's layout (workdir/adapters). LoRA moves fewer weights per step, so its learning
-rate is 10x the full fine-tuning's (5e-6 → 5e-5), as is usual for LoRA.
+rate is 20x the full fine-tuning's (5e-6 → 1e-4), as is usual for LoRA: on seed 0 it reached
+53.6 % held-out exact match against 50.9 % at 5e-5 (docs/lora.md).
 """
 
 import pathlib
@@ -24,5 +25,5 @@ def get_config() -> ml_collections.ConfigDict:
   # dropout on the adapters' input in the update only (peft's lora_dropout; 0.05 is common);
   # 0 keeps the one-step update's reuse of its forward pass for the old log-probs and values
   c.lora.dropout = 0.0
-  c.optim.actor.lr = 5e-5
+  c.optim.actor.lr = 1e-4
   return c
