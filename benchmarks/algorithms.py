@@ -167,15 +167,20 @@ def figure(runs: dict[str, list[dict]], path: pathlib.Path) -> None:
   fig.savefig(path, dpi=110)
 
 
-def machine() -> dict:
-  cpu = platform.processor() or "unknown"
+def cpu_name() -> str:
+  """``lscpu``'s model name, else ``platform.processor()``."""
   try:
     for line in subprocess.run(["lscpu"], capture_output=True, text=True,
                                check=True).stdout.splitlines():
       if line.startswith("Model name:"):
-        cpu = line.split(":", 1)[1].strip()
+        return line.split(":", 1)[1].strip()
   except (OSError, subprocess.CalledProcessError):
     pass
+  return platform.processor() or "unknown"
+
+
+def machine() -> dict:
+  cpu = cpu_name()
   import jax  # pylint: disable=import-outside-toplevel
   dev = jax.devices()[0]
   return {"cpu": cpu, "cpus": os.cpu_count(), "device": f"{dev.platform}: {dev.device_kind}",

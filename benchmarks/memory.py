@@ -36,7 +36,7 @@ import time
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
-from algorithms import parse_job  # noqa: E402  pylint: disable=wrong-import-position
+from algorithms import cpu_name, parse_job  # noqa: E402  pylint: disable=wrong-import-position
 
 DEFAULT_JOBS = ("ppo=configs/quickstart.py", "grpo=configs/grpo_arith.py")
 
@@ -90,17 +90,6 @@ def compiled_mb(config: str, flags: list[str]) -> dict:
   return {"state_mb": mb(run.state), "frozen_mb": mb(run.frozen),
           "sampling_temp_mb": temp(run.step.rollout, run.state, run.frozen, prompts),
           "update_temp_mb": temp(run.step.learn, run.state, rollout, scores)}
-
-
-def cpu_name() -> str:
-  try:
-    for line in subprocess.run(["lscpu"], capture_output=True, text=True,
-                               check=True).stdout.splitlines():
-      if line.startswith("Model name:"):
-        return line.split(":", 1)[1].strip()
-  except (OSError, subprocess.CalledProcessError):
-    pass
-  return "unknown"
 
 
 def main(argv=None) -> None:
