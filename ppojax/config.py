@@ -266,7 +266,7 @@ def supervised_defaults() -> ml_collections.ConfigDict:
   c.train.grad_accum = 1  # micro-batches per step (weighted by their share of the loss: exact)
   c.train.aggregation = "token_mean"  # SFT: ops.AGGREGATIONS over response tokens
   c.train.eval_batch_size = 32
-  c.train.eval_every = 0  # evaluate every N steps (0: only before and after training)
+  c.train.eval_every = 0  # evaluate every N steps (0: only before and after; -1: each epoch)
   c.train.log_every = 1
 
   c.optim = ml_collections.ConfigDict()

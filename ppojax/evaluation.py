@@ -29,24 +29,32 @@ def greedy(sampling: SamplingConfig, max_new_tokens: int | None = None) -> Sampl
                              max_new_tokens=max_new_tokens or sampling.max_new_tokens)
 
 
-@functools.partial(jax.jit, static_argnums=(0, 4))
-def _greedy_generate(module, params, tokens, mask, sampling):
+@functools.partial(jax.jit, static_argnums=(0, 5))
+def _generate(module, params, tokens, mask, key, sampling):
   """``generate`` compiled once per (module, shapes, sampling) — before and after training."""
-  return generate(module, params, tokens, mask, jax.random.key(0), sampling)
+  return generate(module, params, tokens, mask, key, sampling)
 
 
 def completions(module, params, records: Sequence[dict],
                 encode: Callable[[list[dict]], data.Encoded], sampling: SamplingConfig,
-                tokenizer, batch_size: int) -> list[str]:
-  """Completions of every record's prompt, ``batch_size`` rows per compiled call."""
+                tokenizer, batch_size: int, key: jax.Array | None = None) -> list[str]:
+  """Completions of every record's prompt, ``batch_size`` prompts per compiled call:
+  ``sampling.num_samples`` per prompt, record i's at ``i·n … i·n + n − 1``. Greedy decoding
+  needs no ``key``; sampled decoding draws batch j's tokens with ``fold_in(key, j)``."""
+  if key is None:
+    if not sampling.greedy:
+      raise ValueError("completions: sampled decoding (sampling.greedy=False) needs a key")
+    key = jax.random.key(0)
+  n = sampling.num_samples
   out = []
-  for start in range(0, len(records), batch_size):
+  for j, start in enumerate(range(0, len(records), batch_size)):
     chunk = list(records[start:start + batch_size])
     real = len(chunk)
     chunk += [chunk[0]] * (batch_size - real)  # same shape for every call; extras dropped
     enc = encode(chunk)
-    gen = sharding.to_host(_greedy_generate(module, params, enc.tokens, enc.mask, sampling))
-    out += [decode_text(tokenizer, gen.tokens[i], gen.mask[i]) for i in range(real)]
+    gen = sharding.to_host(_generate(module, params, enc.tokens, enc.mask,
+                                     jax.random.fold_in(key, j), sampling))
+    out += [decode_text(tokenizer, gen.tokens[i], gen.mask[i]) for i in range(real * n)]
   return out
 
 

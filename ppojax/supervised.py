@@ -226,8 +226,9 @@ def fit(config: ml_collections.ConfigDict, workdir: str | pathlib.Path | None, m
         units: Callable[[dict], jax.Array] = rows_units, stop_after: int | None = None
         ) -> Result:
   """Trains ``model.params`` for ``train.num_epochs`` epochs of ``train``; evaluates on
-  ``held_out`` before, every ``train.eval_every`` steps, and after. Metric rows (``info`` —
-  e.g. data statistics — and the first evaluation at step 0) go to ``workdir/metrics.jsonl``.
+  ``held_out`` before, every ``train.eval_every`` steps (−1: every epoch), and after. Metric
+  rows (``info`` — e.g. data statistics — and the first evaluation at step 0) go to
+  ``workdir/metrics.jsonl``.
   ``units``: what the loss averages over, for exact gradient accumulation (``make_train_step``).
 
   With a ``workdir`` the run checkpoints and resumes as the PPO run does (``runner.run``):
@@ -245,6 +246,10 @@ def fit(config: ml_collections.ConfigDict, workdir: str | pathlib.Path | None, m
   if t.batch_size % t.grad_accum:
     raise ValueError(f"train.batch_size={t.batch_size} is not divisible by "
                      f"train.grad_accum={t.grad_accum}")
+  if t.eval_every < -1:
+    raise ValueError(f"train.eval_every={t.eval_every}: use N > 0 (every N steps), 0 (before and "
+                     "after training only) or -1 (every epoch)")
+  eval_every = t.eval_every if t.eval_every >= 0 else num_steps(1.0, n, t.batch_size)
   tx, schedule = optimizer(config.optim, steps)
   train_step = make_train_step(loss_fn, tx, t.grad_accum, units)
 
@@ -291,7 +296,7 @@ def fit(config: ml_collections.ConfigDict, workdir: str | pathlib.Path | None, m
         state["params"], state["opt_state"], metrics = train_step(
             state["params"], state["opt_state"], batch)
         last = it = i + 1
-        evaluate_now = it == steps or (t.eval_every and it % t.eval_every == 0)
+        evaluate_now = it == steps or (eval_every and it % eval_every == 0)
         if it % t.log_every == 0 or evaluate_now:
           metrics = {f"train/{k}": float(v) for k, v in jax.device_get(metrics).items()}
           metrics.update(lr=float(schedule(i)), epoch=it * t.batch_size / n)

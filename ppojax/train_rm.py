@@ -27,6 +27,7 @@ import pathlib
 import jax
 import jax.numpy as jnp
 import ml_collections
+import numpy as np
 from absl import app, flags, logging
 from ml_collections import config_flags
 
@@ -35,6 +36,7 @@ from ppojax.experience import model_scores
 from ppojax.models import save_model
 
 FIELDS = ("prompt", "chosen", "rejected")
+SOURCES = ("synthetic", "policy")  # where a pair came from (ppojax.preferences)
 
 
 def pair_scores(module, params, batch: dict) -> tuple[jax.Array, jax.Array]:
@@ -55,13 +57,31 @@ def rm_loss(module, params, batch: dict):
 
 
 def rm_eval(module, params, batch: dict) -> dict:
-  """Per-pair statistics: accuracy (1 if r_c > r_r, ½ on a tie), loss and margin."""
+  """Per-pair statistics: accuracy (1 if r_c > r_r, ½ on a tie), loss and margin; with a
+  ``source`` column (ids into ``SOURCES``) also ``accuracy/NAME`` over each source's pairs."""
   chosen, rejected = pair_scores(module, params, batch)
   margin = chosen - rejected
   correct = (margin > 0) + 0.5 * (margin == 0)
   one = jnp.ones_like(margin)
-  return {"accuracy": (correct, one), "loss": (-jax.nn.log_sigmoid(margin), one),
-          "margin": (margin, one)}
+  stats = {"accuracy": (correct, one), "loss": (-jax.nn.log_sigmoid(margin), one),
+           "margin": (margin, one)}
+  if "source" in batch:
+    for i, name in enumerate(SOURCES):
+      mine = (batch["source"] == i).astype(margin.dtype)
+      stats[f"accuracy/{name}"] = (correct * mine, mine)
+  return stats
+
+
+def source_ids(records: list[dict]) -> np.ndarray | None:
+  """Each record's "source" as an index into ``SOURCES`` (int32 [N]), or None when some record
+  has none; an unknown source is an error naming it."""
+  if not records or any("source" not in r for r in records):
+    return None
+  unknown = sorted({r["source"] for r in records} - set(SOURCES))
+  if unknown:
+    raise data.DataError(f"preference pairs with source {unknown}: known sources are "
+                         f"{list(SOURCES)} (ppojax.preferences writes them)")
+  return np.asarray([SOURCES.index(r["source"]) for r in records], np.int32)
 
 
 def load_pairs(config: ml_collections.ConfigDict, tokenizer) -> tuple[dict, dict, dict]:
@@ -71,15 +91,19 @@ def load_pairs(config: ml_collections.ConfigDict, tokenizer) -> tuple[dict, dict
       data.encode_pairs, tokenizer, max_prompt_len=d.max_prompt_len,
       max_response_len=d.max_response_len, system=d.system or None,
       chat_template=d.chat_template, truncate=d.truncate)
-  sets = [encode(supervised.load_records(source, n, split, arith.preference_pairs, FIELDS,
-                                         config.seed))
-          for source, n, split in ((d.train, d.train_size, d.train_split),
-                                   (d.eval, d.eval_size, d.eval_split))]
+  records = [supervised.load_records(source, n, split, arith.preference_pairs, FIELDS,
+                                     config.seed)
+             for source, n, split in ((d.train, d.train_size, d.train_split),
+                                      (d.eval, d.eval_size, d.eval_split))]
+  sets = [encode(r) for r in records]
   prompts = supervised.fit_length([s.prompt for s in sets], left=True)
   responses = supervised.fit_length([r for s in sets for r in (s.chosen, s.rejected)], left=False)
   arrays = [{"prompt": p.tokens, "prompt_mask": p.mask, "chosen": c.tokens, "chosen_mask": c.mask,
              "rejected": r.tokens, "rejected_mask": r.mask}
             for p, c, r in zip(prompts, responses[0::2], responses[1::2])]
+  held_out_sources = source_ids(records[1])
+  if held_out_sources is not None:  # per-source held-out accuracy (rm_eval)
+    arrays[1]["source"] = held_out_sources
   info = {
       "data/train_pairs": len(sets[0].prompt.tokens),
       "data/eval_pairs": len(sets[1].prompt.tokens),

@@ -1,0 +1,134 @@
+"""Preference pairs from a policy's own mistakes (ppojax.preferences) and the reward model's
+held-out accuracy per source and per epoch (ppojax.train_rm, ppojax.supervised)."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from ppojax import arith, data, preferences, reporting, runner, train_rm
+from tests.test_supervised import _config, preference_records, tokenizer_dir  # noqa: F401
+
+ROOT = pathlib.Path(__file__).parents[1]
+
+
+def test_with_answer_replaces_the_last_number_only():
+  assert preferences.with_answer("23 + 45 = 67", "68") == "23 + 45 = 68"
+  assert preferences.with_answer("The answer is 67.", "68") == "The answer is 68."
+  assert preferences.with_answer("7 - 3 is 5, I think", "4") == "7 - 3 is 4, I think"
+  assert preferences.with_answer("about 1,234 apples", "9") == "about 9 apples"
+  assert preferences.with_answer("I cannot tell.", "4") is None
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.sampled_from(arith.RESPONSES), st.integers(0, 99), st.integers(0, 99),
+       st.sampled_from("+-"), st.integers(0, 198), st.integers(0, 198))
+def test_with_answer_makes_a_wrong_response_right_and_changes_nothing_else(
+    template, a, b, op, wrong, right):
+  text = template.format(a=a, op=op, b=b, c=wrong)
+  fixed = preferences.with_answer(text, str(right))
+  assert arith.final_number(fixed) == right
+  assert fixed.removesuffix(".").rsplit(str(right), 1)[0] == \
+      text.removesuffix(".").rsplit(str(wrong), 1)[0]
+
+
+def test_pairs_come_from_distinct_wrong_samples_and_differ_only_in_the_answer():
+  records = [{"prompt": "What is 2 + 3?", "answer": "5"},
+             {"prompt": "What is 4 + 4?", "answer": "8"},
+             {"prompt": "What is 9 - 1?", "answer": "8"}]
+  samples = [["2 + 3 = 6", "The answer is 5.", "2 + 3 = 6", "I do not know", "2 + 3 = 1"],
+             ["8", "4 + 4 = 8"],  # all right: no pair
+             ["no idea"]]  # wrong without a number and nothing right to pair it with: dropped
+  pairs = preferences.pairs_from_samples(records, samples, preferences.arith_correct)
+  assert [(p["chosen"], p["rejected"]) for p in pairs] == [
+      ("2 + 3 = 5", "2 + 3 = 6"), ("The answer is 5.", "I do not know"), ("2 + 3 = 5", "2 + 3 = 1")]
+  assert all(p["source"] == "policy" and p["prompt"] == records[0]["prompt"] for p in pairs)
+  with pytest.raises(ValueError, match="3 records but 2 lists"):
+    preferences.pairs_from_samples(records, samples[:2], preferences.arith_correct)
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.lists(st.one_of(st.integers(0, 30).map(str),
+                                   st.integers(0, 30).map("x = {}".format),
+                                   st.just("hmm")), max_size=5), min_size=1, max_size=6))
+def test_every_pair_ranks_a_right_response_above_a_wrong_one(samples):
+  records = [{"prompt": f"p{i}", "answer": str(i)} for i in range(len(samples))]
+  pairs = preferences.pairs_from_samples(records, samples, preferences.arith_correct)
+  for p in pairs:
+    assert preferences.arith_correct(p["chosen"], p["answer"])
+    assert not preferences.arith_correct(p["rejected"], p["answer"])
+  wrong = {(r["prompt"], s) for r, group in zip(records, samples) for s in group
+           if not preferences.arith_correct(s, r["answer"])}
+  assert len(pairs) == len({(p["prompt"], p["rejected"]) for p in pairs}) <= len(wrong)
+
+
+def _with_sources(seed: int, n: int) -> list[dict]:
+  return [dict(r, source=("synthetic", "policy")[i % 2])
+          for i, r in enumerate(preference_records(seed, n))]
+
+
+def test_reward_model_reports_held_out_accuracy_per_source_and_every_epoch(
+    tokenizer_dir, tmp_path):  # noqa: F811
+  config = _config("rm_arith.py", tokenizer_dir, tmp_path, _with_sources, n_train=32,
+                   train__num_epochs=2.0, train__eval_every=-1)
+  result = train_rm.run(config, tmp_path / "run")
+  rows = [r for r in reporting.read_metrics(str(tmp_path / "run" / "metrics.jsonl"))
+          if "eval/accuracy" in r]
+  assert [r["step"] for r in rows] == [0, 2, 4]  # before, and after each epoch of 2 steps
+  for r in rows:  # 21 held-out pairs: 11 synthetic, 10 policy
+    mean = (11 * r["eval/accuracy/synthetic"] + 10 * r["eval/accuracy/policy"]) / 21
+    assert r["eval/accuracy"] == pytest.approx(mean)
+  assert result.after["eval/accuracy"] == rows[-1]["eval/accuracy"]
+
+
+def test_unknown_pair_sources_and_eval_every_are_refused(tokenizer_dir, tmp_path):  # noqa: F811
+  bad = lambda seed, n: [dict(r, source="human") for r in preference_records(seed, n)]  # noqa
+  config = _config("rm_arith.py", tokenizer_dir, tmp_path, bad)
+  with pytest.raises(data.DataError, match=r"source \['human'\].*synthetic"):
+    train_rm.run(config)
+  config = _config("rm_arith.py", tokenizer_dir, tmp_path, preference_records,
+                   train__eval_every=-2)
+  with pytest.raises(ValueError, match="train.eval_every=-2"):
+    train_rm.run(config)
+
+
+def _tiny_policy_config(tokenizer_dir):  # noqa: F811
+  return runner.load_config(ROOT / "configs" / "rlhf_arith.py", model__policy="tiny",
+                            model__tokenizer=str(tokenizer_dir), sampling__max_new_tokens=6)
+
+
+def test_make_pairs_samples_the_policy_and_mixes_in_synthetic_pairs(tokenizer_dir):  # noqa: F811
+  config = _tiny_policy_config(tokenizer_dir)
+  samples = preferences.sample_responses(config, arith.problems(0, 5), 3, 1.0, seed=0,
+                                         batch_size=4)
+  assert len(samples) == 5 and all(len(s) == 3 for s in samples)
+  assert len({s for group in samples for s in group}) > 5  # sampled, not greedy
+  again = preferences.sample_responses(config, arith.problems(0, 5), 3, 1.0, seed=0, batch_size=4)
+  assert again == samples  # a pure function of the seed
+  pairs, stats = preferences.make_pairs(config, 8, "train", 2, 1.0, synthetic=6, seed=0)
+  assert stats["samples"] == 16 and stats["synthetic_pairs"] == 6
+  assert len(pairs) == stats["policy_pairs"] + 6
+  assert sorted({p["source"] for p in pairs}) <= ["policy", "synthetic"]
+  for p in pairs:
+    assert preferences.arith_correct(p["chosen"], p["answer"])
+    assert not preferences.arith_correct(p["rejected"], p["answer"])
+
+
+def test_cli_writes_pairs_that_train_rm_reads(tokenizer_dir, tmp_path):  # noqa: F811
+  out = tmp_path / "pairs.jsonl"
+  subprocess.run([sys.executable, "-m", "ppojax.preferences", "--config",
+                  str(ROOT / "configs" / "rlhf_arith.py"), "--config.model.policy=tiny",
+                  f"--config.model.tokenizer={tokenizer_dir}",
+                  "--config.sampling.max_new_tokens=4", f"--out={out}", "--n=4", "--samples=2",
+                  "--synthetic=5"], cwd=ROOT, check=True, capture_output=True, text=True)
+  records = data.read_records(str(out), required=train_rm.FIELDS)
+  assert len(records) >= 5 and {"answer", "source"} <= set(records[0])
+  assert train_rm.source_ids(records).dtype == np.int32
+  assert json.loads(out.read_text().splitlines()[0])["prompt"].startswith("What is")
