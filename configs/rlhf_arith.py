@@ -5,6 +5,9 @@ it (the original RLHF recipe). The last stage of the SFT -> reward model -> PPO 
     python -m ppojax.train_rm --config configs/rm_arith.py --workdir runs/rm_arith
     python -m ppojax.train --config configs/rlhf_arith.py --workdir runs/rlhf_arith
 
+or all of it, with the SFT policy's own mistakes as the reward model's preference pairs and
+the over-optimisation figure: ``python benchmarks/rlhf.py --out runs/rlhf``.
+
 The learned reward is what PPO maximises (objective/scores); the programmatic exact-match
 accuracy is only watched: on every batch of sampled responses (monitor/accuracy) and greedily on
 held-out problems before and after (eval.json). Learned reward up while true accuracy goes down

@@ -304,6 +304,9 @@ def fit(config: ml_collections.ConfigDict, workdir: str | pathlib.Path | None, m
             metrics.update(evaluation(state["params"]))
           log(it, metrics)
           progress.update(it, {k: metrics[k] for k in shown if k in metrics})
+          if evaluate_now and it < steps:  # the last one is printed after training
+            progress.write(_summary(f"at step {it} (epoch {metrics['epoch']:.2f})",
+                                    _eval_stats(metrics)))
         stop = it == steps or it == stop_after or signals.received is not None
         unsaved = not save(it, force=stop)
         if not unsaved:

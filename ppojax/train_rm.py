@@ -56,19 +56,19 @@ def rm_loss(module, params, batch: dict):
   return losses.bradley_terry_loss(*pair_scores(module, params, batch))
 
 
-def rm_eval(module, params, batch: dict) -> dict:
-  """Per-pair statistics: accuracy (1 if r_c > r_r, ½ on a tie), loss and margin; with a
-  ``source`` column (ids into ``SOURCES``) also ``accuracy/NAME`` over each source's pairs."""
+def rm_eval(module, params, batch: dict, sources: tuple[str, ...] = ()) -> dict:
+  """Per-pair statistics: accuracy (1 if r_c > r_r, ½ on a tie), loss and margin; for each of
+  ``sources`` (names in ``SOURCES``; the batch's ``source`` column holds their ids) also
+  ``accuracy/NAME`` over that source's pairs."""
   chosen, rejected = pair_scores(module, params, batch)
   margin = chosen - rejected
   correct = (margin > 0) + 0.5 * (margin == 0)
   one = jnp.ones_like(margin)
   stats = {"accuracy": (correct, one), "loss": (-jax.nn.log_sigmoid(margin), one),
            "margin": (margin, one)}
-  if "source" in batch:
-    for i, name in enumerate(SOURCES):
-      mine = (batch["source"] == i).astype(margin.dtype)
-      stats[f"accuracy/{name}"] = (correct * mine, mine)
+  for name in sources:
+    mine = (batch["source"] == SOURCES.index(name)).astype(margin.dtype)
+    stats[f"accuracy/{name}"] = (correct * mine, mine)
   return stats
 
 
@@ -101,6 +101,7 @@ def load_pairs(config: ml_collections.ConfigDict, tokenizer) -> tuple[dict, dict
   arrays = [{"prompt": p.tokens, "prompt_mask": p.mask, "chosen": c.tokens, "chosen_mask": c.mask,
              "rejected": r.tokens, "rejected_mask": r.mask}
             for p, c, r in zip(prompts, responses[0::2], responses[1::2])]
+  source_ids(records[0])  # an unknown source in the training pairs is an error too
   held_out_sources = source_ids(records[1])
   if held_out_sources is not None:  # per-source held-out accuracy (rm_eval)
     arrays[1]["source"] = held_out_sources
@@ -124,8 +125,10 @@ def run(config: ml_collections.ConfigDict, workdir: str | pathlib.Path | None = 
   train, held_out, info = load_pairs(config, model.tokenizer)
   print(", ".join(f"{k[5:]} {v}" for k, v in info.items()), flush=True)
   module = model.module
+  present = np.unique(held_out["source"]) if "source" in held_out else []
+  evaluate = functools.partial(rm_eval, module, sources=tuple(SOURCES[i] for i in present))
   result = supervised.fit(config, workdir, model, functools.partial(rm_loss, module),
-                          functools.partial(rm_eval, module), train, held_out, info,
+                          evaluate, train, held_out, info,
                           shown=("train/loss", "train/accuracy"), stop_after=stop_after)
   if workdir and result.finished:
     out = save_model(pathlib.Path(workdir) / "reward_model", result.model)

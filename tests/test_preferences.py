@@ -75,10 +75,13 @@ def _with_sources(seed: int, n: int) -> list[dict]:
 
 
 def test_reward_model_reports_held_out_accuracy_per_source_and_every_epoch(
-    tokenizer_dir, tmp_path):  # noqa: F811
+    tokenizer_dir, tmp_path, capsys):  # noqa: F811
   config = _config("rm_arith.py", tokenizer_dir, tmp_path, _with_sources, n_train=32,
                    train__num_epochs=2.0, train__eval_every=-1)
   result = train_rm.run(config, tmp_path / "run")
+  printed = capsys.readouterr().out
+  assert "held-out (21 rows) at step 2 (epoch 1.00): accuracy" in printed
+  assert "accuracy/policy" in printed and "after training" in printed
   rows = [r for r in reporting.read_metrics(str(tmp_path / "run" / "metrics.jsonl"))
           if "eval/accuracy" in r]
   assert [r["step"] for r in rows] == [0, 2, 4]  # before, and after each epoch of 2 steps
@@ -86,6 +89,16 @@ def test_reward_model_reports_held_out_accuracy_per_source_and_every_epoch(
     mean = (11 * r["eval/accuracy/synthetic"] + 10 * r["eval/accuracy/policy"]) / 21
     assert r["eval/accuracy"] == pytest.approx(mean)
   assert result.after["eval/accuracy"] == rows[-1]["eval/accuracy"]
+
+
+def test_only_the_sources_present_in_the_held_out_pairs_are_reported(
+    tokenizer_dir, tmp_path):  # noqa: F811
+  def policy_only(seed, n):
+    return [dict(r, source="policy") for r in preference_records(seed, n)]
+  config = _config("rm_arith.py", tokenizer_dir, tmp_path, policy_only, n_train=16)
+  result = train_rm.run(config)
+  assert result.after["eval/accuracy/policy"] == result.after["eval/accuracy"]
+  assert "eval/accuracy/synthetic" not in result.after
 
 
 def test_unknown_pair_sources_and_eval_every_are_refused(tokenizer_dir, tmp_path):  # noqa: F811

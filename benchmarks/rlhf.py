@@ -1,0 +1,203 @@
+"""RLHF on the arithmetic task end to end: SFT → the SFT policy's own mistakes as preference
+pairs → a reward model from the SFT policy → PPO against it at one or more KL coefficients;
+then the reward-model over-optimisation figure (Gao, Schulman and Hilton 2022) and one JSON line.
+
+    python benchmarks/rlhf.py --out runs/rlhf [--kl 0.05 0.01] [--iterations 60] \
+        [--eval-every 10] [--figure docs/rlhf_overoptimisation.png] [--report-only]
+
+Stages (each one ``python -m`` process, its log in OUT/NAME.log; a stage whose output exists is
+not rerun, so a cut-off run goes on where it stopped):
+
+1. ``ppojax.sft --config configs/sft_arith.py`` on ``--sft-size`` examples → OUT/sft/policy.
+2. ``ppojax.preferences``: the SFT policy answers ``--pairs`` train problems 4 times at
+   temperature 1; each distinct wrong answer w gives the pair (w with the right number, w);
+   ``--synthetic`` template pairs are mixed in. The same on ``--test-pairs`` test problems (and
+   ``--test-synthetic``) for the held-out set → OUT/prefs/{train,test}.jsonl.
+3. ``ppojax.train_rm --config configs/rm_arith.py`` from the SFT policy, ``--rm-epochs`` epochs,
+   held-out pairwise accuracy (overall and per source) every epoch → OUT/rm/reward_model.
+4. ``ppojax.train --config configs/rlhf_arith.py`` per ``--kl`` (at once with ``--parallel``, for
+   an accelerator) → OUT/ppo_klK: per iteration the reward model's score of the sampled responses
+   (``objective/scores_raw``, the proxy), their exact match (``monitor/accuracy``, the true
+   reward) and their KL to the SFT policy (``objective/kl``); the held-out greedy exact match at
+   every ``--eval-every``-th iteration.
+
+The figure: proxy and true reward (running means over ``--smooth`` iterations) and the
+held-out exact match against the KL. The JSON line: the reward model's held-out accuracy per
+evaluation, and per PPO run the SFT policy's held-out accuracy, the best one, its iteration and
+KL (where the true reward peaks), and the last; plus the machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import json
+import pathlib
+import subprocess
+import sys
+
+import numpy as np
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+from algorithms import machine  # noqa: E402  (the CPU by lscpu, the device, jax)
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+
+def stage(out: pathlib.Path, name: str, done: pathlib.Path, args: list[str], env=None) -> None:
+  """Runs ``python -m ARGS`` (log: OUT/NAME.log) unless ``done`` exists."""
+  if done.exists():
+    print(f"{name}: {done} exists, not rerun", flush=True)
+    return
+  print(f"{name}: python -m {' '.join(args)}", flush=True)
+  with open(out / f"{name}.log", "a", encoding="utf-8") as log:
+    proc = subprocess.run([sys.executable, "-m", *args], cwd=ROOT, stdout=log,
+                          stderr=subprocess.STDOUT, check=False, env=env)
+  if proc.returncode or not done.exists():
+    tail = (out / f"{name}.log").read_text(encoding="utf-8")[-2000:]
+    raise SystemExit(f"{name} failed (rc={proc.returncode}):\n{tail}")
+
+
+def run_pipeline(args, out: pathlib.Path) -> None:
+  sft, rm, prefs = out / "sft", out / "rm", out / "prefs"
+  prefs.mkdir(parents=True, exist_ok=True)
+  stage(out, "sft", sft / "policy", [
+      "ppojax.sft", "--config", "configs/sft_arith.py", "--workdir", str(sft),
+      f"--config.data.train_size={args.sft_size}", "--config.save_every=100000"])
+  sample = ["ppojax.preferences", "--config", "configs/rlhf_arith.py",
+            f"--config.model.policy={sft / 'policy'}", "--samples=4"]
+  stage(out, "prefs_train", prefs / "train.jsonl", [
+      *sample, f"--out={prefs / 'train.jsonl'}", f"--n={args.pairs}",
+      f"--synthetic={args.synthetic}", "--seed=0"])
+  stage(out, "prefs_test", prefs / "test.jsonl", [
+      *sample, f"--out={prefs / 'test.jsonl'}", "--split=test", f"--n={args.test_pairs}",
+      f"--synthetic={args.test_synthetic}", "--seed=1"])
+  stage(out, "rm", rm / "reward_model", [
+      "ppojax.train_rm", "--config", "configs/rm_arith.py", "--workdir", str(rm),
+      f"--config.model.init={sft / 'policy'}", f"--config.data.train={prefs / 'train.jsonl'}",
+      f"--config.data.eval={prefs / 'test.jsonl'}", "--config.data.train_size=0",
+      "--config.data.eval_size=0", "--config.data.max_response_len=32",
+      f"--config.train.num_epochs={args.rm_epochs}", "--config.train.batch_size=32",
+      "--config.train.eval_every=-1", "--config.train.eval_batch_size=128",
+      "--config.save_every=100000"])
+
+  def ppo(kl: float) -> None:
+    workdir = out / f"ppo_kl{kl}"
+    env = None
+    if args.parallel > 1:  # several processes on one accelerator: allocate as needed
+      import os  # pylint: disable=import-outside-toplevel
+      env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false")
+    stage(out, f"ppo_kl{kl}", workdir / "policy", [
+        "ppojax.train", "--config", "configs/rlhf_arith.py", "--workdir", str(workdir),
+        f"--config.model.policy={sft / 'policy'}", f"--config.model.reward={rm / 'reward_model'}",
+        f"--config.ppo.kl_coef={kl}", f"--config.num_iterations={args.iterations}",
+        f"--config.eval.every={args.eval_every}", "--config.save_every=100000"], env=env)
+
+  with concurrent.futures.ThreadPoolExecutor(args.parallel) as pool:
+    list(pool.map(ppo, args.kl))
+
+
+# --------------------------------------------------------------------------------- the report
+
+
+def running_mean(x, k: int) -> np.ndarray:
+  """Mean of the last ``k`` values (fewer at the start)."""
+  x = np.asarray(x, float)
+  c = np.cumsum(np.insert(x, 0, 0.0))
+  n = np.arange(1, len(x) + 1)
+  lo = np.maximum(n - k, 0)
+  return (c[n] - c[lo]) / (n - lo)
+
+
+def read_ppo(workdir: pathlib.Path) -> dict:
+  """Per iteration KL, proxy and true reward; held-out (iteration, KL, exact match) points."""
+  rows = [json.loads(line) for line in open(workdir / "metrics.jsonl", encoding="utf-8")]
+  it = [r for r in rows if "objective/kl" in r]
+  kl = {r["step"]: r["objective/kl"] for r in it}
+  evals = json.loads((workdir / "eval.json").read_text())
+  held = [(0, 0.0, evals["before"]["eval/accuracy"])]
+  for phase, e in evals.items():
+    if phase.startswith("iteration_"):
+      step = int(phase.removeprefix("iteration_"))
+      held.append((step, kl[step], e["eval/accuracy"]))
+  if "after" in evals and it and it[-1]["step"] not in [h[0] for h in held]:
+    held.append((it[-1]["step"], it[-1]["objective/kl"], evals["after"]["eval/accuracy"]))
+  held.sort()
+  config = json.loads((workdir / "config.json").read_text())
+  return {"name": f"β = {config['ppo']['kl_coef']}", "kl": [r["objective/kl"] for r in it],
+          "proxy": [r["objective/scores_raw"] for r in it],
+          "true": [r["monitor/accuracy"] for r in it], "held": held,
+          "instructed": evals.get("before_instructed", {}).get("eval/accuracy")}
+
+
+def ppo_summary(run: dict) -> dict:
+  step, kl, best = max(run["held"], key=lambda h: h[2])
+  sft = run["held"][0][2]
+  return {"run": run["name"], "sft_accuracy": sft, "sft_instructed_accuracy": run["instructed"],
+          "best_accuracy": best, "best_iteration": step, "kl_at_best": kl,
+          "gain_points": 100 * (best - sft), "last_accuracy": run["held"][-1][2],
+          "last_iteration": run["held"][-1][0], "last_kl": run["held"][-1][1]}
+
+
+def rm_summary(workdir: pathlib.Path) -> list[dict]:
+  """The reward model's held-out evaluations: step, epoch and every ``eval/`` accuracy."""
+  rows = [json.loads(line) for line in open(workdir / "metrics.jsonl", encoding="utf-8")]
+  return [{"step": r["step"], "epoch": r.get("epoch", 0.0),
+           **{k.removeprefix("eval/"): v for k, v in r.items() if k.startswith("eval/accuracy")}}
+          for r in rows if "eval/accuracy" in r]
+
+
+def figure(runs: list[dict], path: pathlib.Path, smooth: int) -> None:
+  import matplotlib  # pylint: disable=import-outside-toplevel
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt  # pylint: disable=import-outside-toplevel
+  fig, axes = plt.subplots(1, 3, figsize=(15, 3.8))
+  for i, run in enumerate(runs):
+    kl = running_mean(run["kl"], smooth)
+    axes[0].plot(kl, running_mean(run["proxy"], smooth), color=f"C{i}", label=run["name"])
+    axes[1].plot(kl, running_mean(run["true"], smooth), color=f"C{i}", label=run["name"])
+    held = np.asarray(run["held"])
+    axes[2].plot(held[:, 1], held[:, 2], "o-", color=f"C{i}", label=run["name"])
+  axes[2].axhline(runs[0]["held"][0][2], color="gray", ls="--", label="SFT policy")
+  for ax, title in zip(axes, ("proxy: reward-model score (sampled)",
+                              "true: exact match (sampled, T = 0.7)",
+                              "true: held-out exact match (greedy)")):
+    ax.set_title(title)
+    ax.set_xlabel("KL to the SFT policy (nats per response)")
+    ax.legend(fontsize=8)
+  fig.tight_layout()
+  fig.savefig(path, dpi=110)
+
+
+def main(argv=None) -> None:
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--out", required=True, type=pathlib.Path)
+  parser.add_argument("--sft-size", type=int, default=1024)
+  parser.add_argument("--pairs", type=int, default=3072, help="train problems the policy answers")
+  parser.add_argument("--synthetic", type=int, default=3072)
+  parser.add_argument("--test-pairs", type=int, default=512)
+  parser.add_argument("--test-synthetic", type=int, default=256)
+  parser.add_argument("--rm-epochs", type=float, default=2.0)
+  parser.add_argument("--kl", type=float, nargs="+", default=[0.05, 0.01])
+  parser.add_argument("--iterations", type=int, default=60)
+  parser.add_argument("--eval-every", type=int, default=10)
+  parser.add_argument("--parallel", type=int, default=1, help="PPO runs at once")
+  parser.add_argument("--smooth", type=int, default=5)
+  parser.add_argument("--figure", type=pathlib.Path, default=None)
+  parser.add_argument("--report-only", action="store_true")
+  args = parser.parse_args(argv)
+  out = args.out.resolve()
+  out.mkdir(parents=True, exist_ok=True)
+  if not args.report_only:
+    run_pipeline(args, out)
+  runs = [read_ppo(out / f"ppo_kl{kl}") for kl in args.kl
+          if (out / f"ppo_kl{kl}" / "eval.json").exists()]
+  if args.figure and runs:
+    figure(runs, args.figure, args.smooth)
+  rm = out / "rm" / "metrics.jsonl"
+  print(json.dumps({"reward_model": rm_summary(out / "rm") if rm.exists() else None,
+                    "ppo": [ppo_summary(r) for r in runs], "machine": machine()}))
+
+
+if __name__ == "__main__":
+  main()
