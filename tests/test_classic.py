@@ -1,9 +1,11 @@
 """Classic-control PPO (ppojax.classic): the GAE with episode cuts against a NumPy loop and
-against the language-model GAE; truncation bootstraps and termination does not; CartPole-v1 is
-solved by 3 of 4 seeds trained in one vmapped call; the CLI writes the run's outputs."""
+against the language-model GAE; truncation bootstraps and termination does not; the orthogonal
+initializer keeps its QR unbatched under vmap (issue 28's hang); CartPole-v1 is solved by 3 of 4
+seeds trained in one vmapped call; the CLI writes the run's outputs."""
 
 import json
 import pathlib
+import re
 import subprocess
 import sys
 
@@ -11,11 +13,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import linen as nn
 
 pytest.importorskip("gymnax")
 
 from ppojax import advantages, reporting  # noqa: E402
-from ppojax.classic import envs, ppo, runner  # noqa: E402
+from ppojax.classic import agent, envs, ppo, runner  # noqa: E402
 from ppojax.runner import load_config  # noqa: E402
 
 ROOT = pathlib.Path(__file__).parents[1]
@@ -112,16 +115,33 @@ def test_the_config_is_hyper_and_bad_fields_are_refused_with_their_name():
     runner.hyper(config)
 
 
-# Known defect (issue 28): the compiled CartPole run (make_train, vmapped over seeds) hangs on
-# XLA:CPU now and then: the caller waits for a result no thread computes, with or without
-# libtpu loaded, with the Eigen pool single-threaded and with synchronous CPU dispatch alike
-# (benchmarks/xla_cpu_hang.py; most processes hang within 12 runs). It stopped CI at its
-# 90-minute limit, so the two tests that run it are skipped until the cause is found.
-HANGS = pytest.mark.skip(reason="make_train hangs on XLA:CPU now and then (issue 28; "
-                         "benchmarks/xla_cpu_hang.py)")
+def test_orthogonal_init_keeps_qr_unbatched_under_vmap_and_equals_flax():
+  """Issue 28: vmapped, flax's orthogonal initializer is a batched LAPACK QR, which jaxlib
+  0.10.2 spreads over XLA:CPU's thread pool while blocking a pool thread: concurrent QRs
+  deadlocked the vmapped CartPole run now and then. ``agent.orthogonal`` gives the same values
+  bit for bit, and no QR in the compiled vmapped initialisation has a batch dimension."""
+  shapes = [(4, 64), (64, 64), (64, 2)]
+
+  def kernels(init):
+    return lambda key: [init(1.4)(k, s) for k, s in zip(jax.random.split(key, 3), shapes)]
+
+  keys = runner.seed_keys(0, 3)
+  ours = jax.jit(jax.vmap(kernels(agent.orthogonal)))(keys)
+  flax = jax.jit(jax.vmap(kernels(nn.initializers.orthogonal)))(keys)
+  for a, b in zip(ours, flax):
+    np.testing.assert_array_equal(a, b)
+  nested = jax.vmap(jax.vmap(kernels(agent.orthogonal)))(keys.reshape(3, 1))
+  for a, b in zip(nested, flax):
+    np.testing.assert_array_equal(a[:, 0], b)
+  if jax.default_backend() == "cpu":
+    hlo = jax.jit(jax.vmap(lambda k: ppo.init(ppo.Hyper(), k))).lower(keys).compile().as_text()
+    qrs = [line for line in hlo.splitlines() if '"lapack_sgeqrf_ffi"' in line]
+    assert len(qrs) == 6, qrs  # one per layer: 3 actor, 3 critic
+    for line in qrs:  # its result f32[64, n]: one matrix, not a batch f32[3, 64, n]
+      dims = re.search(r"= \(f32\[([0-9,]+)\]", line).group(1).split(",")
+      assert len(dims) == 2, line
 
 
-@HANGS
 def test_cartpole_is_solved_by_3_of_4_seeds_in_one_vmapped_call():
   """4 agents, 200k steps each, lr 1e-3 (the CI budget; configs/cartpole.py uses PureJaxRL's
   500k at 2.5e-4): at least 3 reach a mean return >= 475 over their last 10 iterations
@@ -135,7 +155,6 @@ def test_cartpole_is_solved_by_3_of_4_seeds_in_one_vmapped_call():
   assert np.sum(final >= 475) >= 3, final
 
 
-@HANGS
 def test_cli_trains_two_seeds_and_writes_metrics_tensorboard_and_curves(tmp_path):
   """``python -m ppojax.train --config configs/cartpole.py`` on a tiny budget: the classic
   branch, its summary line, metrics rows per iteration, TensorBoard and curves.png; the runner's
