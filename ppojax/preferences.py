@@ -94,17 +94,14 @@ def make_pairs(config, n: int, split: str, num_samples: int, temperature: float,
   ``synthetic`` template pairs, shuffled together."""
   records = arith.problems([seed, 1], n, split)
   samples = sample_responses(config, records, num_samples, temperature, seed)
-  policy_pairs = pairs_from_samples(records, samples, arith_correct)
-  for p in arith.preference_pairs(seed, synthetic, split):
-    p["source"] = "synthetic"
-    policy_pairs.append(p)
-  flat = [s for group in samples for s in group]
-  stats = {"problems": n, "samples": len(flat),
+  pairs = pairs_from_samples(records, samples, arith_correct)
+  stats = {"problems": n, "samples": n * num_samples,
            "sample_accuracy": float(np.mean([arith_correct(s, r["answer"])
                                              for r, g in zip(records, samples) for s in g])),
-           "policy_pairs": len(policy_pairs) - synthetic, "synthetic_pairs": synthetic}
-  order = np.random.default_rng([seed, 23]).permutation(len(policy_pairs))
-  return [policy_pairs[i] for i in order], stats
+           "policy_pairs": len(pairs), "synthetic_pairs": synthetic}
+  pairs += [dict(p, source="synthetic") for p in arith.preference_pairs(seed, synthetic, split)]
+  order = np.random.default_rng([seed, 23]).permutation(len(pairs))
+  return [pairs[i] for i in order], stats
 
 
 def main(argv, config_flag, flags_):
@@ -125,10 +122,11 @@ if __name__ == "__main__":
   _CONFIG = config_flags.DEFINE_config_file("config", "configs/rlhf_arith.py",
                                             "PPO config: its model.policy samples.")
   flags.DEFINE_string("out", None, "JSONL file to write.", required=True)
-  flags.DEFINE_integer("n", 2048, "Problems the policy answers.")
+  flags.DEFINE_integer("n", 2048, "Problems the policy answers.", lower_bound=1)
   flags.DEFINE_enum("split", "train", ["train", "test"], "Which problems.")
-  flags.DEFINE_integer("samples", 4, "Responses per problem.")
+  flags.DEFINE_integer("samples", 4, "Responses per problem.", lower_bound=1)
   flags.DEFINE_float("temperature", 1.0, "Sampling temperature.")
-  flags.DEFINE_integer("synthetic", 0, "Template pairs (arith.preference_pairs) added.")
+  flags.DEFINE_integer("synthetic", 0, "Template pairs (arith.preference_pairs) added.",
+                       lower_bound=0)
   flags.DEFINE_integer("seed", 0, "Problems and sampling.")
   app.run(functools.partial(main, config_flag=_CONFIG, flags_=flags.FLAGS))
