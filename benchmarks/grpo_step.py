@@ -11,7 +11,7 @@ against the reference; one optimizer step per batch (1 epoch, 1 minibatch, no ac
 
     python benchmarks/grpo_step.py [--prompts 16] [--samples 4] [--response-length 32]
         [--iterations 3] [--warmup 1] [--no-shared-prefix] [--no-trl] [--trl-env DIR]
-        [--ppo-rss]
+        [--tunix] [--tunix-env DIR] [--ppo-rss]
 
 What one ppojax iteration runs (``runner.iteration`` with a host reward: three compiled
 functions and a host round trip; ``config.algorithm = "grpo"``, float32):
@@ -35,6 +35,12 @@ completion positions only in the reference forward and the update (``logits_to_k
 clip the gradient at norm 1 and take one AdamW step with weight decay 0 at a constant lr; both
 run float32 on every core. trl runs in a subprocess before ppojax builds anything, so the two
 processes' memory never adds up.
+
+``--tunix`` (off by default) also times Google's tunix 0.1.7 ``GRPOLearner`` on the same weights,
+prompt ids, lengths, temperature, β and reward (``benchmarks/tunix_grpo.py``, in the environment
+of ``tunix_ppo.ensure_env``, run likewise in a subprocess first; its docstring lists what
+differs): ``tunix_seconds_per_iteration``, ``tunix_ratio`` (tunix / ppojax) and
+``tunix_peak_rss_mb`` in the JSON line. ``TUNIX_RSS_LIMIT_MB`` stops it at that resident set.
 
 Timing: ppojax's first ``--warmup`` iterations (the first compiles) are not counted, nor are
 trl's; ``seconds_per_iteration`` is the median of the next ``--iterations``, each from the
@@ -73,6 +79,8 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 import scale_table  # noqa: E402
 import trl_grpo  # noqa: E402
 import trl_ppo  # noqa: E402
+import tunix_grpo  # noqa: E402
+import tunix_ppo  # noqa: E402
 from ppo_step import CONFIGS, make_prompts, run_json  # noqa: E402
 
 PROMPT_LENGTH = 40  # a two-digit problem through SmolLM2's chat template
@@ -120,6 +128,23 @@ def run_trl(python: pathlib.Path, policy_dir: str, tokens: np.ndarray, answers: 
     return run_json(cmd, "trl's GRPOTrainer")
 
 
+def run_tunix(python: pathlib.Path, policy_dir: str, tokens: np.ndarray, answers: list[str],
+              args) -> dict:
+  """tunix's GRPO iteration on the same weights and prompts (``tunix_grpo.py`` in its own
+  environment, ``tunix_ppo.ensure_env``): the JSON object it prints last."""
+  with tempfile.NamedTemporaryFile("w", suffix=".json") as f:
+    json.dump({"token_ids": tokens.tolist(), "answers": answers}, f)
+    f.flush()
+    cmd = [str(python), str(pathlib.Path(tunix_grpo.__file__)), "--policy", policy_dir,
+           "--prompts", f.name, "--num-generations", str(args.samples),
+           "--response-length", str(args.response_length), "--temperature",
+           str(args.temperature), "--beta", str(args.kl_coef), "--iterations",
+           str(args.iterations), "--warmup", str(args.warmup), "--lr", str(args.lr)]
+    if os.environ.get("TUNIX_RSS_LIMIT_MB"):  # a shared machine: stop before the OOM killer
+      cmd += ["--rss-limit-mb", os.environ["TUNIX_RSS_LIMIT_MB"]]
+    return run_json(cmd, "tunix's GRPOLearner", "--no-tunix")
+
+
 def ppo_quickstart_rss() -> dict:
   """One PPO iteration of configs/quickstart.py's shape in this process (called in a fresh
   one by ``--ppo-rss``): its ``VmHWM`` and seconds (compile included)."""
@@ -160,6 +185,11 @@ def main():
                       help="time trl's GRPOTrainer on the same task in this run (default)")
   parser.add_argument("--trl-env", type=pathlib.Path, default=None,
                       help=f"its virtual environment (default {trl_ppo.default_env_dir()})")
+  parser.add_argument("--tunix", action=argparse.BooleanOptionalAction, default=False,
+                      help="time tunix's GRPOLearner on the same task in this run "
+                      "(benchmarks/tunix_grpo.py; its docstring lists what differs)")
+  parser.add_argument("--tunix-env", type=pathlib.Path, default=None,
+                      help=f"its virtual environment (default {tunix_ppo.default_env_dir()})")
   parser.add_argument("--ppo-rss", action="store_true", help="also the peak RSS of one PPO "
                       "iteration of configs/quickstart.py's shape, in a fresh process")
   parser.add_argument("--ppo-rss-child", action="store_true", help=argparse.SUPPRESS)
@@ -178,19 +208,31 @@ def main():
   if not np.asarray(prompts.mask).all():
     raise RuntimeError(f"a prompt is shorter than {PROMPT_LENGTH} tokens: the two sides would "
                        "pad differently")
-  trl = None
-  if args.trl:  # first, while this process holds no compiled step or TrainState
-    python = trl_ppo.ensure_env(args.trl_env)
+  trl = tunix = None
+  answers = [p["answer"] for p in problems]
+  if args.trl or args.tunix:  # first, while this process holds no compiled step or TrainState
     with tempfile.TemporaryDirectory() as tmp:
       save_model(f"{tmp}/policy", policy)
-      print(f"trl: {args.iterations} iterations after {args.warmup} warm-up ...", flush=True)
-      trl = run_trl(python, f"{tmp}/policy", np.asarray(prompts.tokens),
-                    [p["answer"] for p in problems], args)
-    print(f"trl {trl['trl']} GRPOTrainer (transformers {trl['transformers']}, torch "
-          f"{trl['torch']}, {trl['threads']} threads): {trl['seconds_per_iteration']:.2f} "
-          f"s/iteration (median of {', '.join(f'{x:.2f}' for x in trl['iterations'])}; "
-          f"warm-up {', '.join(f'{x:.1f}' for x in trl['warmup_seconds'])} s); peak RSS "
-          f"{trl['peak_rss_mb']:.0f} MB", flush=True)
+      if args.trl:
+        python = trl_ppo.ensure_env(args.trl_env)
+        print(f"trl: {args.iterations} iterations after {args.warmup} warm-up ...", flush=True)
+        trl = run_trl(python, f"{tmp}/policy", np.asarray(prompts.tokens), answers, args)
+        print(f"trl {trl['trl']} GRPOTrainer (transformers {trl['transformers']}, torch "
+              f"{trl['torch']}, {trl['threads']} threads): {trl['seconds_per_iteration']:.2f} "
+              f"s/iteration (median of {', '.join(f'{x:.2f}' for x in trl['iterations'])}; "
+              f"warm-up {', '.join(f'{x:.1f}' for x in trl['warmup_seconds'])} s); peak RSS "
+              f"{trl['peak_rss_mb']:.0f} MB", flush=True)
+      if args.tunix:  # likewise, in its own process and environment
+        python = tunix_ppo.ensure_env(args.tunix_env)
+        print(f"tunix: {args.iterations} iterations after {args.warmup} warm-up ...",
+              flush=True)
+        tunix = run_tunix(python, f"{tmp}/policy", np.asarray(prompts.tokens), answers, args)
+        print(f"tunix {tunix['tunix']} GRPOLearner (jax {tunix['jax']}, flax "
+              f"{tunix['flax']}): {tunix['seconds_per_iteration']:.2f} s/iteration (median of "
+              f"{', '.join(f'{x:.2f}' for x in tunix['iterations'])}; warm-up "
+              f"{', '.join(f'{x:.1f}' for x in tunix['warmup_seconds'])} s); peak RSS "
+              f"{tunix['peak_rss_mb']:.0f} MB; shortest completion "
+              f"{tunix['min_completion_length']} tokens", flush=True)
   del policy
 
   config = make_config(args)
@@ -238,19 +280,29 @@ def main():
   if speedup is not None:
     print(f"trl / ppojax = {trl['seconds_per_iteration']:.2f} / {seconds:.2f} = {speedup:.2f}x; "
           f"peak RSS trl / ppojax = {trl['peak_rss_mb']:.0f} / {rss:.0f} MB")
+  tunix_ratio = None if tunix is None else tunix["seconds_per_iteration"] / seconds
+  if tunix_ratio is not None:
+    print(f"tunix / ppojax = {tunix['seconds_per_iteration']:.2f} / {seconds:.2f} = "
+          f"{tunix_ratio:.2f}x; peak RSS tunix / ppojax = {tunix['peak_rss_mb']:.0f} / "
+          f"{rss:.0f} MB (benchmarks/tunix_grpo.py lists what differs)")
   print(json.dumps({
       "seconds_per_iteration": seconds, "iterations": times,
       "warmup_seconds": warm_times, "phases": phases,
       "trl_seconds_per_iteration": None if trl is None else trl["seconds_per_iteration"],
       "speedup": speedup, "peak_rss_mb": rss,
       "trl_peak_rss_mb": None if trl is None else trl["peak_rss_mb"],
+      "tunix_seconds_per_iteration": None if tunix is None else tunix["seconds_per_iteration"],
+      "tunix_ratio": tunix_ratio,
+      "tunix_peak_rss_mb": None if tunix is None else tunix["peak_rss_mb"],
       "ppo_quickstart_peak_rss_mb": None if quickstart is None else quickstart["peak_rss_mb"],
       "ppojax_mean_score": statistics.mean(m["objective/scores"] for m in rows),
       "trl_mean_reward": None if trl is None else trl["metrics"].get("reward"),
       "cpu": scale_table.cpu_name(), "cpus": os.cpu_count(),
       "device": jax.devices()[0].device_kind, "huge_pages": hostmem.huge_pages_active(),
+      "tunix_mean_reward": None if tunix is None else tunix["mean_reward"],
       "versions": {**versions(), **({} if trl is None else {
-          k: trl[k] for k in ("trl", "transformers", "torch")})},
+          k: trl[k] for k in ("trl", "transformers", "torch")}),
+                   **({} if tunix is None else {"tunix": tunix["tunix"]})},
       "settings": {
           "model": "SmolLM2-135M-Instruct", "dtype": "float32", "prompts": b,
           "samples_per_prompt": n, "prompt_length": PROMPT_LENGTH,
@@ -260,7 +312,7 @@ def main():
           "kl_estimator": ppo.kl_estimator, "aggregation": ppo.aggregation,
           "epochs": 1, "minibatches": 1, "grad_accum": 1, "reward": "ppojax.arith:reward",
           "iterations": args.iterations, "warmup": args.warmup},
-      "trl": trl, "ppo_quickstart": quickstart}))
+      "trl": trl, "tunix": tunix, "ppo_quickstart": quickstart}))
 
 
 if __name__ == "__main__":

@@ -9,6 +9,9 @@ anything, so the two processes' memory never adds up):
     python benchmarks/tunix_ppo.py --policy DIR --reward DIR --prompts FILE.json \\
         [--response-length 32] [--iterations 3] [--warmup 1] [--temperature 1.0]
 
+``tunix_grpo.py`` (the GRPO side, ``grpo_step.py --tunix``) imports its pieces from here: the
+environment, the model config and loader, the tokenizer, the ``RLCluster`` and the timing.
+
 DIR are the Hugging Face directories ppojax exports (``save_model``): the policy as
 ``LlamaForCausalLM`` and the reward model as ``LlamaForSequenceClassification`` (the policy's
 backbone with a one-wide ``score`` head, zero in the benchmark). tunix's Llama-3 model, with a
@@ -90,7 +93,6 @@ import os
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 import venv
 from pathlib import Path
@@ -147,8 +149,8 @@ def rss_guard(limit_mb: float, interval_s: float = 0.2):
       with open("/proc/self/status", encoding="ascii") as f:
         rss = next(int(line.split()[1]) for line in f if line.startswith("VmRSS:")) / 1024
       if rss > limit_mb:
-        print(f"tunix_ppo: resident set {rss:.0f} MB passed --rss-limit-mb {limit_mb:.0f}; "
-              "stopping", file=sys.stderr, flush=True)
+        print(f"{Path(sys.argv[0]).stem}: resident set {rss:.0f} MB passed --rss-limit-mb "
+              f"{limit_mb:.0f}; stopping", file=sys.stderr, flush=True)
         os._exit(3)  # pylint: disable=protected-access
       time.sleep(interval_s)
 
@@ -196,6 +198,113 @@ def score_model_class():
   return ScoreModel
 
 
+def tokenizer_and_texts(policy_dir: str, prompts: list[list[int]]):
+  """SmolLM2's tokenizer as tunix's rollout uses it (left padding; ``<|endoftext|>``, id 0, as
+  pad and eos: tunix masks every pad id, and SmolLM2's own pad ``<|im_end|>`` is in the chat
+  prompts) and the prompts decoded to the strings tunix's rollout takes."""
+  from transformers import PreTrainedTokenizerFast  # pylint: disable=import-outside-toplevel
+  if len({len(p) for p in prompts}) != 1:
+    raise ValueError("every prompt must have the same number of tokens")
+  tokenizer = PreTrainedTokenizerFast(tokenizer_file=str(Path(policy_dir) / "tokenizer.json"),
+                                      padding_side="left")
+  tokenizer.pad_token = tokenizer.eos_token = tokenizer.convert_ids_to_tokens(0)
+  return tokenizer, [tokenizer.decode(p, skip_special_tokens=False) for p in prompts]
+
+
+def loader(model_dir: str):
+  """The mesh tunix's roles run on (the one CPU device, over the axes tunix's models annotate)
+  and ``load(directory)``: tunix's Llama-3 with ``smollm2_config``, float32, from a
+  safetensors directory by tunix's own loader."""
+  # pylint: disable=import-outside-toplevel
+  import jax
+  from tunix.models.llama3 import params as llama_params
+  config = smollm2_config(model_dir)
+  mesh = jax.make_mesh((1, 1), ("fsdp", "tp"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+  load = lambda d: llama_params.create_model_from_safe_tensors(  # noqa: E731
+      d, config, mesh=mesh, dtype=jax.numpy.float32)
+  return mesh, load
+
+
+def adamw(lr: float):
+  """AdamW at a constant ``lr``, weight decay 0, after clipping at global norm 1 (ppojax's)."""
+  import optax  # pylint: disable=import-outside-toplevel
+  return optax.chain(optax.clip_by_global_norm(1.0),
+                     optax.adamw(lr, b1=0.9, b2=0.999, weight_decay=0.0))
+
+
+def make_cluster(*, mesh, actor, reference, tokenizer, prompt_length: int,
+                 response_length: int, temperature: float, batch: int, max_steps: int,
+                 lr: float, critic=None, reward=None):
+  """tunix's ``RLCluster`` over one mesh: the vanilla rollout engine sharing the actor's
+  weights (no offloading, no weight sync), exactly ``response_length`` new tokens (an eos id
+  outside the vocabulary), top-p 1 at ``temperature``, float32; one minibatch and one micro
+  batch of ``batch`` prompts everywhere; no evaluation, checkpoints or metric logging. The
+  critic gets an optimizer of its own where there is one."""
+  # pylint: disable=import-outside-toplevel
+  import jax
+  from tunix.rl import rl_cluster as rl
+  from tunix.rl.rollout import base_rollout
+  rollout_config = base_rollout.RolloutConfig(
+      max_tokens_to_generate=response_length, max_prompt_length=prompt_length,
+      kv_cache_size=prompt_length + response_length, temperature=temperature, top_p=1.0,
+      top_k=None, eos_tokens=[OUT_OF_VOCAB], data_type=jax.numpy.float32)
+  training_config = rl.RLTrainingConfig(
+      actor_optimizer=adamw(lr), critic_optimizer=None if critic is None else adamw(lr),
+      eval_every_n_steps=10**9, max_steps=max_steps, mini_batch_size=batch,
+      train_micro_batch_size=batch, rollout_micro_batch_size=batch,
+      compute_logps_micro_batch_size=batch, checkpoint_root_directory=None,
+      pbar_description=None, metrics_logging_options=None)
+  cluster_config = rl.ClusterConfig(
+      role_to_mesh={role: mesh for role in rl.Role}, rollout_engine="vanilla",
+      offload_to_cpu=False, training_config=training_config, rollout_config=rollout_config)
+  return rl.RLCluster(actor=actor, critic=critic, reference=reference, reward=reward,
+                      tokenizer=tokenizer, cluster_config=cluster_config)
+
+
+def check_tokenization(cluster, texts: list[str], prompts: list[list[int]]):
+  """That tunix's rollout tokenizes each prompt string back to exactly ppojax's ids."""
+  sampler = cluster.rollout._sampler  # pylint: disable=protected-access
+  for text, ids in zip(texts, prompts):
+    if list(sampler.tokenize(text)) != list(ids):
+      raise RuntimeError(f"tunix tokenizes a prompt differently: {list(sampler.tokenize(text))}"
+                         f" vs ppojax's {ids}")
+
+
+def timed_train(learner, batch: dict, n_iterations: int) -> list[float]:
+  """Runs ``learner.train`` on ``n_iterations`` copies of ``batch``; the seconds of each
+  iteration: the time between two requests of tunix's trainer for its next batch."""
+  name, marks = Path(sys.argv[0]).stem, []
+
+  def batches():  # one mark per request for a batch: an iteration lies between two marks
+    for i in range(n_iterations):
+      marks.append(time.perf_counter())
+      print(f"{name}: iteration {i}, RSS {peak_rss_mb('VmRSS'):.0f} MB, peak so far "
+            f"{peak_rss_mb():.0f} MB", file=sys.stderr, flush=True)
+      yield dict(batch)  # a fresh dict: tunix's pipeline replaces its leaves
+    marks.append(time.perf_counter())
+
+  learner.train(batches())
+  if len(marks) == n_iterations:  # the trainer stopped at max_steps without asking again
+    marks.append(time.perf_counter())
+  steps = [b - a for a, b in zip(marks, marks[1:])]
+  if len(steps) != n_iterations:
+    raise RuntimeError(f"tunix ran {len(steps)} iterations, expected {n_iterations}")
+  return steps
+
+
+def versions() -> dict:
+  """The versions of what this environment runs."""
+  # pylint: disable=import-outside-toplevel
+  from importlib import metadata
+
+  import jax
+  import numpy as np
+  import transformers
+  return {"tunix": metadata.version("google-tunix"), "jax": jax.__version__,
+          "flax": metadata.version("flax"), "transformers": transformers.__version__,
+          "devices": str(jax.devices()), "numpy": np.__version__}
+
+
 def main():
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--policy", required=True)
@@ -215,102 +324,43 @@ def main():
   os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
   # pylint: disable=import-outside-toplevel
-  import jax
   import numpy as np
-  import optax
   import safetensors.numpy
-  import transformers
-  from importlib import metadata
-  from transformers import PreTrainedTokenizerFast
-  from tunix.models.llama3 import params as llama_params
-  from tunix.rl import rl_cluster as rl
   from tunix.rl.ppo import ppo_learner
-  from tunix.rl.rollout import base_rollout
 
   prompts = json.loads(Path(args.prompts).read_text())
-  if len({len(p) for p in prompts}) != 1:
-    raise ValueError("every prompt must have the same number of tokens")
+  tokenizer, texts = tokenizer_and_texts(args.policy, prompts)
   batch, p_len, r_len = len(prompts), len(prompts[0]), args.response_length
   n_iterations = args.warmup + args.iterations
 
-  tokenizer = PreTrainedTokenizerFast(tokenizer_file=str(Path(args.policy) / "tokenizer.json"),
-                                      padding_side="left")
-  tokenizer.pad_token = tokenizer.eos_token = tokenizer.convert_ids_to_tokens(0)
-  texts = [tokenizer.decode(p, skip_special_tokens=False) for p in prompts]
-
-  config = smollm2_config(args.policy)
-  mesh = jax.make_mesh((1, 1), ("fsdp", "tp"),  # one CPU device; tunix's models annotate
-                       axis_types=(jax.sharding.AxisType.Auto,) * 2)  # for these axes
-  load = lambda d: llama_params.create_model_from_safe_tensors(  # noqa: E731
-      d, config, mesh=mesh, dtype=jax.numpy.float32)
+  mesh, load = loader(args.policy)
   t0 = time.perf_counter()
   actor, reference = load(args.policy), load(args.policy)
   score = safetensors.numpy.load_file(str(Path(args.reward) / "model.safetensors"))["score.weight"]
   score_model = score_model_class()
   critic = score_model(load(args.reward), score)
   reward = score_model(load(args.reward), score)
+  cluster = make_cluster(mesh=mesh, actor=actor, critic=critic, reference=reference,
+                         reward=reward, tokenizer=tokenizer, prompt_length=p_len,
+                         response_length=r_len, temperature=args.temperature, batch=batch,
+                         max_steps=n_iterations, lr=args.lr)
+  del actor, critic, reference, reward
+  check_tokenization(cluster, texts, prompts)
+  algo = ppo_learner.PPOConfig(num_iterations=1, beta=args.kl_coef, kl_method="kl",
+                               gamma=1.0, gae_lambda=0.95, epsilon=0.2, clip_range_value=0.2)
+  learner = ppo_learner.PPOLearner(rl_cluster=cluster, ppo_config=algo)
+  build_s = time.perf_counter() - t0
+  print(f"tunix_ppo: built in {build_s:.0f} s, RSS {peak_rss_mb('VmRSS'):.0f} MB, peak "
+        f"{peak_rss_mb():.0f} MB", file=sys.stderr, flush=True)
 
-  def optimizer():
-    return optax.chain(optax.clip_by_global_norm(1.0),
-                       optax.adamw(args.lr, b1=0.9, b2=0.999, weight_decay=0.0))
-
-  with tempfile.TemporaryDirectory() as out:
-    rollout_config = base_rollout.RolloutConfig(
-        max_tokens_to_generate=r_len, max_prompt_length=p_len, kv_cache_size=p_len + r_len,
-        temperature=args.temperature, top_p=1.0, top_k=None, eos_tokens=[OUT_OF_VOCAB],
-        data_type=jax.numpy.float32)
-    training_config = rl.RLTrainingConfig(
-        actor_optimizer=optimizer(), critic_optimizer=optimizer(), eval_every_n_steps=10**9,
-        max_steps=n_iterations, mini_batch_size=batch, train_micro_batch_size=batch,
-        rollout_micro_batch_size=batch, compute_logps_micro_batch_size=batch,
-        checkpoint_root_directory=None, pbar_description=None,
-        metrics_logging_options=None)
-    cluster_config = rl.ClusterConfig(
-        role_to_mesh={role: mesh for role in rl.Role}, rollout_engine="vanilla",
-        offload_to_cpu=False, training_config=training_config, rollout_config=rollout_config)
-    cluster = rl.RLCluster(actor=actor, critic=critic, reference=reference, reward=reward,
-                           tokenizer=tokenizer, cluster_config=cluster_config)
-    del actor, critic, reference, reward
-    sampler = cluster.rollout._sampler  # pylint: disable=protected-access
-    for text, ids in zip(texts, prompts):
-      if list(sampler.tokenize(text)) != list(ids):
-        raise RuntimeError(f"tunix tokenizes a prompt differently: {list(sampler.tokenize(text))}"
-                           f" vs ppojax's {ids}")
-    algo = ppo_learner.PPOConfig(num_iterations=1, beta=args.kl_coef, kl_method="kl",
-                                 gamma=1.0, gae_lambda=0.95, epsilon=0.2, clip_range_value=0.2)
-    learner = ppo_learner.PPOLearner(rl_cluster=cluster, ppo_config=algo)
-    build_s = time.perf_counter() - t0
-    print(f"tunix_ppo: built in {build_s:.0f} s, RSS {peak_rss_mb('VmRSS'):.0f} MB, peak "
-          f"{peak_rss_mb():.0f} MB",
-          file=sys.stderr, flush=True)
-
-    marks = []
-
-    def batches():  # one mark per request for a batch: an iteration lies between two marks
-      for i in range(n_iterations):
-        marks.append(time.perf_counter())
-        print(f"tunix_ppo: iteration {i}, RSS {peak_rss_mb('VmRSS'):.0f} MB, peak so far "
-              f"{peak_rss_mb():.0f} MB",
-              file=sys.stderr, flush=True)
-        yield {"prompts": np.array(texts)}  # an array: tunix's pipeline maps over leaves
-      marks.append(time.perf_counter())
-
-    learner.train(batches())
-    if len(marks) == n_iterations:  # the trainer stopped at max_steps without asking again
-      marks.append(time.perf_counter())
-
-  steps = [b - a for a, b in zip(marks, marks[1:])]
-  if len(steps) != n_iterations:
-    raise RuntimeError(f"tunix ran {len(steps)} iterations, expected {n_iterations}")
+  # an array: tunix's pipeline maps over leaves
+  steps = timed_train(learner, {"prompts": np.array(texts)}, n_iterations)
   timed = steps[args.warmup:]
   print(json.dumps({
       "seconds_per_iteration": statistics.median(timed), "iterations": timed,
       "warmup_seconds": steps[:args.warmup], "build_seconds": build_s, "batch": batch,
-      "prompt_length": p_len, "response_length": r_len,
-      "tunix": metadata.version("google-tunix"), "jax": jax.__version__,
-      "flax": metadata.version("flax"), "transformers": transformers.__version__,
-      "devices": str(jax.devices()), "peak_rss_mb": peak_rss_mb(),
-      "numpy": np.__version__}))
+      "prompt_length": p_len, "response_length": r_len, **versions(),
+      "peak_rss_mb": peak_rss_mb()}))
 
 
 if __name__ == "__main__":
