@@ -113,36 +113,33 @@ def make_config(args):
   return c
 
 
-def run_trl(python: pathlib.Path, policy_dir: str, tokens: np.ndarray, answers: list[str],
-            args) -> dict:
-  """trl's GRPO iteration on the same weights and prompts (``trl_grpo.py`` in its own
-  environment): the JSON object it prints last."""
+def run_side(script, python: pathlib.Path, policy_dir: str, tokens: np.ndarray,
+             answers: list[str], args, what: str, *extra: str) -> dict:
+  """Another framework's GRPO iteration on the same weights and prompts (``script``, a module
+  of this folder with ``trl_grpo.arguments``' options, run in that framework's own
+  environment ``python``): the JSON object it prints last. ``extra``: run_json's arguments."""
   with tempfile.NamedTemporaryFile("w", suffix=".json") as f:
     json.dump({"token_ids": tokens.tolist(), "answers": answers}, f)
     f.flush()
-    cmd = [str(python), str(pathlib.Path(trl_grpo.__file__)), "--policy", policy_dir,
+    cmd = [str(python), str(pathlib.Path(script.__file__)), "--policy", policy_dir,
            "--prompts", f.name, "--num-generations", str(args.samples),
            "--response-length", str(args.response_length), "--temperature",
            str(args.temperature), "--beta", str(args.kl_coef), "--iterations",
            str(args.iterations), "--warmup", str(args.warmup), "--lr", str(args.lr)]
-    return run_json(cmd, "trl's GRPOTrainer")
-
-
-def run_tunix(python: pathlib.Path, policy_dir: str, tokens: np.ndarray, answers: list[str],
-              args) -> dict:
-  """tunix's GRPO iteration on the same weights and prompts (``tunix_grpo.py`` in its own
-  environment, ``tunix_ppo.ensure_env``): the JSON object it prints last."""
-  with tempfile.NamedTemporaryFile("w", suffix=".json") as f:
-    json.dump({"token_ids": tokens.tolist(), "answers": answers}, f)
-    f.flush()
-    cmd = [str(python), str(pathlib.Path(tunix_grpo.__file__)), "--policy", policy_dir,
-           "--prompts", f.name, "--num-generations", str(args.samples),
-           "--response-length", str(args.response_length), "--temperature",
-           str(args.temperature), "--beta", str(args.kl_coef), "--iterations",
-           str(args.iterations), "--warmup", str(args.warmup), "--lr", str(args.lr)]
-    if os.environ.get("TUNIX_RSS_LIMIT_MB"):  # a shared machine: stop before the OOM killer
+    if script is tunix_grpo and os.environ.get("TUNIX_RSS_LIMIT_MB"):  # stop before OOM kill
       cmd += ["--rss-limit-mb", os.environ["TUNIX_RSS_LIMIT_MB"]]
-    return run_json(cmd, "tunix's GRPOLearner", "--no-tunix")
+    return run_json(cmd, what, *extra)
+
+
+def run_trl(python, policy_dir, tokens, answers, args) -> dict:
+  """trl's GRPO iteration (``trl_grpo.py`` in trl's environment)."""
+  return run_side(trl_grpo, python, policy_dir, tokens, answers, args, "trl's GRPOTrainer")
+
+
+def run_tunix(python, policy_dir, tokens, answers, args) -> dict:
+  """tunix's GRPO iteration (``tunix_grpo.py`` in ``tunix_ppo.ensure_env``'s environment)."""
+  return run_side(tunix_grpo, python, policy_dir, tokens, answers, args,
+                  "tunix's GRPOLearner", "--no-tunix")
 
 
 def ppo_quickstart_rss() -> dict:

@@ -66,8 +66,9 @@ def arith_reward():
   return module.reward
 
 
-def main():
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def arguments(description: str) -> argparse.ArgumentParser:
+  """The GRPO iteration's options, shared by this script and ``tunix_grpo.py``."""
+  parser = argparse.ArgumentParser(description=description)
   parser.add_argument("--policy", required=True)
   parser.add_argument("--prompts", required=True,
                       help='JSON {"token_ids": [[...], ...], "answers": [...]}')
@@ -78,7 +79,11 @@ def main():
   parser.add_argument("--iterations", type=int, default=3)
   parser.add_argument("--warmup", type=int, default=1)
   parser.add_argument("--lr", type=float, default=3e-6)
-  args = parser.parse_args()
+  return parser
+
+
+def main():
+  args = arguments(__doc__.splitlines()[0]).parse_args()
 
   # pylint: disable=import-outside-toplevel
   import torch

@@ -70,7 +70,6 @@ not counted. The last line printed is a JSON object with ``seconds_per_iteration
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics
@@ -85,17 +84,7 @@ import tunix_ppo  # noqa: E402
 
 
 def main():
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--policy", required=True)
-  parser.add_argument("--prompts", required=True,
-                      help='JSON {"token_ids": [[...], ...], "answers": [...]}')
-  parser.add_argument("--num-generations", type=int, default=4)
-  parser.add_argument("--response-length", type=int, default=32)
-  parser.add_argument("--temperature", type=float, default=0.7)
-  parser.add_argument("--beta", type=float, default=0.04)
-  parser.add_argument("--iterations", type=int, default=3)
-  parser.add_argument("--warmup", type=int, default=1)
-  parser.add_argument("--lr", type=float, default=3e-6)
+  parser = trl_grpo.arguments(__doc__.splitlines()[0])
   parser.add_argument("--rss-limit-mb", type=float, default=0,
                       help="stop (exit code 3) once the resident set passes this (0: no limit)")
   args = parser.parse_args()
