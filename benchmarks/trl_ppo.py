@@ -28,12 +28,12 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
-import venv
 from pathlib import Path
+
+import peer_env  # this folder; standard library only, so every environment imports it
 
 # What ``ensure_env`` installs: trl 0.17 (the version the issue's reference figure was taken
 # with), the newest transformers 4.x it runs with, and the project's CPU build of torch.
@@ -42,29 +42,13 @@ TRL_REQUIREMENTS = ("torch==2.13.0", "trl==0.17.0", "transformers==4.51.3", "acc
 
 
 def default_env_dir() -> Path:
-  cache = Path(os.environ.get("PPOJAX_CACHE", Path.home() / ".cache" / "ppojax"))
-  return cache / "trl-0.17-venv"
+  return peer_env.cache_dir("trl-0.17-venv")
 
 
 def ensure_env(directory: Path | None = None) -> Path:
-  """The Python of a virtual environment with ``TRL_REQUIREMENTS``, created on first use (about
-  a minute of downloads); a marker file records a complete install."""
-  directory = Path(directory or default_env_dir())
-  python = directory / "bin" / "python"
-  marker = directory / "ppojax-requirements.txt"
-  wanted = "\n".join(TRL_REQUIREMENTS)
-  if python.exists() and marker.exists() and marker.read_text() == wanted:
-    return python
-  print(f"creating a trl environment in {directory}: {' '.join(TRL_REQUIREMENTS)}", flush=True)
-  venv.create(directory, with_pip=True, clear=True)
-  pip = subprocess.run([str(python), "-m", "pip", "install", "--quiet", *TRL_REQUIREMENTS],
-                       check=False)
-  if pip.returncode:
-    raise RuntimeError(f"could not install {' '.join(TRL_REQUIREMENTS)} into {directory} "
-                       f"(pip exit code {pip.returncode}; PyPI must be reachable once); "
-                       "ppo_step.py --no-trl runs without trl")
-  marker.write_text(wanted)  # only after a complete install: a failed one is redone
-  return python
+  """The Python of a virtual environment with ``TRL_REQUIREMENTS``, created on first use."""
+  return peer_env.ensure_env(directory or default_env_dir(), TRL_REQUIREMENTS, "trl",
+                             "ppo_step.py --no-trl")
 
 
 def hf_tokenizer(policy_dir: str):
@@ -96,11 +80,7 @@ def step_clock():
   return StepClock()
 
 
-def peak_rss_mb() -> float:
-  """VmHWM of /proc/self/status in MiB (as ``ppojax.hostmem.peak_rss_mb``, which this
-  environment cannot import): ``ru_maxrss`` would count the parent's resident set at the fork."""
-  with open("/proc/self/status", encoding="ascii") as f:
-    return next(int(line.split()[1]) for line in f if line.startswith("VmHWM:")) / 1024
+peak_rss_mb = peer_env.peak_rss_mb
 
 
 def main():

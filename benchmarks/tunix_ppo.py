@@ -91,11 +91,11 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
-import venv
 from pathlib import Path
+
+import peer_env  # this folder; standard library only, so every environment imports it
 
 # What ``ensure_env`` installs: tunix 0.1.7 on the jax / flax / optax that ppojax runs (its own
 # environment all the same), and the transformers its tokenizer adapter reads.
@@ -106,37 +106,16 @@ OUT_OF_VOCAB = 49152  # SmolLM2's vocabulary size: an "eos" id the sampler never
 
 
 def default_env_dir() -> Path:
-  cache = Path(os.environ.get("PPOJAX_CACHE", Path.home() / ".cache" / "ppojax"))
-  return cache / "tunix-venv"
+  return peer_env.cache_dir("tunix-venv")
 
 
 def ensure_env(directory: Path | None = None) -> Path:
-  """The Python of a virtual environment with ``TUNIX_REQUIREMENTS``, created on first use
-  (about two minutes of downloads); a marker file records a complete install."""
-  directory = Path(directory or default_env_dir())
-  python = directory / "bin" / "python"
-  marker = directory / "ppojax-requirements.txt"
-  wanted = "\n".join(TUNIX_REQUIREMENTS)
-  if python.exists() and marker.exists() and marker.read_text() == wanted:
-    return python
-  print(f"creating a tunix environment in {directory}: {' '.join(TUNIX_REQUIREMENTS)}",
-        flush=True)
-  venv.create(directory, with_pip=True, clear=True)
-  pip = subprocess.run([str(python), "-m", "pip", "install", "--quiet", *TUNIX_REQUIREMENTS],
-                       check=False)
-  if pip.returncode:
-    raise RuntimeError(f"could not install {' '.join(TUNIX_REQUIREMENTS)} into {directory} "
-                       f"(pip exit code {pip.returncode}; PyPI must be reachable once); "
-                       "ppo_step.py --no-tunix runs without tunix")
-  marker.write_text(wanted)  # only after a complete install: a failed one is redone
-  return python
+  """The Python of a virtual environment with ``TUNIX_REQUIREMENTS``, created on first use."""
+  return peer_env.ensure_env(directory or default_env_dir(), TUNIX_REQUIREMENTS, "tunix",
+                             "ppo_step.py --no-tunix")
 
 
-def peak_rss_mb(field: str = "VmHWM") -> float:
-  """VmHWM (or another field, e.g. VmRSS) of /proc/self/status in MiB (as
-  ``ppojax.hostmem.peak_rss_mb``)."""
-  with open("/proc/self/status", encoding="ascii") as f:
-    return next(int(line.split()[1]) for line in f if line.startswith(field + ":")) / 1024
+peak_rss_mb = peer_env.peak_rss_mb
 
 
 def rss_guard(limit_mb: float, interval_s: float = 0.2):

@@ -1,0 +1,46 @@
+"""What the peers' benchmark sides share (standard library only: it is imported inside the trl
+and tunix environments as well as ppojax's): their virtual environments under the ppojax cache,
+created on first use, and the process's peak resident set."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import venv
+from pathlib import Path
+
+
+def cache_dir(name: str) -> Path:
+  """``$PPOJAX_CACHE/NAME`` (default ``~/.cache/ppojax/NAME``)."""
+  return Path(os.environ.get("PPOJAX_CACHE", Path.home() / ".cache" / "ppojax")) / name
+
+
+def ensure_env(directory: Path, requirements: tuple[str, ...], peer: str, skip: str) -> Path:
+  """The Python of a virtual environment in ``directory`` with ``requirements`` installed,
+  created on first use (minutes of downloads); a marker file records a complete install, and a
+  failed one is redone. ``peer`` and ``skip`` (the flag that runs without it) name it in
+  messages."""
+  directory = Path(directory)
+  python = directory / "bin" / "python"
+  marker = directory / "ppojax-requirements.txt"
+  wanted = "\n".join(requirements)
+  if python.exists() and marker.exists() and marker.read_text() == wanted:
+    return python
+  print(f"creating a {peer} environment in {directory}: {' '.join(requirements)}", flush=True)
+  venv.create(directory, with_pip=True, clear=True)
+  pip = subprocess.run([str(python), "-m", "pip", "install", "--quiet", *requirements],
+                       check=False)
+  if pip.returncode:
+    raise RuntimeError(f"could not install {' '.join(requirements)} into {directory} "
+                       f"(pip exit code {pip.returncode}; PyPI must be reachable once); "
+                       f"{skip} runs without {peer}")
+  marker.write_text(wanted)  # only after a complete install: a failed one is redone
+  return python
+
+
+def peak_rss_mb(field: str = "VmHWM") -> float:
+  """VmHWM (or another field, e.g. VmRSS) of /proc/self/status in MiB, as
+  ``ppojax.hostmem.peak_rss_mb`` (which the peers' environments cannot import): ``ru_maxrss``
+  would count the parent's resident set at the fork."""
+  with open("/proc/self/status", encoding="ascii") as f:
+    return next(int(line.split()[1]) for line in f if line.startswith(field + ":")) / 1024
