@@ -81,7 +81,7 @@ import trl_grpo  # noqa: E402
 import trl_ppo  # noqa: E402
 import tunix_grpo  # noqa: E402
 import tunix_ppo  # noqa: E402
-from ppo_step import CONFIGS, make_prompts, run_json  # noqa: E402
+from ppo_step import CONFIGS, make_prompts, run_json, tunix_rss_limit  # noqa: E402
 
 PROMPT_LENGTH = 40  # a two-digit problem through SmolLM2's chat template
 
@@ -114,21 +114,16 @@ def make_config(args):
 
 
 def run_side(script, python: pathlib.Path, policy_dir: str, tokens: np.ndarray,
-             answers: list[str], args, what: str, *extra: str) -> dict:
+             answers: list[str], args, what: str, skip: str = "--no-trl",
+             options: tuple[str, ...] = ()) -> dict:
   """Another framework's GRPO iteration on the same weights and prompts (``script``, a module
-  of this folder with ``trl_grpo.arguments``' options, run in that framework's own
-  environment ``python``): the JSON object it prints last. ``extra``: run_json's arguments."""
-  with tempfile.NamedTemporaryFile("w", suffix=".json") as f:
-    json.dump({"token_ids": tokens.tolist(), "answers": answers}, f)
-    f.flush()
-    cmd = [str(python), str(pathlib.Path(script.__file__)), "--policy", policy_dir,
-           "--prompts", f.name, "--num-generations", str(args.samples),
-           "--response-length", str(args.response_length), "--temperature",
-           str(args.temperature), "--beta", str(args.kl_coef), "--iterations",
-           str(args.iterations), "--warmup", str(args.warmup), "--lr", str(args.lr)]
-    if script is tunix_grpo and os.environ.get("TUNIX_RSS_LIMIT_MB"):  # stop before OOM kill
-      cmd += ["--rss-limit-mb", os.environ["TUNIX_RSS_LIMIT_MB"]]
-    return run_json(cmd, what, *extra)
+  of this folder with ``trl_grpo.arguments``' options, and ``options`` beyond them, run in
+  that framework's own environment ``python``): the JSON object it prints last."""
+  cmd = [str(python), str(pathlib.Path(script.__file__)), "--policy", policy_dir,
+         "--num-generations", str(args.samples), "--response-length", str(args.response_length),
+         "--temperature", str(args.temperature), "--beta", str(args.kl_coef), "--iterations",
+         str(args.iterations), "--warmup", str(args.warmup), "--lr", str(args.lr), *options]
+  return run_json(cmd, what, skip, prompts={"token_ids": tokens.tolist(), "answers": answers})
 
 
 def run_trl(python, policy_dir, tokens, answers, args) -> dict:
@@ -139,7 +134,7 @@ def run_trl(python, policy_dir, tokens, answers, args) -> dict:
 def run_tunix(python, policy_dir, tokens, answers, args) -> dict:
   """tunix's GRPO iteration (``tunix_grpo.py`` in ``tunix_ppo.ensure_env``'s environment)."""
   return run_side(tunix_grpo, python, policy_dir, tokens, answers, args,
-                  "tunix's GRPOLearner", "--no-tunix")
+                  "tunix's GRPOLearner", "--no-tunix", tuple(tunix_rss_limit()))
 
 
 def ppo_quickstart_rss() -> dict:

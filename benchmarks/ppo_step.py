@@ -240,14 +240,11 @@ def run_trl(python: pathlib.Path, policy_dir: str, reward_dir: str, prompts: Pro
             lora_alpha: float = 32.0) -> dict:
   """trl's seconds per iteration on the same models and prompts (``trl_ppo.py`` in its own
   environment, one warm-up iteration): the JSON object it prints last."""
-  with tempfile.NamedTemporaryFile("w", suffix=".json") as f:
-    json.dump(np.asarray(prompts.tokens).tolist(), f)
-    f.flush()
-    cmd = [str(python), str(pathlib.Path(trl_ppo.__file__)), "--policy", policy_dir,
-           "--reward", reward_dir, "--prompts", f.name, "--response-length",
-           str(response_length), "--iterations", str(iterations), "--warmup", "1",
-           "--lora-rank", str(lora_rank), "--lora-alpha", str(lora_alpha)]
-    return run_json(cmd, "trl's PPOTrainer")
+  cmd = [str(python), str(pathlib.Path(trl_ppo.__file__)), "--policy", policy_dir,
+         "--reward", reward_dir, "--response-length", str(response_length), "--iterations",
+         str(iterations), "--warmup", "1", "--lora-rank", str(lora_rank), "--lora-alpha",
+         str(lora_alpha)]
+  return run_json(cmd, "trl's PPOTrainer", prompts=np.asarray(prompts.tokens).tolist())
 
 
 def run_tunix(python: pathlib.Path, policy_dir: str, reward_dir: str, prompts: Prompts,
@@ -255,22 +252,31 @@ def run_tunix(python: pathlib.Path, policy_dir: str, reward_dir: str, prompts: P
               temperature: float) -> dict:
   """tunix's seconds per iteration on the same models and prompts (``tunix_ppo.py`` in its
   own environment, one warm-up iteration): the JSON object it prints last."""
-  with tempfile.NamedTemporaryFile("w", suffix=".json") as f:
-    json.dump(np.asarray(prompts.tokens).tolist(), f)
-    f.flush()
-    cmd = [str(python), str(pathlib.Path(tunix_ppo.__file__)), "--policy", policy_dir,
-           "--reward", reward_dir, "--prompts", f.name, "--response-length",
-           str(response_length), "--iterations", str(iterations), "--warmup", "1",
-           "--kl-coef", str(kl_coef), "--temperature", str(temperature)]
-    if os.environ.get("TUNIX_RSS_LIMIT_MB"):  # a shared machine: stop before the OOM killer
-      cmd += ["--rss-limit-mb", os.environ["TUNIX_RSS_LIMIT_MB"]]
-    return run_json(cmd, "tunix's PPOLearner", "--no-tunix")
+  cmd = [str(python), str(pathlib.Path(tunix_ppo.__file__)), "--policy", policy_dir,
+         "--reward", reward_dir, "--response-length", str(response_length), "--iterations",
+         str(iterations), "--warmup", "1", "--kl-coef", str(kl_coef), "--temperature",
+         str(temperature), *tunix_rss_limit()]
+  return run_json(cmd, "tunix's PPOLearner", "--no-tunix",
+                  prompts=np.asarray(prompts.tokens).tolist())
 
 
-def run_json(cmd: list[str], what: str, skip: str = "--no-trl") -> dict:
+def tunix_rss_limit() -> list[str]:
+  """``--rss-limit-mb`` from ``TUNIX_RSS_LIMIT_MB`` (a shared machine: tunix stops itself before
+  the OOM killer does), or nothing."""
+  limit = os.environ.get("TUNIX_RSS_LIMIT_MB")
+  return ["--rss-limit-mb", limit] if limit else []
+
+
+def run_json(cmd: list[str], what: str, skip: str = "--no-trl", prompts=None) -> dict:
   """The last stdout line of ``cmd`` as JSON (the peer's side of a benchmark, run in the same
-  environment as ppojax's, the huge-page tunable included); a failure names ``what``."""
-  proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
+  environment as ppojax's, the huge-page tunable included); a failure names ``what``. With
+  ``prompts`` (JSON-able), ``cmd`` gets ``--prompts FILE``, a temporary file holding them."""
+  with tempfile.NamedTemporaryFile("w", suffix=".json") as f:
+    if prompts is not None:
+      json.dump(prompts, f)
+      f.flush()
+      cmd = [*cmd, "--prompts", f.name]
+    proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
   if proc.returncode:
     raise RuntimeError(f"{what} failed (rc={proc.returncode}); its last output:\n"
                        f"{proc.stderr[-3000:]}\n({skip} skips the comparison)")
