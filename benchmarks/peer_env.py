@@ -1,9 +1,10 @@
 """What the peers' benchmark sides share (standard library only: it is imported inside the trl
 and tunix environments as well as ppojax's): their virtual environments under the ppojax cache,
-created on first use, and the process's peak resident set."""
+created on first use, the PPO sides' common options and the process's peak resident set."""
 
 from __future__ import annotations
 
+import argparse
 import os
 import subprocess
 import venv
@@ -44,3 +45,16 @@ def peak_rss_mb(field: str = "VmHWM") -> float:
   would count the parent's resident set at the fork."""
   with open("/proc/self/status", encoding="ascii") as f:
     return next(int(line.split()[1]) for line in f if line.startswith(field + ":")) / 1024
+
+
+def ppo_arguments(description: str) -> argparse.ArgumentParser:
+  """The PPO iteration's options common to ``trl_ppo.py`` and ``tunix_ppo.py``."""
+  parser = argparse.ArgumentParser(description=description)
+  parser.add_argument("--policy", required=True)
+  parser.add_argument("--reward", required=True)
+  parser.add_argument("--prompts", required=True, help="JSON list of token-id lists")
+  parser.add_argument("--response-length", type=int, default=32)
+  parser.add_argument("--iterations", type=int, default=3)
+  parser.add_argument("--warmup", type=int, default=1)
+  parser.add_argument("--lr", type=float, default=3e-6)
+  return parser

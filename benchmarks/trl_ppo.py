@@ -24,7 +24,6 @@ the versions used.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics
@@ -84,14 +83,7 @@ peak_rss_mb = peer_env.peak_rss_mb
 
 
 def main():
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--policy", required=True)
-  parser.add_argument("--reward", required=True)
-  parser.add_argument("--prompts", required=True, help="JSON list of token-id lists")
-  parser.add_argument("--response-length", type=int, default=32)
-  parser.add_argument("--iterations", type=int, default=3)
-  parser.add_argument("--warmup", type=int, default=1)
-  parser.add_argument("--lr", type=float, default=3e-6)
+  parser = peer_env.ppo_arguments(__doc__.splitlines()[0])
   parser.add_argument("--lora-rank", type=int, default=0,
                       help="train LoRA adapters (peft) on every linear layer of the policy's "
                       "blocks; the reference is the policy with its adapters off (0: full)")

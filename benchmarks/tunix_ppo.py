@@ -87,7 +87,6 @@ counted. The last line printed is a JSON object with ``seconds_per_iteration`` (
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics
@@ -285,16 +284,9 @@ def versions() -> dict:
 
 
 def main():
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--policy", required=True)
-  parser.add_argument("--reward", required=True)
-  parser.add_argument("--prompts", required=True, help="JSON list of token-id lists")
-  parser.add_argument("--response-length", type=int, default=32)
-  parser.add_argument("--iterations", type=int, default=3)
-  parser.add_argument("--warmup", type=int, default=1)
+  parser = peer_env.ppo_arguments(__doc__.splitlines()[0])
   parser.add_argument("--temperature", type=float, default=1.0)
   parser.add_argument("--kl-coef", type=float, default=0.01)
-  parser.add_argument("--lr", type=float, default=3e-6)
   parser.add_argument("--rss-limit-mb", type=float, default=0,
                       help="stop (exit code 3) once the resident set passes this (0: no limit)")
   args = parser.parse_args()
