@@ -91,7 +91,8 @@ run whole (C = 0, what trl runs): the rate a step without the prefix would need 
 Here C = 24 takes the default single-pass iteration from 2.49 to 1.80 TFLOP.
 
 With --remat the backward recomputes each layer's forward: more work for the hardware, the same
-model FLOPs. Decode attention in ppojax reads all P + R − 1 cache slots (masked), and elementwise
+model FLOPs; trl's side then runs with transformers' gradient checkpointing on its policy and
+value model, and ``--lora``'s full fine-tuning process with --remat too. Decode attention in ppojax reads all P + R − 1 cache slots (masked), and elementwise
 work (norms, softmax, RoPE, sampling, losses, Adam) is not counted.
 """
 
@@ -237,13 +238,14 @@ def matmul_peak(dtype, n: int, repeats: int = 3) -> float:
 
 def run_trl(python: pathlib.Path, policy_dir: str, reward_dir: str, prompts: Prompts,
             response_length: int, iterations: int, lora_rank: int = 0,
-            lora_alpha: float = 32.0) -> dict:
+            lora_alpha: float = 32.0, remat: bool = False) -> dict:
   """trl's seconds per iteration on the same models and prompts (``trl_ppo.py`` in its own
-  environment, one warm-up iteration): the JSON object it prints last."""
+  environment, one warm-up iteration; ``remat``: transformers' gradient checkpointing): the JSON
+  object it prints last."""
   cmd = [str(python), str(pathlib.Path(trl_ppo.__file__)), "--policy", policy_dir,
          "--reward", reward_dir, "--response-length", str(response_length), "--iterations",
          str(iterations), "--warmup", "1", "--lora-rank", str(lora_rank), "--lora-alpha",
-         str(lora_alpha)]
+         str(lora_alpha)] + (["--gradient-checkpointing"] if remat else [])
   return run_json(cmd, "trl's PPOTrainer", prompts=np.asarray(prompts.tokens).tolist())
 
 
@@ -331,7 +333,7 @@ def main():
       print(f"trl: {args.iterations} iterations after one warm-up ...", flush=True)
       trl = run_trl(python, policy_dir, reward_dir,
                     make_prompts(policy.tokenizer, b, args.prompt_length), r_len,
-                    args.iterations, args.lora, args.lora_alpha)
+                    args.iterations, args.lora, args.lora_alpha, args.remat)
       trl_peaks.append(matmul_peak(jnp.float32, args.matmul_size))
       trl["matmul_peak_samples"] = trl_peaks
       del policy
@@ -368,7 +370,8 @@ def main():
             flush=True)
       full = run_json([sys.executable, __file__, "--no-trl", "--iterations", "1", "--batch",
                        str(b), "--response-length", str(r_len), "--prompt-length",
-                       str(args.prompt_length), "--dtype", args.dtype],
+                       str(args.prompt_length), "--dtype", args.dtype]
+                      + (["--remat"] if args.remat else []),
                       "ppojax's full fine-tuning iteration")
     config = make_config(args, reward_dir)
     t0 = time.perf_counter()

@@ -3,7 +3,8 @@ pairs → a reward model from the SFT policy → PPO against it at one or more K
 then the reward-model over-optimisation figure (Gao, Schulman and Hilton 2022) and one JSON line.
 
     python benchmarks/rlhf.py --out runs/rlhf [--kl 0.05 0.01] [--iterations 60] \
-        [--eval-every 10] [--figure docs/rlhf_overoptimisation.png] [--report-only]
+        [--eval-every 10] [--save-every 20] [--figure docs/rlhf_overoptimisation.png] \
+        [--rm-figure docs/rlhf_reward_model.png] [--compile-cache DIR] [--report-only]
 
 Stages (each one ``python -m`` process, its log in OUT/NAME.log; a stage whose output exists is
 not rerun, so a cut-off run goes on where it stopped):
@@ -21,17 +22,26 @@ not rerun, so a cut-off run goes on where it stopped):
    reward) and their KL to the SFT policy (``objective/kl``); the held-out greedy exact match at
    every ``--eval-every``-th iteration.
 
+Every stage shares one persistent XLA compilation cache (``--compile-cache``, default
+OUT/xla_cache; ``JAX_COMPILATION_CACHE_DIR`` if set wins): on a GPU each distinct greedy decode
+took about 100 s to compile and autotune (docs/performance.md#gpu), and the PPO runs at other
+β, or a run resumed from its last checkpoint (``--save-every``), load them instead.
+
 The figure: proxy and true reward (running means over ``--smooth`` iterations) and the
 held-out exact match against the KL. The JSON line: the reward model's held-out accuracy per
 evaluation, and per PPO run the SFT policy's held-out accuracy, the best one, its iteration and
-KL (where the true reward peaks), and the last; plus the machine.
+KL (where the true reward peaks), and the last; plus the machine. ``--rm-figure``: the reward
+model's held-out pairwise accuracy (overall and per pair source) at every evaluation against
+the training step.
 """
 
 from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import functools
 import json
+import os
 import pathlib
 import subprocess
 import sys
@@ -44,7 +54,8 @@ from algorithms import machine  # noqa: E402  (the CPU by lscpu, the device, jax
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 
-def stage(out: pathlib.Path, name: str, done: pathlib.Path, args: list[str], env=None) -> None:
+def run_stage(out: pathlib.Path, name: str, done: pathlib.Path, args: list[str],
+              env=None) -> None:
   """Runs ``python -m ARGS`` (log: OUT/NAME.log) unless ``done`` exists."""
   if done.exists():
     print(f"{name}: {done} exists, not rerun", flush=True)
@@ -61,6 +72,12 @@ def stage(out: pathlib.Path, name: str, done: pathlib.Path, args: list[str], env
 def run_pipeline(args, out: pathlib.Path) -> None:
   sft, rm, prefs = out / "sft", out / "rm", out / "prefs"
   prefs.mkdir(parents=True, exist_ok=True)
+  env = dict(os.environ)
+  if args.compile_cache:
+    env.setdefault("JAX_COMPILATION_CACHE_DIR", str(args.compile_cache.resolve()))
+  if args.parallel > 1:  # several processes on one accelerator: allocate as needed
+    env["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"
+  stage = functools.partial(run_stage, env=env)
   stage(out, "sft", sft / "policy", [
       "ppojax.sft", "--config", "configs/sft_arith.py", "--workdir", str(sft),
       f"--config.data.train_size={args.sft_size}", "--config.save_every=100000"])
@@ -83,15 +100,11 @@ def run_pipeline(args, out: pathlib.Path) -> None:
 
   def ppo(kl: float) -> None:
     workdir = out / f"ppo_kl{kl}"
-    env = None
-    if args.parallel > 1:  # several processes on one accelerator: allocate as needed
-      import os  # pylint: disable=import-outside-toplevel
-      env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false")
     stage(out, f"ppo_kl{kl}", workdir / "policy", [
         "ppojax.train", "--config", "configs/rlhf_arith.py", "--workdir", str(workdir),
         f"--config.model.policy={sft / 'policy'}", f"--config.model.reward={rm / 'reward_model'}",
         f"--config.ppo.kl_coef={kl}", f"--config.num_iterations={args.iterations}",
-        f"--config.eval.every={args.eval_every}", "--config.save_every=100000"], env=env)
+        f"--config.eval.every={args.eval_every}", f"--config.save_every={args.save_every}"])
 
   with concurrent.futures.ThreadPoolExecutor(args.parallel) as pool:
     list(pool.map(ppo, args.kl))
@@ -147,6 +160,26 @@ def rm_summary(workdir: pathlib.Path) -> list[dict]:
           for r in rows if "eval/accuracy" in r]
 
 
+def rm_figure(evals: list[dict], path: pathlib.Path) -> None:
+  """Held-out pairwise accuracy (overall and per source) against the training step."""
+  import matplotlib  # pylint: disable=import-outside-toplevel
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt  # pylint: disable=import-outside-toplevel
+  fig, ax = plt.subplots(figsize=(6, 3.8))
+  steps = [e["step"] for e in evals]
+  for key in sorted({k for e in evals for k in e if k.startswith("accuracy")}):
+    label = "all held-out pairs" if key == "accuracy" else key.removeprefix("accuracy/") + " pairs"
+    ax.plot(steps, [e.get(key, np.nan) for e in evals], "o-", label=label,
+            lw=2 if key == "accuracy" else 1)
+  ax.axhline(0.5, color="gray", ls="--", label="chance")
+  ax.set_xlabel("training step (32 pairs each)")
+  ax.set_ylabel("held-out pairwise accuracy")
+  ax.set_title("reward model from the SFT policy")
+  ax.legend(fontsize=8)
+  fig.tight_layout()
+  fig.savefig(path, dpi=110)
+
+
 def figure(runs: list[dict], path: pathlib.Path, smooth: int) -> None:
   import matplotlib  # pylint: disable=import-outside-toplevel
   matplotlib.use("Agg")
@@ -181,21 +214,31 @@ def main(argv=None) -> None:
   parser.add_argument("--kl", type=float, nargs="+", default=[0.05, 0.01])
   parser.add_argument("--iterations", type=int, default=60)
   parser.add_argument("--eval-every", type=int, default=10)
+  parser.add_argument("--save-every", type=int, default=20,
+                      help="PPO checkpoint interval (a cut-off run resumes from the last one)")
   parser.add_argument("--parallel", type=int, default=1, help="PPO runs at once")
+  parser.add_argument("--compile-cache", default=None,
+                      help="persistent XLA compilation cache of every stage (default "
+                      "OUT/xla_cache; '' for none)")
   parser.add_argument("--smooth", type=int, default=5)
   parser.add_argument("--figure", type=pathlib.Path, default=None)
+  parser.add_argument("--rm-figure", type=pathlib.Path, default=None)
   parser.add_argument("--report-only", action="store_true")
   args = parser.parse_args(argv)
   out = args.out.resolve()
   out.mkdir(parents=True, exist_ok=True)
+  args.compile_cache = (out / "xla_cache" if args.compile_cache is None
+                        else pathlib.Path(args.compile_cache) if args.compile_cache else None)
   if not args.report_only:
     run_pipeline(args, out)
   runs = [read_ppo(out / f"ppo_kl{kl}") for kl in args.kl
           if (out / f"ppo_kl{kl}" / "eval.json").exists()]
   if args.figure and runs:
     figure(runs, args.figure, args.smooth)
-  rm = out / "rm" / "metrics.jsonl"
-  print(json.dumps({"reward_model": rm_summary(out / "rm") if rm.exists() else None,
+  rm_evals = rm_summary(out / "rm") if (out / "rm" / "metrics.jsonl").exists() else None
+  if args.rm_figure and rm_evals:
+    rm_figure(rm_evals, args.rm_figure)
+  print(json.dumps({"reward_model": rm_evals,
                     "ppo": [ppo_summary(r) for r in runs], "machine": machine()}))
 
 

@@ -88,6 +88,10 @@ def main():
                       help="train LoRA adapters (peft) on every linear layer of the policy's "
                       "blocks; the reference is the policy with its adapters off (0: full)")
   parser.add_argument("--lora-alpha", type=float, default=32.0)
+  parser.add_argument("--gradient-checkpointing", action="store_true",
+                      help="recompute the trained models' layer activations in the backward "
+                      "pass (transformers' gradient checkpointing on policy and value model; "
+                      "trl's PPOTrainer does not apply the TrainingArguments flag itself)")
   args = parser.parse_args()
 
   # pylint: disable=import-outside-toplevel
@@ -120,6 +124,9 @@ def main():
     ref_policy = load(AutoModelForCausalLM, args.policy)
   reward = load(AutoModelForSequenceClassification, args.reward, num_labels=1)
   value = load(AutoModelForSequenceClassification, args.reward, num_labels=1)
+  if args.gradient_checkpointing:  # non-reentrant: the frozen embeddings need no grad (peft)
+    for model in (policy, value):
+      model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
   data = Dataset.from_dict({"input_ids": prompts * n_iterations})
 
   clock = step_clock()
@@ -147,7 +154,7 @@ def main():
       "prompt_length": len(prompts[0]), "response_length": args.response_length,
       "trl": trl.__version__, "transformers": transformers.__version__,
       "torch": torch.__version__, "threads": torch.get_num_threads(),
-      "lora_rank": args.lora_rank,
+      "lora_rank": args.lora_rank, "gradient_checkpointing": args.gradient_checkpointing,
       "peak_rss_mb": peak_rss_mb()}))
 
 
