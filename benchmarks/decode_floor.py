@@ -40,7 +40,7 @@ import numpy as np
 
 from ppojax import hostmem
 from ppojax.models import load_model
-from ppojax.models.transformer import weight_matmul
+from ppojax.models.kernels import weight_matmul
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 import sampling as sampling_bench  # noqa: E402  pylint: disable=wrong-import-position

@@ -17,7 +17,7 @@ adapters (``base_config``), so no second copy of the weights exists.
 
 LoRA dropout (``lora_dropout`` p, peft's): the adapters' input is dropped out in the policy
 update's forward and backward passes only, y = x·W + (α/r)·(dropout_p(x)·A)·B
-(``transformer.lora_dropout_matmul``). Sampling, the old and reference log-probs and evaluation
+(``kernels.lora_dropout_matmul``). Sampling, the old and reference log-probs and evaluation
 are deterministic: PPO's ratio divides by the log-probs of the policy that sampled, which had
 no dropout (peft + trl likewise switch dropout on with ``model.train()`` for the update only).
 
@@ -205,7 +205,7 @@ def peft_state_dict(adapters: Params, cfg: ModelConfig) -> dict[str, np.ndarray]
                      "SmolLM2); for GPT-2 export the merged model instead (lora.merge)")
   model = adapters["model"]
   if "layers" not in model:  # unrolled layers: stack them as the stored layout does
-    from ppojax.models.transformer import stack_layers  # pylint: disable=import-outside-toplevel
+    from ppojax.models.layout import stack_layers  # pylint: disable=import-outside-toplevel
     model = stack_layers({"model": model})["model"]
   sd = {}
   for group, sub in model["layers"].items():

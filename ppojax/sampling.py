@@ -31,9 +31,10 @@ import numpy as np
 
 from ppojax import ops
 from ppojax.sharding import shard_rows
-from ppojax.models.transformer import (KVCache, columns_pay_off, fuse_projections, init_cache,
-                                       model_rope, positions_from_mask, transpose_kernels,
-                                       unstack_layers, with_shared_prefix)
+from ppojax.models.kernels import columns_pay_off
+from ppojax.models.layout import fuse_projections, transpose_kernels, unstack_layers
+from ppojax.models.rope import model_rope
+from ppojax.models.transformer import KVCache, init_cache, positions_from_mask, with_shared_prefix
 
 Array = jax.Array
 

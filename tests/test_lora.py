@@ -8,6 +8,7 @@ import pytest
 
 from ppojax import lora
 from ppojax.models import hf
+from ppojax.models import kernels as K
 from ppojax.models import transformer as T
 from ppojax.models.config import ModelConfig
 
@@ -309,7 +310,7 @@ def test_lora_matmul_gradients_equal_autodiff_of_the_plain_formula(w_axis):
   kernel = w.T if w_axis else w
 
   def ours(x, a, b):
-    return jnp.sum(T.lora_matmul(x, kernel, a, b, 0.5, w_axis) * dy)
+    return jnp.sum(K.lora_matmul(x, kernel, a, b, 0.5, w_axis) * dy)
 
   def plain(x, a, b):
     return jnp.sum((x @ w + 0.5 * (x @ a) @ b) * dy)
@@ -318,7 +319,7 @@ def test_lora_matmul_gradients_equal_autodiff_of_the_plain_formula(w_axis):
   for got, want in zip(jax.grad(ours, (0, 1, 2))(x, a, b), jax.grad(plain, (0, 1, 2))(x, a, b)):
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
   # the base kernel is frozen by construction
-  g_w = jax.grad(lambda k: jnp.sum(T.lora_matmul(x, k, a, b, 0.5, w_axis) * dy))(kernel)
+  g_w = jax.grad(lambda k: jnp.sum(K.lora_matmul(x, k, a, b, 0.5, w_axis) * dy))(kernel)
   assert not np.any(g_w)
 
 
@@ -339,7 +340,7 @@ def test_lora_dropout_matmul_gradients_equal_autodiff_with_the_same_mask(w_axis)
   kernel = w.T if w_axis else w
 
   def ours(x, a, b):
-    return jnp.sum(T.lora_dropout_matmul(x, kernel, a, b, keep, 0.5, 0.3, w_axis) * dy)
+    return jnp.sum(K.lora_dropout_matmul(x, kernel, a, b, keep, 0.5, 0.3, w_axis) * dy)
 
   def plain(x, a, b):  # y = x·W + s·(x_d·A)·B, x_d = x ⊙ keep/(1 − p)
     return jnp.sum((x @ w + 0.5 * ((x * keep / 0.7) @ a) @ b) * dy)
@@ -347,7 +348,7 @@ def test_lora_dropout_matmul_gradients_equal_autodiff_with_the_same_mask(w_axis)
   np.testing.assert_allclose(ours(x, a, b), plain(x, a, b), rtol=1e-5)
   for got, want in zip(jax.grad(ours, (0, 1, 2))(x, a, b), jax.grad(plain, (0, 1, 2))(x, a, b)):
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
-  g_w = jax.grad(lambda k: jnp.sum(T.lora_dropout_matmul(x, k, a, b, keep, 0.5, 0.3, w_axis)
+  g_w = jax.grad(lambda k: jnp.sum(K.lora_dropout_matmul(x, k, a, b, keep, 0.5, 0.3, w_axis)
                                    * dy))(kernel)
   assert not np.any(g_w)  # the base stays frozen
 
@@ -366,7 +367,7 @@ def test_lora_dropout_masks_keep_1_minus_p_scaled_and_differ_per_layer(monkeypat
   np.testing.assert_array_equal(linear.apply({"params": params}, x), x)  # no rng: no dropout
   # in a model (scanned layers): every layer and projection draws its own mask
   masks = []
-  plain = T.lora_dropout_matmul
+  plain = K.lora_dropout_matmul
 
   def spy(x, w, a, b, keep, *args):
     jax.debug.callback(lambda k: masks.append(np.asarray(k)), keep)

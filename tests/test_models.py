@@ -21,6 +21,8 @@ import transformers as tf
 
 from ppojax import ops
 from ppojax.models import hf
+from ppojax.models import kernels as K, layout
+from ppojax.models import rope as R
 from ppojax.models import transformer as T
 from ppojax.models.config import REMAT_POLICIES, ModelConfig
 
@@ -167,10 +169,10 @@ def test_config_reads_architecture_details(checkpoint):
   assert cases["llama-linear-rope"].rope_type == "linear"
   for name in ("llama3-rope", "llama-linear-rope"):  # the scaling really changes the frequencies
     cfg = cases[name]
-    scaled, plain = T.rope_inv_freq(cfg), T.rope_inv_freq(cfg.replace(rope_scaling=None))
+    scaled, plain = R.rope_inv_freq(cfg), R.rope_inv_freq(cfg.replace(rope_scaling=None))
     assert (scaled < plain).any()
   # llama3: the three wavelength bands (kept, smoothed, divided by the factor) all occur
-  ratio = T.rope_inv_freq(cases["llama3-rope"]) / T.rope_inv_freq(
+  ratio = R.rope_inv_freq(cases["llama3-rope"]) / R.rope_inv_freq(
       cases["llama3-rope"].replace(rope_scaling=None))
   assert np.isclose(ratio, 1).any() and np.isclose(ratio, 1 / 8).any()
   assert ((ratio > 1 / 8 + 1e-3) & (ratio < 1 - 1e-3)).any()
@@ -320,7 +322,7 @@ def test_prefill_from_slot_zero_reads_no_other_slot(name):
   as the general path (cache_index traced), and decoding after it matches the full forward."""
   cfg = CACHE_CONFIGS[name].replace(scan_layers=False)
   params, tokens, full_pos, full_mask, full = _decode_setup(CACHE_CONFIGS[name])
-  params = T.unstack_layers(params)
+  params = layout.unstack_layers(params)
   model = T.CausalLM(cfg)
   slots = P + N_NEW + EXTRA
   kv_mask = np.zeros((B, slots), bool)
@@ -351,7 +353,7 @@ def test_shared_prefix_cache_matches_full_forward(name, prefill_index):
   tokens after it, then decoding, gives the full forward's logits over prefix + row, on the
   prefill's fast path (cache_index a Python 0) and on the general one (traced)."""
   cfg = CACHE_CONFIGS[name].replace(scan_layers=False)
-  params = T.unstack_layers(_random_params(CACHE_CONFIGS[name]))
+  params = layout.unstack_layers(_random_params(CACHE_CONFIGS[name]))
   model = T.CausalLM(cfg)
   prefix_len, new = 3, 4
   tokens, _, full_mask = _batch(left_pad=(0, 1, 3), length=P + new, seed=4)
@@ -409,7 +411,7 @@ def test_prefix_forward_matches_full_forward(name, scan, value):
     score = jax.random.normal(jax.random.PRNGKey(3), (D, 1)) * 0.3
     params = {"model": params["model"], "score": {"kernel": score}}
   if not scan:
-    params = T.unstack_layers(params)
+    params = layout.unstack_layers(params)
   prefix_len = 3
   tokens, mask, prefix, own = _rows_with_prefix(prefix_len, 10, seed=5)
   positions = np.asarray(T.positions_from_mask(jnp.asarray(mask)))
@@ -452,7 +454,7 @@ def test_shared_prefix_needs_unrolled_layers_and_no_window():
   with pytest.raises(ValueError, match="unrolled layers"):
     T.with_shared_prefix(scanned, scanned)
   cfg = CACHE_CONFIGS["mistral-window"].replace(scan_layers=False)
-  params = T.unstack_layers(_random_params(CACHE_CONFIGS["mistral-window"]))
+  params = layout.unstack_layers(_random_params(CACHE_CONFIGS["mistral-window"]))
   one = T.init_cache(cfg, 1, 2)
   cache = T.with_shared_prefix(T.init_cache(cfg, 1, 4), one)
   with pytest.raises(ValueError, match="sliding attention window"):
@@ -463,18 +465,18 @@ def test_shared_prefix_needs_unrolled_layers_and_no_window():
 def test_rope_table_of_a_bounded_range_matches_the_computed_one():
   """rope_table(..., size) gathers from a NumPy table: the same cos/sin (within float32
   rounding) as computed in the graph, and NaN for a position outside the table."""
-  inv_freq = T.rope_inv_freq(_tiny_config("llama", rope_theta=500.0))
+  inv_freq = R.rope_inv_freq(_tiny_config("llama", rope_theta=500.0))
   positions = jnp.asarray(np.random.RandomState(0).randint(0, 300, (3, 9)), jnp.int32)
-  for table, computed in zip(T.rope_table(positions, inv_freq, 300),
-                             T.rope_table(positions, inv_freq)):
+  for table, computed in zip(R.rope_table(positions, inv_freq, 300),
+                             R.rope_table(positions, inv_freq)):
     assert table.shape == computed.shape == (3, 9, 1, inv_freq.size * 2)
     np.testing.assert_allclose(table, computed, rtol=0, atol=3e-7)
-  cos, sin = T.rope_table(jnp.asarray([[0, 299, 300]]), inv_freq, 300)
+  cos, sin = R.rope_table(jnp.asarray([[0, 299, 300]]), inv_freq, 300)
   assert np.isfinite(cos[0, :2]).all() and np.isnan(cos[0, 2]).all() and np.isnan(sin[0, 2]).all()
   np.testing.assert_array_equal(cos[0, 0], 1.0)
   # beyond ROPE_TABLE_MAX entries the table is not embedded: computed, so no NaN past the bound
-  big = T.ROPE_TABLE_MAX // inv_freq.size
-  cos, _ = T.rope_table(jnp.asarray([[big + 5]]), inv_freq, big)
+  big = R.ROPE_TABLE_MAX // inv_freq.size
+  cos, _ = R.rope_table(jnp.asarray([[big + 5]]), inv_freq, big)
   assert np.isfinite(cos).all()
 
 
@@ -823,9 +825,9 @@ def test_weight_matmul_gradient_equals_autodiff(w_axis, dtype):
   w = jax.random.normal(kw, (8, 6) if w_axis == 0 else (6, 8)).astype(dtype)
   dy = jax.random.normal(ky, (3, 5, 6)).astype(dtype)
   dims = (((2,), (w_axis,)), ((), ()))
-  autodiff = lambda x, w: T._dot_f32(x, w, dims)  # noqa: E731
+  autodiff = lambda x, w: K._dot_f32(x, w, dims)  # noqa: E731
   y0, vjp0 = jax.vjp(autodiff, x, w)
-  y1, vjp1 = jax.vjp(lambda x, w: T.dot_f32_accumulate(x, w, dims), x, w)
+  y1, vjp1 = jax.vjp(lambda x, w: K.dot_f32_accumulate(x, w, dims), x, w)
   assert y1.dtype == x.dtype
   for a, b in zip((y1, *vjp1(dy)), (y0, *vjp0(dy))):
     assert a.dtype == b.dtype and a.shape == b.shape
@@ -833,7 +835,7 @@ def test_weight_matmul_gradient_equals_autodiff(w_axis, dtype):
                                rtol=1e-6 if dtype == "float32" else 1e-2, atol=1e-5)
 
 
-@pytest.mark.parametrize("rows", [1, 16, T.FEW_ROWS, T.FEW_ROWS + 1])
+@pytest.mark.parametrize("rows", [1, 16, K.FEW_ROWS, K.FEW_ROWS + 1])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_weight_matmul_takes_columns_matmul_on_few_rows(rows, dtype):
   """On CPU, x·Wᵀ over at most FEW_ROWS rows (a decode step) runs as columns_matmul — (W·xᵀ)ᵀ
@@ -846,14 +848,14 @@ def test_weight_matmul_takes_columns_matmul_on_few_rows(rows, dtype):
   want = np.asarray(x, np.float64) @ np.asarray(w, np.float64).T
   tol = dict(rtol=1e-5, atol=1e-5) if dtype == "float32" else dict(rtol=1e-2, atol=2e-2)
   for w_axis, kernel in ((1, w), (0, w.T)):
-    f = lambda x, k, w_axis=w_axis: T.weight_matmul(x, k, w_axis)  # noqa: E731
+    f = lambda x, k, w_axis=w_axis: K.weight_matmul(x, k, w_axis)  # noqa: E731
     barriers = str(jax.make_jaxpr(f)(x, kernel)).count("optimization_barrier")
-    assert barriers == (2 if w_axis == 1 and rows <= T.FEW_ROWS else 0), (w_axis, barriers)
+    assert barriers == (2 if w_axis == 1 and rows <= K.FEW_ROWS else 0), (w_axis, barriers)
     y = jax.jit(f)(x, kernel)
     assert y.shape == (1, rows, 40) and y.dtype == x.dtype
     np.testing.assert_allclose(np.asarray(y, np.float64), want, **tol)
   dy = jax.random.normal(jax.random.key(9), (1, rows, 40)).astype(dtype)
-  dx, dw = jax.vjp(lambda x, w: T.weight_matmul(x, w, 1), x, w)[1](dy)
+  dx, dw = jax.vjp(lambda x, w: K.weight_matmul(x, w, 1), x, w)[1](dy)
   dy64 = np.asarray(dy, np.float64)
   np.testing.assert_allclose(np.asarray(dx, np.float64), dy64 @ np.asarray(w, np.float64), **tol)
   np.testing.assert_allclose(np.asarray(dw, np.float64),
@@ -870,7 +872,7 @@ def test_swiglu_gradient_equals_autodiff(dtype):
       gate, jax.random.normal(ku, gate.shape), jax.random.normal(ky, gate.shape)))
   f32 = lambda g, u: jax.nn.silu(g.astype(jnp.float32)) * u.astype(jnp.float32)  # noqa: E731
   _, vjp0 = jax.vjp(f32, gate, up)
-  y1, vjp1 = jax.vjp(T.swiglu, gate, up)
+  y1, vjp1 = jax.vjp(K.swiglu, gate, up)
   assert y1.dtype == gate.dtype
   for a, b in zip(vjp1(dy), vjp0(dy.astype(jnp.float32))):
     assert a.dtype == gate.dtype and np.isfinite(np.asarray(a, np.float32)).all()
@@ -936,9 +938,9 @@ def test_unrolled_layers_match_scanned(name):
   cfg = CACHE_CONFIGS[name]
   params, tokens, full_pos, full_mask, full = _decode_setup(cfg)
   unrolled_cfg = cfg.replace(scan_layers=False)
-  unrolled = T.unstack_layers(params)
+  unrolled = layout.unstack_layers(params)
   assert "layers" not in unrolled["model"] and f"layers_{L - 1}" in unrolled["model"]
-  jax.tree.map(np.testing.assert_array_equal, T.stack_layers(unrolled), params)
+  jax.tree.map(np.testing.assert_array_equal, layout.stack_layers(unrolled), params)
   np.testing.assert_allclose(_ours(unrolled_cfg, unrolled, tokens, full_pos, full_mask)[full_mask],
                              full[full_mask], atol=1e-5)
   _assert_decodes_like_full(unrolled_cfg, unrolled, tokens, full_pos, full_mask, full)
@@ -960,19 +962,19 @@ def test_transposed_kernels_match(name):
   axes (not the embeddings, not the value head) and is its own inverse."""
   cfg = CACHE_CONFIGS[name]
   params, tokens, full_pos, full_mask, full = _decode_setup(cfg)
-  t_cfg, t_params = cfg.replace(transposed_kernels=True), T.transpose_kernels(params)
+  t_cfg, t_params = cfg.replace(transposed_kernels=True), layout.transpose_kernels(params)
   q = params["model"]["layers"]["attn"]["q"]["kernel"]  # [L, in, out]
   np.testing.assert_array_equal(t_params["model"]["layers"]["attn"]["q"]["kernel"],
                                 np.swapaxes(q, 1, 2))
   np.testing.assert_array_equal(t_params["model"]["embed"]["embedding"],
                                 params["model"]["embed"]["embedding"])
-  jax.tree.map(np.testing.assert_array_equal, T.transpose_kernels(t_params), params)
+  jax.tree.map(np.testing.assert_array_equal, layout.transpose_kernels(t_params), params)
   np.testing.assert_allclose(_ours(t_cfg, t_params, tokens, full_pos, full_mask)[full_mask],
                              full[full_mask], atol=1e-5)
   _assert_decodes_like_full(t_cfg, t_params, tokens, full_pos, full_mask, full)
 
   value_params = T.ValueModel(cfg).init(jax.random.key(3), tokens, full_pos, full_mask)["params"]
-  t_value = T.transpose_kernels(value_params)
+  t_value = layout.transpose_kernels(value_params)
   np.testing.assert_array_equal(t_value["score"]["kernel"], value_params["score"]["kernel"])
   np.testing.assert_allclose(_ours(t_cfg, t_value, tokens, full_pos, full_mask, value=True),
                              _ours(cfg, value_params, tokens, full_pos, full_mask, value=True),
@@ -989,9 +991,9 @@ def test_fused_projections_match_separate(name, scan):
   cfg = CACHE_CONFIGS[name]
   params, tokens, full_pos, full_mask, full = _decode_setup(cfg)
   cfg = cfg.replace(scan_layers=scan)
-  params = params if scan else T.unstack_layers(params)
+  params = params if scan else layout.unstack_layers(params)
   fused_cfg = cfg.replace(fused_projections=True)
-  fused = T.fuse_projections(params)
+  fused = layout.fuse_projections(params)
   layer = fused["model"]["layers" if scan else "layers_1"]
   plain = params["model"]["layers" if scan else "layers_1"]
   assert set(layer["attn"]) == {"qkv", "o"}

@@ -24,7 +24,7 @@ import pytest
 
 from ppojax import ops
 from ppojax.models import CausalLM, ModelConfig, positions_from_mask
-from ppojax.models.transformer import transpose_kernels
+from ppojax.models.layout import transpose_kernels
 from ppojax import sampling
 from ppojax.sampling import SamplingConfig, generate
 

@@ -21,9 +21,9 @@ import numpy as np
 
 from ppojax.models import hf
 from ppojax.models.config import ModelConfig
-from ppojax.models.transformer import (CausalLM, KVCache, ValueModel, fuse_projections,
-                                       init_cache, partition_rules, positions_from_mask,
-                                       stack_layers, unstack_layers, with_shared_prefix)
+from ppojax.models.layout import fuse_projections, stack_layers, unstack_layers
+from ppojax.models.transformer import (CausalLM, KVCache, ValueModel, init_cache,
+                                       partition_rules, positions_from_mask, with_shared_prefix)
 
 SMOLLM2_NAMES = ("smollm2", "smollm2-135m-instruct", "huggingfacetb/smollm2-135m-instruct")
 

@@ -162,7 +162,7 @@ def _cast(tree, dtype):
 def params_to_hf(cfg: ModelConfig, params: dict, head: str = "lm") -> StateDict:
   """ppojax params → Hugging Face state dict (float32 NumPy), the inverse of ``params_from_hf``."""
   if "layers" not in params["model"]:  # scan_layers=False: one subtree per layer
-    from ppojax.models.transformer import stack_layers  # pylint: disable=import-outside-toplevel
+    from ppojax.models.layout import stack_layers  # pylint: disable=import-outside-toplevel
     params = stack_layers(params)
   p = _cast(params, np.float32)
   m, layers = p["model"], p["model"]["layers"]

@@ -29,7 +29,6 @@ Calling convention (``CausalLM`` and ``ValueModel`` alike)::
 
 from __future__ import annotations
 
-import functools
 import math
 from typing import NamedTuple
 
@@ -37,9 +36,11 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
-import numpy as np
 
 from ppojax.models.config import REMAT_POLICIES, ModelConfig
+from ppojax.models.kernels import (dot_f32_accumulate, lora_dropout_matmul, lora_matmul, swiglu,
+                                   weight_matmul)
+from ppojax.models.rope import apply_rope, model_rope
 from ppojax.sharding import shard_rows, vocab_parallel_logits
 
 Array = jax.Array
@@ -99,75 +100,6 @@ def positions_from_mask(mask: Array) -> Array:
 
 
 # ---------------------------------------------------------------------------------------------
-# Rotary position embeddings (rotate-half layout, as Hugging Face's Llama)
-# ---------------------------------------------------------------------------------------------
-
-
-def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
-  """θ_i = base^(−2i/D), rescaled for "linear" (θ/f) or "llama3" (per-wavelength) scaling."""
-  d = cfg.head_dim
-  inv = 1.0 / (cfg.rope_theta ** (np.arange(0, d, 2, dtype=np.float64) / d))
-  params = dict(cfg.rope_scaling or ())
-  if cfg.rope_type == "linear":
-    inv = inv / params["factor"]
-  elif cfg.rope_type == "llama3":
-    factor, lo, hi = params["factor"], params["low_freq_factor"], params["high_freq_factor"]
-    old_len = params["original_max_position_embeddings"]
-    wavelen = 2 * math.pi / inv
-    scaled = np.where(wavelen > old_len / lo, inv / factor, inv)  # long waves: slowed by factor
-    smooth = (old_len / wavelen - lo) / (hi - lo)
-    medium = (wavelen >= old_len / hi) & (wavelen <= old_len / lo)
-    inv = np.where(medium, (1 - smooth) * scaled / factor + smooth * scaled, scaled)
-  return inv.astype(np.float32)
-
-
-ROPE_TABLE_MAX = 1 << 20  # entries of one cos or sin table (4 MB in float32)
-
-
-def rope_table(positions: Array, inv_freq: np.ndarray, size: int | None = None
-               ) -> tuple[Array, Array]:
-  """cos(pθ) and sin(pθ) [B, T, 1, D] in float32 for positions [B, T], θ repeated over both
-  halves of the head (rotate-half layout). Computed once per forward pass and passed to every
-  layer: with scanned layers a loop invariant, not work in every layer's body, forward and
-  backward.
-
-  ``size``: a static bound on the positions (0 ≤ p < size, as in a KV cache of ``size`` slots).
-  The values then come from a [size, D] table made in NumPy (angles pθ rounded to float32 as
-  below, cosine and sine in float64, then rounded) and are gathered by position. Computed in
-  the graph instead, XLA:CPU fuses cos and sin into every consumer and evaluates them again per
-  head in each layer's q and k fusions (unrolled layers: about a tenth of a batch-64 prefill);
-  a gather fuses as one indexed load. A position outside the table reads NaN, never a clamped row.
-  Tables of more than ``ROPE_TABLE_MAX`` entries (very long caches) are not embedded in the
-  program: those are computed.
-  """
-  if size is None or size * inv_freq.size * 2 > ROPE_TABLE_MAX:
-    angles = positions[..., None].astype(jnp.float32) * inv_freq  # [B, T, D/2]
-    angles = jnp.concatenate([angles, angles], axis=-1)[:, :, None, :]
-    return jnp.cos(angles), jnp.sin(angles)
-  angles = np.arange(size, dtype=np.float32)[:, None] * inv_freq  # float32 products, as above
-  angles = np.concatenate([angles, angles], axis=-1).astype(np.float64)
-  gather = lambda table: jnp.take(  # noqa: E731
-      jnp.asarray(table.astype(np.float32)), positions, axis=0, mode="fill",
-      fill_value=np.nan)[:, :, None, :]
-  return gather(np.cos(angles)), gather(np.sin(angles))
-
-
-def model_rope(cfg: ModelConfig, positions: Array, size: int | None = None
-               ) -> tuple[Array, Array] | None:
-  """``rope_table`` for this model's frequencies, or None for GPT-2 (learned positions)."""
-  return None if cfg.is_gpt2 else rope_table(positions, rope_inv_freq(cfg), size)
-
-
-def apply_rope(x: Array, rope: tuple[Array, Array]) -> Array:
-  """x·cos(pθ) + rotate_half(x)·sin(pθ) on [B, T, H, D], with ``rope`` from ``rope_table``;
-  in float32, returned in x's dtype."""
-  cos, sin = rope
-  x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
-  rotated = jnp.concatenate([-x2, x1], axis=-1)
-  return (x * cos + rotated * sin).astype(x.dtype)
-
-
-# ---------------------------------------------------------------------------------------------
 # Layers
 # ---------------------------------------------------------------------------------------------
 
@@ -192,196 +124,6 @@ def _norm(cfg: ModelConfig, name: str) -> nn.Module:
     return nn.LayerNorm(epsilon=cfg.norm_eps, dtype=cfg.compute_dtype,
                         param_dtype=cfg.param_dtype, name=name)
   return RMSNorm(cfg.norm_eps, cfg.compute_dtype, jnp.dtype(cfg.param_dtype), name=name)
-
-
-def dot_f32_accumulate(lhs, rhs, dimension_numbers, precision=None,
-                       preferred_element_type=None):
-  """``lax.dot_general`` accumulated in float32, returned in the operands' dtype.
-
-  For float32 operands this is the plain product. For bfloat16 it is both the more accurate
-  and, on XLA:CPU, the fast path: bf16·bf16 → f32 runs on the CPU's bf16 dot instructions
-  (300–540 GFLOP/s at decode shapes on this project's 2-core CPU) where bf16 → bf16 took a
-  generic loop (27–87 GFLOP/s). Gradients are accumulated in float32 too.
-
-  The layer form — activations x [..., K] times a 2-D weight contracted on one axis (a Linear
-  kernel, or the tied LM head's Eᵀ) — takes ``weight_matmul``, whose gradient is written out.
-  """
-  del preferred_element_type  # always float32
-  (lhs_c, rhs_c), batch_dims = dimension_numbers
-  if rhs.ndim == 2 and batch_dims == ((), ()) and tuple(lhs_c) == (lhs.ndim - 1,):
-    return weight_matmul(lhs, rhs, int(rhs_c[0]), precision)
-  return _dot_f32(lhs, rhs, dimension_numbers, precision)
-
-
-def _dot_f32(lhs, rhs, dimension_numbers, precision=None):
-  out = jax.lax.dot_general(lhs, rhs, dimension_numbers, precision=precision,
-                            preferred_element_type=jnp.float32)
-  return out.astype(jnp.result_type(lhs, rhs))
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
-def weight_matmul(x: Array, w: Array, w_axis: int, precision=None) -> Array:
-  """y = x·W over x's last axis and W's axis ``w_axis`` (0: W [K, F]; 1: W [F, K], i.e. x·Wᵀ),
-  accumulated in float32. Its gradient, with dy [..., F] and x, dy flattened to [N, ·]:
-
-      dx = dy·Wᵀ (w_axis 0) or dy·W (w_axis 1)
-      dW = xᵀ·dy [K, F]     or dyᵀ·x [F, K]      — one matmul over the N token rows
-
-  The same products JAX's transpose rule gives, but stated directly: from the rule's
-  transposed form, XLA:CPU computed dW with both operands transposed, materialising dyᵀ through
-  the elementwise backward that produced dy (10 ms per [1216, 1536] gradient, 10x a plain
-  copy). Written out, a 30-layer MLP's forward + backward ran 27% faster (203 → 277 GFLOP/s).
-
-  On CPU, x·Wᵀ over at most ``FEW_ROWS`` rows (a decode step) runs as ``columns_matmul``."""
-  if w_axis == 1 and few_rows(x):
-    return columns_matmul(x, w, precision)
-  return _dot_f32(x, w, (((x.ndim - 1,), (w_axis,)), ((), ())), precision)
-
-
-FEW_ROWS = 64
-
-
-def columns_pay_off() -> bool:
-  """Whether ``columns_matmul`` (and so the [out, in] decode kernels it needs, which
-  ``sampling.decode_layout`` makes) pays off here: on the CPU backend (decided at trace time)."""
-  return jax.default_backend() == "cpu"
-
-
-def few_rows(x: Array) -> bool:
-  """Whether ``weight_matmul`` computes x [..., K]·Wᵀ as ``columns_matmul``: where that pays
-  off, with at most ``FEW_ROWS`` rows."""
-  return columns_pay_off() and math.prod(x.shape[:-1]) <= FEW_ROWS
-
-
-def columns_matmul(x: Array, w: Array, precision=None) -> Array:
-  """x·Wᵀ for x [..., K] and W [F, K], computed as (W·xᵀ)ᵀ: the F output features become the
-  rows of the product and the few rows of x its columns.
-
-  XLA:CPU's matmul kernels are slow when the left operand has few rows: SmolLM2-135M's decode
-  projections at 16 rows ran at 35–45 GFLOP/s as x·W, 70–92 as (W·xᵀ)ᵀ (30 layers + the LM head,
-  ``benchmarks/decode_floor.py``). The optimization barriers keep the two small transposes
-  where they are: without them XLA folds them back into an x·Wᵀ product (41 GFLOP/s). The
-  kernel must be stored [F, K] (``ModelConfig.transposed_kernels``, or the tied LM head's
-  embedding table): contracting a [K, F] kernel's first axis ran at 16 GFLOP/s."""
-  x2 = x.reshape(-1, x.shape[-1])
-  barrier = jax.lax.optimization_barrier
-  y_t = barrier(_dot_f32(w, barrier(x2.T), (((1,), (0,)), ((), ())), precision))  # [F, N]
-  return y_t.T.reshape(x.shape[:-1] + (w.shape[0],))
-
-
-def _weight_matmul_fwd(x, w, w_axis, precision):
-  return weight_matmul(x, w, w_axis, precision), (x, w)
-
-
-def _weight_matmul_bwd(w_axis, precision, residuals, dy):
-  x, w = residuals
-  dx = _dot_f32(dy, w, (((dy.ndim - 1,), (1 - w_axis,)), ((), ())), precision)
-  x2, dy2 = x.reshape(-1, x.shape[-1]), dy.reshape(-1, dy.shape[-1])
-  rows = (((0,), (0,)), ((), ()))
-  dw = _dot_f32(x2, dy2, rows, precision) if w_axis == 0 else _dot_f32(dy2, x2, rows, precision)
-  return dx.astype(x.dtype), dw.astype(w.dtype)
-
-
-weight_matmul.defvjp(_weight_matmul_fwd, _weight_matmul_bwd)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
-def lora_matmul(x: Array, w: Array, a: Array, b: Array, scale: float, w_axis: int) -> Array:
-  """x·(W + s·A·B), LoRA's product with W [in, out] (``w_axis`` 0) or [out, in] (1) frozen:
-
-      forward:   W' = W + s·A·B,  y = x·W'              (one product of x, as the base's)
-      backward:  ∂x = ∂y·W'ᵀ,  ∂A = s·xᵀ·(∂y·Bᵀ),  ∂B = s·(x·A)ᵀ·∂y,  ∂W = 0
-
-  The adapters' gradients contract over the rows through [rows, r] products: no [in, out]
-  weight gradient is formed, and no [rows, out] delta is added to the output as
-  y + s·(x·A)·B would (its extra products and transposes ran the update of a 4-layer model
-  slower than full fine-tuning on XLA:CPU). W is frozen by construction: its cotangent is 0."""
-  return weight_matmul(x, _lora_weight(w, a, b, scale, w_axis), w_axis)
-
-
-def _lora_weight(w, a, b, scale, w_axis):
-  delta = (scale * jnp.dot(a, b, preferred_element_type=jnp.float32)).astype(w.dtype)
-  return w + (delta.T if w_axis else delta)
-
-
-def _lora_matmul_fwd(x, w, a, b, scale, w_axis):
-  # W' is formed again in the backward pass (in·out·r multiply-adds): kept as a residual it
-  # would hold a second copy of every adapted weight until then
-  return lora_matmul(x, w, a, b, scale, w_axis), (x, w, a, b)
-
-
-def _lora_matmul_bwd(scale, w_axis, residuals, dy):
-  x, w, a, b = residuals
-  w_eff = _lora_weight(w, a, b, scale, w_axis)
-  dx = _dot_f32(dy, w_eff, (((dy.ndim - 1,), (1 - w_axis,)), ((), ())))
-  x2, dy2 = x.reshape(-1, x.shape[-1]), dy.reshape(-1, dy.shape[-1])
-  g = _dot_f32(dy2, b, (((1,), (1,)), ((), ())))  # ∂y·Bᵀ [N, r]
-  h = _dot_f32(x2, a, (((1,), (0,)), ((), ())))  # x·A [N, r]
-  rows = (((0,), (0,)), ((), ()))
-  da = scale * _dot_f32(x2, g, rows)  # xᵀ·(∂y·Bᵀ) [in, r]
-  db = scale * _dot_f32(h, dy2, rows)  # (x·A)ᵀ·∂y [r, out]
-  return dx.astype(x.dtype), None, da.astype(a.dtype), db.astype(b.dtype)
-
-
-lora_matmul.defvjp(_lora_matmul_fwd, _lora_matmul_bwd)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
-def lora_dropout_matmul(x: Array, w: Array, a: Array, b: Array, keep: Array, scale: float,
-                        rate: float, w_axis: int) -> Array:
-  """x·W + s·(x_d·A)·B with LoRA dropout on the adapters' input (peft's ``lora_dropout``):
-  x_d = x ⊙ keep/(1 − p), ``keep`` [..., in] a boolean mask of P(True) = 1 − p (inverted
-  dropout: E[x_d] = x); the base path x·W never sees it. With dy and x, dy flattened to rows:
-
-      forward:   y = x·W + s·(x_d·A)·B
-      backward:  g = dy·Bᵀ [N, r],  ∂x = dy·Wᵀ + s·(g·Aᵀ) ⊙ keep/(1 − p),
-                 ∂A = s·x_dᵀ·g,  ∂B = s·(x_d·A)ᵀ·dy,  ∂W = 0
-
-  The base and the adapters see different inputs, so W + s·A·B cannot be merged as in
-  ``lora_matmul``; still, each direction holds one full-size product (x·W forward, dy·Wᵀ
-  backward) and the adapters' products are all rank r, contracting over the rows as there (no
-  [in, out] weight gradient). The mask comes in as an argument, drawn outside (``Linear``), and
-  stays for the backward pass as booleans: a byte per input element (a quarter of float32 x);
-  x_d is recomputed from x and the mask, elementwise, rather than kept. Drawing the mask again
-  from a key in the backward pass would save that byte at the cost of a second pass of the
-  random-bits generator over [N, in]; under ``remat`` the layer's forward is recomputed from
-  the same key anyway."""
-  x_d = _dropped(x, keep, rate)
-  h = _dot_f32(x_d, a, (((x.ndim - 1,), (0,)), ((), ())))  # x_d·A [..., r]
-  y = jax.lax.dot_general(x, w, (((x.ndim - 1,), (w_axis,)), ((), ())),
-                          preferred_element_type=jnp.float32)
-  y += scale * jax.lax.dot_general(h, b, (((h.ndim - 1,), (0,)), ((), ())),
-                                   preferred_element_type=jnp.float32)
-  return y.astype(jnp.result_type(x, w))
-
-
-def _dropped(x, keep, rate):
-  """x ⊙ keep/(1 − p), scaled in float32 (1/(1 − p) is not exact in bfloat16), in x's dtype."""
-  return jnp.where(keep, x.astype(jnp.float32) / (1.0 - rate), 0.0).astype(x.dtype)
-
-
-def _lora_dropout_matmul_fwd(x, w, a, b, keep, scale, rate, w_axis):
-  return lora_dropout_matmul(x, w, a, b, keep, scale, rate, w_axis), (x, w, a, b, keep)
-
-
-def _lora_dropout_matmul_bwd(scale, rate, w_axis, residuals, dy):
-  x, w, a, b, keep = residuals
-  x_d = _dropped(x, keep, rate).reshape(-1, x.shape[-1])
-  dy2 = dy.reshape(-1, dy.shape[-1])
-  g = _dot_f32(dy2, b, (((1,), (1,)), ((), ())))  # ∂y·Bᵀ [N, r]
-  h = _dot_f32(x_d, a, (((1,), (0,)), ((), ())))  # x_d·A [N, r]
-  dx = jax.lax.dot_general(dy, w, (((dy.ndim - 1,), (1 - w_axis,)), ((), ())),
-                           preferred_element_type=jnp.float32)  # ∂y·Wᵀ
-  dx_d = jax.lax.dot_general(g, a, (((1,), (1,)), ((), ())),
-                             preferred_element_type=jnp.float32)  # (∂y·Bᵀ)·Aᵀ [N, in]
-  dx += scale * _dropped(dx_d, keep.reshape(dx_d.shape), rate).reshape(dx.shape)
-  rows = (((0,), (0,)), ((), ()))
-  da = scale * _dot_f32(x_d, g, rows)  # x_dᵀ·(∂y·Bᵀ) [in, r]
-  db = scale * _dot_f32(h, dy2, rows)  # (x_d·A)ᵀ·∂y [r, out]
-  return dx.astype(x.dtype), None, da.astype(a.dtype), db.astype(b.dtype), None
-
-
-lora_dropout_matmul.defvjp(_lora_dropout_matmul_fwd, _lora_dropout_matmul_bwd)
 
 
 class Linear(nn.Module):
@@ -566,31 +308,6 @@ class Attention(nn.Module):
     return o_proj(out.reshape(b, t, h * d)), cache, out_p
 
 
-@jax.custom_vjp
-def swiglu(gate: Array, up: Array) -> Array:
-  """silu(g)·u = g·σ(g)·u, the gated MLP's activation. Its gradient, with s = σ(g):
-
-      ∂/∂g = dy·u·s·(1 + g·(1 − s)),    ∂/∂u = dy·g·s
-
-  keeps only g and u for the backward pass, evaluated in their dtype as autodiff would;
-  autodiff of the composition kept four [tokens, intermediate] arrays per layer, and reading
-  them back cost a 30-layer MLP's forward + backward 10% of its time on CPU."""
-  return nn.silu(gate) * up
-
-
-def _swiglu_fwd(gate, up):
-  return swiglu(gate, up), (gate, up)
-
-
-def _swiglu_bwd(residuals, dy):
-  g, u = residuals
-  s = jax.nn.sigmoid(g)
-  return dy * u * s * (1 + g * (1 - s)), dy * g * s
-
-
-swiglu.defvjp(_swiglu_fwd, _swiglu_bwd)
-
-
 class MLP(nn.Module):
   cfg: ModelConfig
 
@@ -703,66 +420,6 @@ def _check_prefix(prefix, cache, windows) -> None:
   if any(windows):
     raise ValueError("a shared prefix cannot be used with a sliding attention window: prepend "
                      "it to every row instead")
-
-
-def stack_layers(params: dict) -> dict:
-  """The inverse of ``unstack_layers``."""
-  model = dict(params["model"])
-  names = sorted((k for k in model if k.startswith("layers_")), key=lambda k: int(k[7:]))
-  model["layers"] = jax.tree.map(lambda *xs: jnp.stack(xs), *[model.pop(k) for k in names])
-  return {**params, "model": model}
-
-
-def unstack_layers(params: dict) -> dict:
-  """Stacked (``scan_layers=True``) params → one subtree per layer (``scan_layers=False``).
-
-  Unrolled layers read their weights in place; a scan slices each layer's weights out of the
-  stacked arrays, which XLA materialises as a copy of every weight on every call — the dominant
-  cost of a small-batch decode step on CPU.
-  """
-  model = dict(params["model"])
-  stacked = model.pop("layers")
-  n = jax.tree.leaves(stacked)[0].shape[0]
-  for i in range(n):
-    model[f"layers_{i}"] = jax.tree.map(lambda x, i=i: x[i], stacked)
-  return {**params, "model": model}
-
-
-_FUSED = (("attn", ("q", "k", "v"), "qkv"), ("mlp", ("gate", "up"), "gate_up"))
-
-
-def fuse_projections(params: dict) -> dict:
-  """Params for ``fused_projections=True``: each layer's q, k, v kernels (and biases) joined
-  column-wise into ``qkv``, gate and up into ``gate_up`` (stacked or unrolled layers alike:
-  the join is on the last axis). A decode step then runs 2 matmuls where it ran 5, with wider
-  outputs that use the cores better at small batch."""
-  def fuse_layer(layer: dict) -> dict:
-    layer = dict(layer)
-    for block, parts, fused in _FUSED:
-      sub = dict(layer.get(block, {}))
-      if not all(p in sub for p in parts):
-        continue  # GPT-2's MLP (fc/proj) has nothing to join
-      pieces = [sub.pop(p) for p in parts]
-      sub[fused] = {leaf: jnp.concatenate([piece[leaf] for piece in pieces], axis=-1)
-                    for leaf in pieces[0]}
-      layer[block] = sub
-    return layer
-
-  model = {name: fuse_layer(sub) if name == "layers" or name.startswith("layers_") else sub
-           for name, sub in params["model"].items()}
-  return {**params, "model": model}
-
-
-def transpose_kernels(params: dict) -> dict:
-  """Params for ``transposed_kernels=True`` (and back: the map is its own inverse): every
-  ``Linear`` kernel's two matrix axes swapped, [in, out] ↔ [out, in] (the layer axis of stacked
-  params stays first). The embedding tables and a value model's ``score`` head are unchanged."""
-  def swap(path, leaf):
-    names = [getattr(k, "key", None) for k in path]
-    if names[-1] == "kernel" and "score" not in names:
-      return jnp.swapaxes(leaf, -1, -2)
-    return leaf
-  return jax.tree_util.tree_map_with_path(swap, params)
 
 
 class CausalLM(nn.Module):
