@@ -92,8 +92,9 @@ Here C = 24 takes the default single-pass iteration from 2.49 to 1.80 TFLOP.
 
 With --remat the backward recomputes each layer's forward: more work for the hardware, the same
 model FLOPs; trl's side then runs with transformers' gradient checkpointing on its policy and
-value model, and ``--lora``'s full fine-tuning process with --remat too. Decode attention in ppojax reads all P + R − 1 cache slots (masked), and elementwise
-work (norms, softmax, RoPE, sampling, losses, Adam) is not counted.
+value model, and ``--lora``'s full fine-tuning process with --remat too. Decode attention in
+ppojax reads all P + R − 1 cache slots (masked), and elementwise work (norms, softmax, RoPE,
+sampling, losses, Adam) is not counted.
 """
 
 from __future__ import annotations
