@@ -3,8 +3,9 @@ pairs → a reward model from the SFT policy → PPO against it at one or more K
 then the reward-model over-optimisation figure (Gao, Schulman and Hilton 2022) and one JSON line.
 
     python benchmarks/rlhf.py --out runs/rlhf [--kl 0.05 0.01] [--iterations 60] \
-        [--eval-every 10] [--save-every 20] [--figure docs/rlhf_overoptimisation.png] \
-        [--rm-figure docs/rlhf_reward_model.png] [--compile-cache DIR] [--report-only]
+        [--eval-every 10] [--save-every 20] [--rm-save-every N] \
+        [--figure docs/rlhf_overoptimisation.png] [--rm-figure docs/rlhf_reward_model.png] \
+        [--compile-cache DIR] [--report-only]
 
 Stages (each one ``python -m`` process, its log in OUT/NAME.log; a stage whose output exists is
 not rerun, so a cut-off run goes on where it stopped):
@@ -96,7 +97,7 @@ def run_pipeline(args, out: pathlib.Path) -> None:
       "--config.data.eval_size=0", "--config.data.max_response_len=32",
       f"--config.train.num_epochs={args.rm_epochs}", "--config.train.batch_size=32",
       "--config.train.eval_every=-1", "--config.train.eval_batch_size=128",
-      "--config.save_every=100000"])
+      f"--config.save_every={args.rm_save_every}"])
 
   def ppo(kl: float) -> None:
     workdir = out / f"ppo_kl{kl}"
@@ -216,6 +217,9 @@ def main(argv=None) -> None:
   parser.add_argument("--eval-every", type=int, default=10)
   parser.add_argument("--save-every", type=int, default=20,
                       help="PPO checkpoint interval (a cut-off run resumes from the last one)")
+  parser.add_argument("--rm-save-every", type=int, default=100000,
+                      help="the reward model's checkpoint interval in steps (on a CPU, where its "
+                      "465 steps take hours: a cut-off stage resumes from the last one)")
   parser.add_argument("--parallel", type=int, default=1, help="PPO runs at once")
   parser.add_argument("--compile-cache", default=None,
                       help="persistent XLA compilation cache of every stage (default "

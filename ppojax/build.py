@@ -42,7 +42,9 @@ class Run(NamedTuple):
   mesh: jax.sharding.Mesh
   state_shardings: Any
   source: sources.Source  # data position → a batch of prompts (host arrays) and records
-  policy: LoadedModel  # the initial policy (config and tokenizer, for export)
+  # the initial policy's config and tokenizer, for export; its params are None: the state
+  # holds the weights (kept here too, the loaded host copy doubled the policy's memory)
+  policy: LoadedModel
   # a host reward: (rollout as NumPy arrays, the batch's records) → scores [B]; None when the
   # reward is traced into the compiled step
   host_reward: Callable[[Any, list[dict] | None], np.ndarray] | None
@@ -330,8 +332,8 @@ def build(config, *, devices=None, abstract: bool = False) -> Run:
                                 ppo,
                                 python_reward=python_reward, state_shardings=state_shardings,
                                 mesh=mesh)
-  return Run(config, models, frozen, state, step, mesh, state_shardings, source, policy,
-             host_reward, sampling)
+  return Run(config, models, frozen, state, step, mesh, state_shardings, source,
+             policy._replace(params=None), host_reward, sampling)
 
 
 def _text_reward(config, policy: LoadedModel):

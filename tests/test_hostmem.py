@@ -16,6 +16,8 @@ import pytest
 
 from ppojax import hostmem
 
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+
 SCRIPT = textwrap.dedent("""
     import ctypes, os, sys
     print("start", flush=True)  # printed once per process image
@@ -202,3 +204,39 @@ def test_release_can_be_turned_off():
   r = _release_run({"PPOJAX_RELEASE_MEMORY": "0"})
   assert r["released"] is False
   assert r["freed"] - r["after"] < 32, r
+
+
+
+def test_each_step_function_compiles_once_apart_from_its_first_call(monkeypatch):
+  """``runner.iteration`` compiles a step function before its first call with given shapes and
+  hands the heap back before the call (``runner._call``); the call then finds the executable
+  in JAX's cache: one backend compile per function, each followed by a release."""
+  import jax  # pylint: disable=import-outside-toplevel
+  import numpy as np  # pylint: disable=import-outside-toplevel
+  from jax._src import monitoring  # pylint: disable=import-outside-toplevel
+  from ppojax import runner  # pylint: disable=import-outside-toplevel
+  events = []
+  monkeypatch.setattr(hostmem, "release", lambda: events.append("release") or True)
+
+  def on_event(name, *_, **__):
+    if name == "/jax/core/compile/backend_compile_duration":
+      events.append("compile")
+
+  r = runner.build(runner.load_config(ROOT / "configs" / "toy.py", ppo__batch_size=4,
+                                      num_iterations=3))
+  assert r.policy.params is None  # the state holds the weights, the run no second copy
+  prompts, state = r.source.batch(0).prompts, r.state
+  seen = []
+  jax.monitoring.register_event_duration_secs_listener(on_event)
+  try:
+    for phase_timing in (False, False, True, True):
+      events.clear()
+      state, metrics, _, _ = runner.iteration(r, state, prompts, phase_timing=phase_timing)
+      assert np.isfinite(metrics["loss/policy_avg"])
+      seen.append(list(events))
+  finally:
+    monitoring.unregister_event_duration_listener(on_event)
+  fused, fused_again, phases, phases_again = seen
+  assert fused == ["compile", "release", "release"]  # compile, release, run, the iteration's own
+  assert phases == ["compile", "release"] * 2 + ["release"] + ["compile", "release", "release"]
+  assert fused_again == ["release"] and phases_again == ["release", "release"]  # cached
