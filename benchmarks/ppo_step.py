@@ -101,7 +101,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import gc
 import importlib.util
 import json
 import os
@@ -179,6 +178,17 @@ def make_config(args, reward_dir: str):
   return c
 
 
+def write_models(directory: str, batch: int, prompt_length: int, peers: bool) -> None:
+  """DIR/reward: SmolLM2 with a zero score head; with ``peers`` also DIR/policy and
+  DIR/prompts.json, the batch's prompt tokens (``make_prompts``), for trl's and tunix's runs."""
+  save_model(f"{directory}/reward", load_model("smollm2", head="value"))
+  if peers:
+    policy = load_model("smollm2")
+    save_model(f"{directory}/policy", policy)
+    tokens = np.asarray(make_prompts(policy.tokenizer, batch, prompt_length).tokens).tolist()
+    pathlib.Path(f"{directory}/prompts.json").write_text(json.dumps(tokens))
+
+
 def make_prompts(tokenizer, batch: int, length: int, shared_prefix: bool = True,
                  questions: Sequence[str] = QUESTIONS) -> Prompts:
   """The batch's left-padded chat prompts (``questions``, cycled, as user messages), with the
@@ -238,7 +248,7 @@ def matmul_peak(dtype, n: int, repeats: int = 3) -> float:
   return 2 * n**3 / statistics.median(times) / 1e9
 
 
-def run_trl(python: pathlib.Path, policy_dir: str, reward_dir: str, prompts: Prompts,
+def run_trl(python: pathlib.Path, policy_dir: str, reward_dir: str, tokens: list[list[int]],
             response_length: int, iterations: int, lora_rank: int = 0,
             lora_alpha: float = 32.0, remat: bool = False) -> dict:
   """trl's seconds per iteration on the same models and prompts (``trl_ppo.py`` in its own
@@ -248,10 +258,10 @@ def run_trl(python: pathlib.Path, policy_dir: str, reward_dir: str, prompts: Pro
          "--reward", reward_dir, "--response-length", str(response_length), "--iterations",
          str(iterations), "--warmup", "1", "--lora-rank", str(lora_rank), "--lora-alpha",
          str(lora_alpha)] + (["--gradient-checkpointing"] if remat else [])
-  return run_json(cmd, "trl's PPOTrainer", prompts=np.asarray(prompts.tokens).tolist())
+  return run_json(cmd, "trl's PPOTrainer", prompts=tokens)
 
 
-def run_tunix(python: pathlib.Path, policy_dir: str, reward_dir: str, prompts: Prompts,
+def run_tunix(python: pathlib.Path, policy_dir: str, reward_dir: str, tokens: list[list[int]],
               response_length: int, iterations: int, kl_coef: float,
               temperature: float) -> dict:
   """tunix's seconds per iteration on the same models and prompts (``tunix_ppo.py`` in its
@@ -261,7 +271,7 @@ def run_tunix(python: pathlib.Path, policy_dir: str, reward_dir: str, prompts: P
          str(iterations), "--warmup", "1", "--kl-coef", str(kl_coef), "--temperature",
          str(temperature), *tunix_rss_limit()]
   return run_json(cmd, "tunix's PPOLearner", "--no-tunix",
-                  prompts=np.asarray(prompts.tokens).tolist())
+                  prompts=tokens)
 
 
 def tunix_rss_limit() -> list[str]:
@@ -320,25 +330,31 @@ def main():
                       "trl side: peft on the policy) and ppojax's full PPO iteration's peak "
                       "memory from a fresh process beside it (0: full fine-tuning)")
   parser.add_argument("--lora-alpha", type=float, default=32.0)
+  parser.add_argument("--write-models", default=None, help=argparse.SUPPRESS)
   args = parser.parse_args()
   b, r_len = args.batch, args.response_length
 
+  if args.write_models:  # a child of the run below
+    write_models(args.write_models, b, args.prompt_length, peers=args.trl or args.tunix)
+    return
   with tempfile.TemporaryDirectory() as tmp:
     reward_dir, policy_dir = f"{tmp}/reward", f"{tmp}/policy"
-    save_model(reward_dir, load_model("smollm2", head="value"))  # zero score head
+    # the models the runs read, and the peers' prompts, written by a child process: loaded
+    # here, their freed heap would stay in this process, under ppojax's peak below
+    subprocess.run([sys.executable, __file__, "--write-models", tmp, "--batch", str(b),
+                    "--prompt-length", str(args.prompt_length),
+                    *([] if args.trl or args.tunix else ["--no-trl"])], check=True)
+    peer_tokens = (json.loads(pathlib.Path(f"{tmp}/prompts.json").read_text())
+                   if args.trl or args.tunix else None)
     trl = None
     if args.trl:  # first, while this process holds no compiled step or TrainState
       python = trl_ppo.ensure_env(args.trl_env)
-      policy = load_model("smollm2")
-      save_model(policy_dir, policy)
       trl_peaks = [matmul_peak(jnp.float32, args.matmul_size)]
       print(f"trl: {args.iterations} iterations after one warm-up ...", flush=True)
-      trl = run_trl(python, policy_dir, reward_dir,
-                    make_prompts(policy.tokenizer, b, args.prompt_length), r_len,
-                    args.iterations, args.lora, args.lora_alpha, args.remat)
+      trl = run_trl(python, policy_dir, reward_dir, peer_tokens, r_len, args.iterations,
+                    args.lora, args.lora_alpha, args.remat)
       trl_peaks.append(matmul_peak(jnp.float32, args.matmul_size))
       trl["matmul_peak_samples"] = trl_peaks
-      del policy
       print(f"trl {trl['trl']} (transformers {trl['transformers']}, torch {trl['torch']}, "
             f"{trl['threads']} threads): {trl['seconds_per_iteration']:.2f} s/iteration (median "
             f"of {', '.join(f'{x:.2f}' for x in trl['iterations'])}; warm-up "
@@ -349,14 +365,10 @@ def main():
       if args.lora:
         raise SystemExit("--tunix compares full fine-tuning only (no --lora)")
       python = tunix_ppo.ensure_env(args.tunix_env)
-      policy = load_model("smollm2")
-      save_model(policy_dir, policy)
-      tunix_prompts = make_prompts(policy.tokenizer, b, args.prompt_length)
-      del policy
       c0 = make_config(args, reward_dir)
       tunix_peaks = [matmul_peak(jnp.float32, args.matmul_size)]
       print(f"tunix: {args.iterations} iterations after one warm-up ...", flush=True)
-      tunix = run_tunix(python, policy_dir, reward_dir, tunix_prompts, r_len, args.iterations,
+      tunix = run_tunix(python, policy_dir, reward_dir, peer_tokens, r_len, args.iterations,
                         c0.ppo.kl_coef, c0.sampling.temperature)
       tunix_peaks.append(matmul_peak(jnp.float32, args.matmul_size))
       tunix["matmul_peak_samples"] = tunix_peaks
@@ -366,8 +378,6 @@ def main():
             f"{tunix['warmup_seconds'][0]:.1f} s); peak RSS {tunix['peak_rss_mb']:.0f} MB; "
             f"float32 peak before / after: {tunix_peaks[0]:.0f} / {tunix_peaks[1]:.0f} GFLOP/s",
             flush=True)
-    gc.collect()  # the models loaded above to save them for the peers: their freed heap goes
-    hostmem.release()  # back, so that the peak below is ppojax's run's, not the setup's
     full = None
     if args.lora:  # ppojax's own full fine-tuning on the same work, in a fresh process
       print("ppojax full fine-tuning: one iteration in a fresh process for its peak memory ...",

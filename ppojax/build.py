@@ -116,18 +116,19 @@ def load_tokenizer(name: str):
 
 
 def load_named(name: str, key, *, tiny=None, tokenizer: str = "", head: str = "lm",
-               abstract: bool = False, **numerics) -> LoadedModel:
+               abstract: bool = False, with_tokenizer: bool = True, **numerics) -> LoadedModel:
   """A model by config name: "tiny" (random init from the ``tiny`` section; with a
   ``tokenizer`` its vocabulary and special ids come from it, else from the token tasks of
   ppojax/tasks.py) or anything ``load_model`` accepts. ``tokenizer``, when set, replaces the
   checkpoint's. A value head is zero-initialised (V = 0, or r = 0 for a reward model).
   ``abstract``: the same model with ``jax.ShapeDtypeStruct`` params (``models.abstract_model``);
-  no weights are read and no tokenizer is loaded."""
+  no weights are read and no tokenizer is loaded; ``with_tokenizer=False``: none is read from
+  a Hugging Face directory either (``load_model``)."""
   tok = load_tokenizer(tokenizer) if tokenizer and not abstract else None
   if name != "tiny":
     if abstract:
       return abstract_model(model_config(name, **numerics), head)
-    model = load_model(name, head=head, **numerics)
+    model = load_model(name, head=head, with_tokenizer=with_tokenizer, **numerics)
     return model._replace(tokenizer=tok) if tok is not None else model
   if tok is None:
     cfg = tiny_model_config(tiny)
@@ -242,7 +243,7 @@ def build(config, *, devices=None, abstract: bool = False) -> Run:
   if config.reward.kind == "model":
     reward_model = load_named(config.model.reward, jax.random.fold_in(k_policy, 1),
                               tiny=config.model.tiny, head="value", abstract=abstract,
-                              **_numerics(config))
+                              with_tokenizer=False, **_numerics(config))  # the policy's serves
   init = config.model.critic_init
   if init == "reward" and reward_model is None:
     raise ValueError("model.critic_init='reward' needs reward.kind='model' and model.reward")

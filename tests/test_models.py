@@ -13,6 +13,7 @@ import functools
 import json
 import pathlib
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -534,6 +535,10 @@ def test_state_dict_round_trip_is_exact(checkpoint, name, value):
   cfg = hf.load_config(directory)
   sd = hf.read_safetensors(directory)
   back = hf.params_to_hf(cfg, hf.params_from_hf(cfg, sd, head=head), head=head)
+  moved = dict(sd)  # consume=True (load_model's): the same params, the tensors moved out
+  consumed = hf.params_from_hf(cfg, moved, head=head, consume=True)
+  assert not moved
+  chex.assert_trees_all_equal(consumed, hf.params_from_hf(cfg, sd, head=head))
   for key, tensor in sd.items():
     assert back[key].dtype == np.float32
     np.testing.assert_array_equal(back[key], tensor, err_msg=key)

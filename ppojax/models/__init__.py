@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ppojax import hostmem
 from ppojax.models import hf
 from ppojax.models.config import ModelConfig
 from ppojax.models.layout import fuse_projections, stack_layers, unstack_layers
@@ -44,14 +45,16 @@ class LoadedModel(NamedTuple):
     return ValueModel(self.cfg) if self.head == "value" else CausalLM(self.cfg)
 
 
-def load_model(name_or_path: str | os.PathLike, head: str = "lm", **config_overrides
-               ) -> LoadedModel:
+def load_model(name_or_path: str | os.PathLike, head: str = "lm", with_tokenizer: bool = True,
+               **config_overrides) -> LoadedModel:
   """Load a model by name ("smollm2"), GGUF file, Hugging Face directory or hub id.
 
   ``head="value"`` builds a ``ValueModel``: from a reward/value checkpoint (with ``score.weight``)
   it loads the head; from a policy checkpoint the head is missing and is initialised to zeros
   (a critic initialised from the policy starts at V = 0). ``config_overrides`` set numerics such
-  as ``dtype="bfloat16"`` or ``remat=True``.
+  as ``dtype="bfloat16"`` or ``remat=True``. ``with_tokenizer=False``: no tokenizer is read
+  from a Hugging Face directory (a reward model's: the run tokenizes with the policy's, and
+  transformers' ``AutoTokenizer`` imports PyTorch where it is installed, 180 MB resident).
   """
   name = str(name_or_path)
   if name.lower() in SMOLLM2_NAMES:
@@ -62,18 +65,21 @@ def load_model(name_or_path: str | os.PathLike, head: str = "lm", **config_overr
     g = gguf.load_gguf(name)
     cfg = ModelConfig.from_hf(g.config, **config_overrides)
     sd, tokenizer = g.state_dict, g.tokenizer
+    del g  # sd is the tensors' only holder: params_from_hf frees each once stacked
   else:
     name = hf.resolve(name)
     cfg = hf.load_config(name, **config_overrides)
-    sd, tokenizer = hf.read_safetensors(name), _tokenizer(name)
+    sd, tokenizer = hf.read_safetensors(name), _tokenizer(name) if with_tokenizer else None
   if head == "value" and "score.weight" not in sd:
     sd = dict(sd, **{"score.weight": np.zeros((1, cfg.hidden_size), np.float32)})
   try:
-    params = hf.params_from_hf(cfg, sd, head=head)
+    params = hf.params_from_hf(cfg, sd, head=head, consume=True)
   except hf.CheckpointError as e:
     raise hf.CheckpointError(f"{name}: {e}") from e
+  del sd
   if not cfg.scan_layers:
     params = unstack_layers(params)
+  hostmem.release()  # the dequantised / read tensors' freed heap, before the caller goes on
   return LoadedModel(cfg, params, tokenizer, head)
 
 

@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from ppojax import files
+from ppojax import files, hostmem
 from ppojax.models.config import ModelConfig
 
 StateDict = dict[str, np.ndarray]
@@ -51,13 +51,16 @@ _GPT2_LAYER = {("attn", "o"): "attn.c_proj", ("mlp", "fc"): "mlp.c_fc",
                ("mlp", "proj"): "mlp.c_proj"}  # Conv1D weights are already [in, out]
 
 
-def _strip_prefix(sd: StateDict, cfg: ModelConfig) -> tuple[StateDict, dict[str, str]]:
+def _strip_prefix(sd: StateDict, cfg: ModelConfig, consume: bool = False
+                  ) -> tuple[StateDict, dict[str, str]]:
   """Names relative to the backbone: drop 'model.' / 'transformer.' (kept for heads); and
-  where each came from: stripped name → "FULL_NAME in FILE" (or "FULL_NAME")."""
+  where each came from: stripped name → "FULL_NAME in FILE" (or "FULL_NAME"). ``consume``:
+  the tensors are moved out of ``sd``, which is left empty."""
   prefix = "transformer." if cfg.is_gpt2 else "model."
-  files = getattr(sd, "files", {})
+  files = dict(getattr(sd, "files", {}))
   out, origin = {}, {}
-  for name, value in sd.items():
+  for name in list(sd):
+    value = sd.pop(name) if consume else sd[name]
     if name.endswith((".attn.bias", ".attn.masked_bias")) and cfg.is_gpt2 and value.ndim == 4:
       continue  # GPT-2's stored causal-mask buffers
     short = name[len(prefix):] if name.startswith(prefix) else name
@@ -70,10 +73,10 @@ class _Taker:
   """Pops tensors by (stripped) name, checking their shapes; errors name the tensor, the file
   it came from, and the shapes found and implied by the config."""
 
-  def __init__(self, sd: StateDict, cfg: ModelConfig):
-    self.sd, self.origin = _strip_prefix(sd, cfg)
-    self.prefix = "transformer." if cfg.is_gpt2 else "model."
+  def __init__(self, sd: StateDict, cfg: ModelConfig, consume: bool = False):
     files = sorted(set(getattr(sd, "files", {}).values()))
+    self.sd, self.origin = _strip_prefix(sd, cfg, consume)
+    self.prefix = "transformer." if cfg.is_gpt2 else "model."
     self.where = ", ".join(files) if files else "the checkpoint"
 
   def __call__(self, name: str, shape: tuple[int, ...]) -> np.ndarray:
@@ -89,21 +92,29 @@ class _Taker:
     return value
 
 
-def params_from_hf(cfg: ModelConfig, sd: StateDict, head: str = "lm", dtype=None) -> dict:
+def params_from_hf(cfg: ModelConfig, sd: StateDict, head: str = "lm", dtype=None,
+                   consume: bool = False) -> dict:
   """Hugging Face state dict → ppojax params for ``CausalLM`` (head="lm") or ``ValueModel``
   (head="value", reading ``score.weight``). Leftover or missing tensors raise ``CheckpointError``.
-  """
+
+  ``consume``: the tensors are moved out of ``sd`` (left empty) and each is freed once it is
+  stacked, so that the state dict and the params are never both whole in memory (a loader's
+  peak is then the params plus one layer-stacked weight, not twice the model)."""
   if head not in HEADS:
     raise ValueError(f"head must be one of {HEADS}, got {head!r}")
   dtype = np.dtype(dtype or cfg.param_dtype)
-  _take = _Taker(sd, cfg)
+  _take = _Taker(sd, cfg, consume)
   sd = _take.sd
   d, L, i_size = cfg.hidden_size, cfg.num_layers, cfg.intermediate_size
   q_out, kv_out = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
 
   def stack(fmt, shape, transpose=False):
     arrays = [_take(fmt.format(i), shape) for i in range(L)]
-    return np.stack([a.T if transpose else a for a in arrays]).astype(dtype)
+    out = np.stack([a.T if transpose else a for a in arrays]).astype(dtype, copy=False)
+    if consume:  # the layers' tensors, freed into the C heap, back to the system: else the
+      del arrays  # next stacked weight (a fresh mapping) comes on top of them
+      hostmem.release()
+    return out
 
   layers: dict[str, dict] = {"attn": {}, "mlp": {}}
   if cfg.is_gpt2:
