@@ -54,19 +54,19 @@ def iteration(run: Run, state, prompts: Prompts, records: list[dict] | None = No
   timings = {}
   t0 = time.perf_counter()
   if step.fused is not None and not phase_timing:
-    state, metrics, r, scores = _call(step.fused, state, frozen, prompts)
+    state, metrics, r, scores = hostmem.compiled_call(step.fused, state, frozen, prompts)
     jax.block_until_ready(metrics)
   else:
-    r = jax.block_until_ready(_call(step.rollout, state, frozen, prompts))
+    r = jax.block_until_ready(hostmem.compiled_call(step.rollout, state, frozen, prompts))
     t1 = time.perf_counter()
     if run.host_reward is not None:
       scores = jnp.asarray(run.host_reward(sharding_lib.to_host(r), per_sample(
           records, run.sampling.num_samples)), jnp.float32)
     else:
-      scores = jax.block_until_ready(_call(step.score, frozen, r))
+      scores = jax.block_until_ready(hostmem.compiled_call(step.score, frozen, r))
     hostmem.release()  # the sampling's and scoring's holes, before the update's temporaries
     t2 = time.perf_counter()
-    state, metrics = _call(step.learn, state, r, scores)
+    state, metrics = hostmem.compiled_call(step.learn, state, r, scores)
     jax.block_until_ready(metrics)
     timings = {"time/sampling": t1 - t0, "time/scoring": t2 - t1,
                "time/update": time.perf_counter() - t2}
@@ -74,28 +74,6 @@ def iteration(run: Run, state, prompts: Prompts, records: list[dict] | None = No
   hostmem.release()
   metrics["time/iteration"] = time.perf_counter() - t0
   return state, {**metrics, **timings}, r, scores
-
-
-_COMPILED: set = set()  # (id of a jitted function, its arguments' shapes) compiled by _call
-
-
-def _call(fn, *args):
-  """``fn(*args)`` for a jitted ``fn``, compiled apart on its first call with these argument
-  shapes: XLA's compiler frees its working memory into the C heap, where the call's buffers
-  (large blocks, mapped afresh) do not reuse it, so a compile inside the call added it to the
-  call's own peak. Compiled first and the heap handed back (``hostmem.release``), the call
-  finds the executable in JAX's cache and the process's peak is the larger of the two, not
-  their sum (SmolLM2 LoRA PPO step, ``benchmarks/ppo_step.py --lora 16 --remat``: 0.9 GB of
-  compile against 1.0 GB of step, on 1.7 GB held). A plain function is just called."""
-  if not hasattr(fn, "lower"):
-    return fn(*args)
-  leaves, tree = jax.tree.flatten(args)
-  key = (id(fn), tree, tuple((np.shape(x), str(getattr(x, "dtype", type(x)))) for x in leaves))
-  if key not in _COMPILED:
-    fn.lower(*args).compile()
-    hostmem.release()
-    _COMPILED.add(key)
-  return fn(*args)
 
 
 class Result(NamedTuple):

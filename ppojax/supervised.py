@@ -293,8 +293,8 @@ def fit(config: ml_collections.ConfigDict, workdir: str | pathlib.Path | None, m
             save(last, force=True)
           break
         batch = take(train, data.batch_indices(n, t.batch_size, config.seed, i))
-        state["params"], state["opt_state"], metrics = train_step(
-            state["params"], state["opt_state"], batch)
+        state["params"], state["opt_state"], metrics = hostmem.compiled_call(
+            train_step, state["params"], state["opt_state"], batch)
         last = it = i + 1
         evaluate_now = it == steps or (eval_every and it % eval_every == 0)
         if it % t.log_every == 0 or evaluate_now:
