@@ -110,7 +110,8 @@ def load_tokenizer(name: str):
   """The tokenizer of a Hugging Face directory or hub id, a GGUF file or "smollm2"."""
   name = str(name)
   if name.lower() in SMOLLM2_NAMES or name.endswith(".gguf"):
-    return load_model(name).tokenizer
+    from ppojax.models import gguf  # pylint: disable=import-outside-toplevel
+    return gguf.read_tokenizer(gguf.fetch_smollm2() if not name.endswith(".gguf") else name)
   from transformers import AutoTokenizer  # pylint: disable=import-outside-toplevel
   return AutoTokenizer.from_pretrained(str(hf.resolve(name)))
 

@@ -112,15 +112,20 @@ def _extract_atomically(archive: pathlib.Path, name: str, target: pathlib.Path) 
         out.write(chunk)
 
 
+def _reader(path: pathlib.Path) -> gguf.GGUFReader:
+  """The file's reader (memory-mapped: nothing is read until asked for)."""
+  try:
+    return gguf.GGUFReader(path)
+  except Exception as e:  # the reader raises bare ValueErrors on truncated or foreign files
+    raise GGUFError(f"{path} is not a readable GGUF file (truncated or corrupt?): {e}") from e
+
+
 def load_gguf(path: str | os.PathLike) -> GGUFModel:
   """Reads a llama-architecture GGUF file into config, float32 state dict and tokenizer."""
   path = pathlib.Path(path)
   if not path.is_file():
     raise FileNotFoundError(f"GGUF file not found: {path}")
-  try:
-    reader = gguf.GGUFReader(path)
-  except Exception as e:  # the reader raises bare ValueErrors on truncated or foreign files
-    raise GGUFError(f"{path} is not a readable GGUF file (truncated or corrupt?): {e}") from e
+  reader = _reader(path)
   meta = _metadata(reader, path)
   config = gguf_config(meta, {t.name for t in reader.tensors}, path)
   return GGUFModel(config, gguf_state_dict(reader, config, path), gguf_tokenizer(meta, path))
@@ -129,19 +134,19 @@ def load_gguf(path: str | os.PathLike) -> GGUFModel:
 def read_config(path: str | os.PathLike) -> dict:
   """The Hugging Face ``config.json`` a GGUF file's header describes (no tensor is read)."""
   path = pathlib.Path(path)
-  try:
-    reader = gguf.GGUFReader(path)
-  except Exception as e:  # the reader raises bare ValueErrors on truncated or foreign files
-    raise GGUFError(f"{path} is not a readable GGUF file (truncated or corrupt?): {e}") from e
+  reader = _reader(path)
   return gguf_config(_metadata(reader, path), {t.name for t in reader.tensors}, path)
+
+
+def read_tokenizer(path: str | os.PathLike):
+  """The tokenizer a GGUF file's header describes (no tensor is read)."""
+  path = pathlib.Path(path)
+  return gguf_tokenizer(_metadata(_reader(path), path), path)
 
 
 def context_length(path: str | os.PathLike) -> int | None:
   """``llama.context_length`` from a GGUF file's header (no tensor is read)."""
-  try:
-    field = gguf.GGUFReader(path).fields.get("llama.context_length")
-  except Exception as e:  # the reader raises bare ValueErrors on truncated or foreign files
-    raise GGUFError(f"{path} is not a readable GGUF file (truncated or corrupt?): {e}") from e
+  field = _reader(pathlib.Path(path)).fields.get("llama.context_length")
   return int(field.contents()) if field is not None else None
 
 
