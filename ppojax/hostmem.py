@@ -151,7 +151,8 @@ def compiled_call(fn, *args):
   cache, and the process's peak is the larger of the two, not their sum (the SmolLM2 LoRA PPO
   step, ``benchmarks/ppo_step.py --lora 16 --remat``: 0.9 GB of compile against 1.0 GB of
   step, on 1.7 GB held). The training loops call their steps through it (``runner.iteration``,
-  ``supervised.train``). A plain function is just called."""
+  ``supervised.train``). A plain function is just called. (An id that a new function reuses
+  after the old one is gone only skips the compile apart: the call then compiles as usual.)"""
   if not hasattr(fn, "lower"):
     return fn(*args)
   import jax  # pylint: disable=import-outside-toplevel
