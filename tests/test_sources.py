@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 
+import chex
 import jax
 import ml_collections
 import numpy as np
@@ -371,3 +372,13 @@ def test_tiny_policy_takes_a_tokenizer_for_text_tasks(policy_dir, char_tokenizer
   assert policy.tokenizer is not None
   assert policy.cfg.vocab_size == len(char_tokenizer)
   assert policy.cfg.eos_token_id == char_tokenizer.eos_token_id
+
+
+def test_a_reward_model_loads_without_the_tokenizer_the_run_never_uses(policy_dir):
+  """``load_model(with_tokenizer=False)`` (the run's reward model): the same weights, no
+  tokenizer read (transformers' AutoTokenizer would import PyTorch where it is installed)."""
+  from ppojax.models import load_model  # pylint: disable=import-outside-toplevel
+  full = load_model(policy_dir, head="value")
+  bare = load_model(policy_dir, head="value", with_tokenizer=False)
+  assert full.tokenizer is not None and bare.tokenizer is None
+  chex.assert_trees_all_equal(full.params, bare.params)
