@@ -120,16 +120,11 @@ def time_ppojax(hp: ppo.Hyper, seeds: int | None) -> dict:
   return out
 
 
-def chunked(iteration, chunk: int):
-  """``chunk`` iterations in one ``lax.scan``: the program a chunked loop compiles."""
-  return lambda state: jax.lax.scan(lambda c, _: iteration(c), state, None, length=chunk)
-
-
 def time_ppojax_to_target(hp: ppo.Hyper, chunk: int = 16) -> dict:
   """Wall time until the return first reaches 475, compiling included: ``make_iteration``
   ``chunk`` iterations per compiled call (the CLI's loop), checked after each call."""
   start = time.perf_counter()
-  step = jax.jit(chunked(ppo.make_iteration(hp), chunk))
+  step = jax.jit(ppo.iterations(ppo.make_iteration(hp), chunk))
   state = jax.jit(lambda k: ppo.init(hp, k))(runner.seed_keys(0, 1)[0])
   for done in range(0, hp.num_updates - chunk + 1, chunk):
     state, metrics = step(state)

@@ -26,7 +26,6 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import jax  # noqa: E402
 
-from cartpole import chunked  # noqa: E402  (the time-to-475 chunk of benchmarks/cartpole.py)
 from ppojax.classic import ppo, runner  # noqa: E402
 
 ARMS = {"default": {}, "llvm_o1": {"xla_backend_optimization_level": 1}}
@@ -43,7 +42,7 @@ def arm(hp: ppo.Hyper, iteration, key, options: dict) -> dict:
   kw = {"compiler_options": options} if options else {}
   init_s, init = seconds(lambda: jax.jit(lambda k: ppo.init(hp, k)).lower(key).compile(**kw))
   state = init(key)
-  chunk = jax.jit(chunked(iteration, 16))
+  chunk = jax.jit(ppo.iterations(iteration, 16))  # benchmarks/cartpole.py's chunk
   chunk_s, chunk = seconds(lambda: chunk.lower(state).compile(**kw))
   for _ in range(4):
     state, _ = chunk(state)

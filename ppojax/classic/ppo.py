@@ -214,6 +214,12 @@ def make_iteration(hp: Hyper) -> Callable[[TrainState], tuple[TrainState, dict[s
   return iteration
 
 
+def iterations(iteration, length: int):
+  """``length`` iterations in one ``lax.scan``: state → (state, metrics {name: [length]}). The
+  whole run (``make_train``) and the CLI's chunks (``runner``) are this scan."""
+  return lambda state: jax.lax.scan(lambda s, _: iteration(s), state, None, length=length)
+
+
 def make_train(hp: Hyper) -> Callable[[Array], tuple[TrainState, dict[str, Array]]]:
   """``train(key) → (final TrainState, metrics {name: [num_updates]})``: the whole run, every
   iteration inside one ``lax.scan``. ``jax.jit(train)`` compiles it once;
@@ -221,8 +227,7 @@ def make_train(hp: Hyper) -> Callable[[Array], tuple[TrainState, dict[str, Array
   iteration = make_iteration(hp)
 
   def train(key: Array) -> tuple[TrainState, dict[str, Array]]:
-    state = init(hp, key)
-    return jax.lax.scan(lambda s, _: iteration(s), state, None, length=hp.num_updates)
+    return iterations(iteration, hp.num_updates)(init(hp, key))
 
   return train
 

@@ -48,8 +48,7 @@ def seed_keys(seed: int, num_seeds: int) -> jax.Array:
 def _chunk_fn(iteration, length: int):
   """``length`` iterations of every agent in one compiled scan: state → (state, metrics
   [seeds, length])."""
-  scan = lambda s: jax.lax.scan(lambda c, _: iteration(c), s, None, length=length)  # noqa: E731
-  return jax.jit(jax.vmap(scan), donate_argnums=0)
+  return jax.jit(jax.vmap(ppo.iterations(iteration, length)), donate_argnums=0)
 
 
 def _row(metrics: dict[str, np.ndarray], i: int) -> dict[str, float]:
