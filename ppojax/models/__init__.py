@@ -76,7 +76,6 @@ def load_model(name_or_path: str | os.PathLike, head: str = "lm", with_tokenizer
     params = hf.params_from_hf(cfg, sd, head=head, consume=True)
   except hf.CheckpointError as e:
     raise hf.CheckpointError(f"{name}: {e}") from e
-  del sd
   if not cfg.scan_layers:
     params = unstack_layers(params)
   hostmem.release()  # the dequantised / read tensors' freed heap, before the caller goes on

@@ -57,7 +57,7 @@ def _strip_prefix(sd: StateDict, cfg: ModelConfig, consume: bool = False
   where each came from: stripped name → "FULL_NAME in FILE" (or "FULL_NAME"). ``consume``:
   the tensors are moved out of ``sd``, which is left empty."""
   prefix = "transformer." if cfg.is_gpt2 else "model."
-  files = dict(getattr(sd, "files", {}))
+  files = getattr(sd, "files", {})
   out, origin = {}, {}
   for name in list(sd):
     value = sd.pop(name) if consume else sd[name]
@@ -74,9 +74,9 @@ class _Taker:
   it came from, and the shapes found and implied by the config."""
 
   def __init__(self, sd: StateDict, cfg: ModelConfig, consume: bool = False):
-    files = sorted(set(getattr(sd, "files", {}).values()))
     self.sd, self.origin = _strip_prefix(sd, cfg, consume)
     self.prefix = "transformer." if cfg.is_gpt2 else "model."
+    files = sorted(set(getattr(sd, "files", {}).values()))
     self.where = ", ".join(files) if files else "the checkpoint"
 
   def __call__(self, name: str, shape: tuple[int, ...]) -> np.ndarray:
