@@ -2,7 +2,8 @@
 
 SmolLM2-135M-Instruct is policy, reference, reward model and critic (the reward model is the
 policy's backbone with a zero score head, saved to a temporary Hugging Face directory by a child
-process, so that its loading is not in this process's peak memory; the critic starts from it). One epoch, one minibatch; chat prompts of exactly 44 tokens (the questions
+process, so that its loading is not in this process's peak memory; the critic starts from
+it). One epoch, one minibatch; chat prompts of exactly 44 tokens (the questions
 below template to 44; shorter ones would be left-padded); every response is forced to exactly
 ``--response-length`` tokens (min_new_tokens = max_new_tokens), so the FLOP count below is exact:
 

@@ -209,8 +209,8 @@ def test_release_can_be_turned_off():
 
 def test_each_step_function_compiles_once_apart_from_its_first_call(monkeypatch):
   """``runner.iteration`` compiles a step function before its first call with given shapes and
-  hands the heap back before the call (``hostmem.compiled_call``); the call then finds the executable
-  in JAX's cache: one backend compile per function, each followed by a release."""
+  hands the heap back before the call (``hostmem.compiled_call``); the call then finds the
+  executable in JAX's cache: one backend compile per function, each followed by a release."""
   import jax  # pylint: disable=import-outside-toplevel
   import numpy as np  # pylint: disable=import-outside-toplevel
   from jax._src import monitoring  # pylint: disable=import-outside-toplevel
