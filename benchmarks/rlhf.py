@@ -28,10 +28,12 @@ OUT/xla_cache; ``JAX_COMPILATION_CACHE_DIR`` if set wins): on a GPU each distinc
 took about 100 s to compile and autotune (docs/performance.md#gpu), and the PPO runs at other
 β, or a run resumed from its last checkpoint (``--save-every``), load them instead.
 
-The figure: proxy and true reward (running means over ``--smooth`` iterations) and the
-held-out exact match against the KL. The JSON line: the reward model's held-out accuracy per
-evaluation, and per PPO run the SFT policy's held-out accuracy, the best one, its iteration and
-KL (where the true reward peaks), and the last; plus the machine. ``--rm-figure``: the reward
+The figure: proxy and true reward of the sampled responses (running means over ``--smooth``
+iterations), and the held-out greedy completions' exact match (true) and reward-model score
+(proxy, ``eval/reward_model``), all against the KL. The JSON line: the reward model's held-out
+accuracy per evaluation, and per PPO run the SFT policy's held-out accuracy, the best one, its
+iteration and KL (where the true reward peaks), and the last, each with its held-out proxy;
+plus the machine. ``--rm-figure``: the reward
 model's held-out pairwise accuracy (overall and per pair source) at every evaluation against
 the training step.
 """
@@ -124,18 +126,20 @@ def running_mean(x, k: int) -> np.ndarray:
 
 
 def read_ppo(workdir: pathlib.Path) -> dict:
-  """Per iteration KL, proxy and true reward; held-out (iteration, KL, exact match) points."""
+  """Per iteration KL, proxy and true reward; held-out (iteration, KL, exact match, reward-model
+  score) points."""
   rows = [json.loads(line) for line in open(workdir / "metrics.jsonl", encoding="utf-8")]
   it = [r for r in rows if "objective/kl" in r]
   kl = {r["step"]: r["objective/kl"] for r in it}
   evals = json.loads((workdir / "eval.json").read_text())
-  held = [(0, 0.0, evals["before"]["eval/accuracy"])]
+  point = lambda e: (e["eval/accuracy"], e.get("eval/reward_model", np.nan))  # noqa: E731
+  held = [(0, 0.0, *point(evals["before"]))]
   for phase, e in evals.items():
     if phase.startswith("iteration_"):
       step = int(phase.removeprefix("iteration_"))
-      held.append((step, kl[step], e["eval/accuracy"]))
+      held.append((step, kl[step], *point(e)))
   if "after" in evals and it and it[-1]["step"] not in [h[0] for h in held]:
-    held.append((it[-1]["step"], it[-1]["objective/kl"], evals["after"]["eval/accuracy"]))
+    held.append((it[-1]["step"], it[-1]["objective/kl"], *point(evals["after"])))
   held.sort()
   config = json.loads((workdir / "config.json").read_text())
   return {"name": f"β = {config['ppo']['kl_coef']}", "kl": [r["objective/kl"] for r in it],
@@ -145,12 +149,16 @@ def read_ppo(workdir: pathlib.Path) -> dict:
 
 
 def ppo_summary(run: dict) -> dict:
-  step, kl, best = max(run["held"], key=lambda h: h[2])
-  sft = run["held"][0][2]
-  return {"run": run["name"], "sft_accuracy": sft, "sft_instructed_accuracy": run["instructed"],
-          "best_accuracy": best, "best_iteration": step, "kl_at_best": kl,
-          "gain_points": 100 * (best - sft), "last_accuracy": run["held"][-1][2],
-          "last_iteration": run["held"][-1][0], "last_kl": run["held"][-1][1]}
+  """The SFT policy's held-out accuracy, the best one (where the true reward peaks: its
+  iteration and KL) and the last, each with the reward model's held-out score (the proxy)."""
+  step, kl, best, proxy = max(run["held"], key=lambda h: h[2])
+  sft, last = run["held"][0], run["held"][-1]
+  finite = lambda x: None if np.isnan(x) else x  # noqa: E731  (JSON has no NaN)
+  return {"run": run["name"], "sft_accuracy": sft[2], "sft_instructed_accuracy": run["instructed"],
+          "sft_proxy": finite(sft[3]), "best_accuracy": best, "best_iteration": step,
+          "kl_at_best": kl, "proxy_at_best": finite(proxy), "gain_points": 100 * (best - sft[2]),
+          "last_accuracy": last[2], "last_iteration": last[0], "last_kl": last[1],
+          "last_proxy": finite(last[3])}
 
 
 def rm_summary(workdir: pathlib.Path) -> list[dict]:
@@ -185,18 +193,21 @@ def figure(runs: list[dict], path: pathlib.Path, smooth: int) -> None:
   import matplotlib  # pylint: disable=import-outside-toplevel
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt  # pylint: disable=import-outside-toplevel
-  fig, axes = plt.subplots(1, 3, figsize=(15, 3.8))
+  fig, axes = plt.subplots(1, 4, figsize=(19, 3.8))
   for i, run in enumerate(runs):
     kl = running_mean(run["kl"], smooth)
     axes[0].plot(kl, running_mean(run["proxy"], smooth), color=f"C{i}", label=run["name"])
     axes[1].plot(kl, running_mean(run["true"], smooth), color=f"C{i}", label=run["name"])
-    held = np.asarray(run["held"])
-    axes[2].plot(held[:, 1], held[:, 2], "o-", color=f"C{i}", label=run["name"])
+    held = np.asarray(run["held"], float)
+    axes[2].plot(held[:, 1], held[:, 2], "o-", color=f"C{i}", label=f"{run['name']}: true")
+    axes[3].plot(held[:, 1], held[:, 3], "s--", color=f"C{i}", label=f"{run['name']}: proxy")
   axes[2].axhline(runs[0]["held"][0][2], color="gray", ls="--", label="SFT policy")
+  axes[3].axhline(runs[0]["held"][0][3], color="gray", ls="--", label="SFT policy")
   for ax, title in zip(axes, ("proxy: reward-model score (sampled)",
                               "true: exact match (sampled, T = 0.7)",
-                              "true: held-out exact match (greedy)")):
-    ax.set_title(title)
+                              "true: held-out exact match (greedy)",
+                              "proxy: held-out reward-model score (greedy)")):
+    ax.set_title(title, fontsize=10)
     ax.set_xlabel("KL to the SFT policy (nats per response)")
     ax.legend(fontsize=8)
   fig.tight_layout()

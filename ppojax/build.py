@@ -245,6 +245,12 @@ def build(config, *, devices=None, abstract: bool = False) -> Run:
     reward_model = load_named(config.model.reward, jax.random.fold_in(k_policy, 1),
                               tiny=config.model.tiny, head="value", abstract=abstract,
                               with_tokenizer=False, **_numerics(config))  # the policy's serves
+    if reward_model.cfg.vocab_size < policy.cfg.vocab_size:  # its embedding would read past
+      raise ValueError(  # its end (NaN scores): it cannot share the policy's tokenizer
+          f"model.reward={config.model.reward!r} has a vocabulary of "
+          f"{reward_model.cfg.vocab_size} tokens, the policy {config.model.policy!r} "
+          f"{policy.cfg.vocab_size}: the reward model reads the policy's tokens, so it must be "
+          "trained with the same tokenizer (e.g. ppojax.train_rm from the policy)")
   init = config.model.critic_init
   if init == "reward" and reward_model is None:
     raise ValueError("model.critic_init='reward' needs reward.kind='model' and model.reward")

@@ -36,7 +36,7 @@ import numpy as np
 from ppojax import advantages as adv_lib
 from ppojax import kl as kl_lib
 from ppojax import ops, rewards
-from ppojax.models.transformer import positions_from_mask
+from ppojax.models.cache import positions_from_mask
 from ppojax.sampling import SamplingConfig, generate
 
 Array = jax.Array

@@ -327,11 +327,14 @@ def _held_out(r: Run, state, phase: str, workdir, writer, it: int, say=print,
   records, encode = r.source.eval_records, r.source.encode
   if instruction is not None:
     records, encode = baselines.instructed(r.config, r.policy.tokenizer, records, instruction)
+  scorer = None  # RLHF: the reward model's score (the proxy) beside the true metrics
+  if r.models.reward is not None:
+    scorer = evaluation.reward_model_scorer(r.models.reward, r.frozen.reward)
   t0 = time.perf_counter()
   summary, rows = evaluation.evaluate(
       *policy_model(r, state), records, encode,
       evaluation.greedy(r.sampling, e.max_new_tokens or None), r.policy.tokenizer, metrics,
-      e.batch_size, e.group_by or None, r.config.data.field)
+      e.batch_size, e.group_by or None, r.config.data.field, scorer)
   shown = ", ".join(f"{k.removeprefix('eval/')} {v:.3f}" for k, v in summary.items())
   say(f"held-out eval {phase.replace('_', ' ')} ({len(rows)} prompts, "
       f"{time.perf_counter() - t0:.0f} s): {shown}")

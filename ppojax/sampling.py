@@ -34,7 +34,7 @@ from ppojax.sharding import shard_rows
 from ppojax.models.kernels import columns_pay_off
 from ppojax.models.layout import fuse_projections, transpose_kernels, unstack_layers
 from ppojax.models.rope import model_rope
-from ppojax.models.transformer import KVCache, init_cache, positions_from_mask, with_shared_prefix
+from ppojax.models.cache import KVCache, init_cache, positions_from_mask, with_shared_prefix
 
 Array = jax.Array
 

@@ -9,6 +9,7 @@ import pytest
 from ppojax import lora
 from ppojax.models import hf
 from ppojax.models import kernels as K
+from ppojax.models import cache as C
 from ppojax.models import transformer as T
 from ppojax.models.config import ModelConfig
 
@@ -32,7 +33,7 @@ def _base_params(cfg, seed=0):
 def _inputs(b=2, t=7, seed=1):
   tokens = jnp.asarray(np.random.RandomState(seed).randint(0, V, (b, t)), jnp.int32)
   mask = jnp.ones((b, t), jnp.bool_).at[0, :2].set(False)  # a left-padded row
-  return tokens, T.positions_from_mask(mask), mask
+  return tokens, C.positions_from_mask(mask), mask
 
 
 def _logits(cfg, params):

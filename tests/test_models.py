@@ -21,6 +21,7 @@ import pytest
 import transformers as tf
 
 from ppojax import ops
+from ppojax.models import cache as C
 from ppojax.models import hf
 from ppojax.models import kernels as K, layout
 from ppojax.models import rope as R
@@ -117,7 +118,7 @@ def _batch(left_pad=LEFT_PAD, right_pad=None, length=S, seed=0):
   if right_pad is not None:
     mask &= idx < length - np.asarray(right_pad)[:, None]
   tokens = np.where(mask, tokens, PAD_ID)
-  positions = np.asarray(T.positions_from_mask(jnp.asarray(mask)))
+  positions = np.asarray(C.positions_from_mask(jnp.asarray(mask)))
   return tokens.astype(np.int32), positions.astype(np.int32), mask
 
 
@@ -273,7 +274,7 @@ def _decode_setup(cfg):
   params = _random_params(cfg)
   tokens, _, prompt_mask = _batch(left_pad=PROMPT_PAD, length=P + N_NEW, seed=1)
   full_mask = np.concatenate([prompt_mask[:, :P], np.ones((B, N_NEW), bool)], axis=1)
-  full_pos = np.asarray(T.positions_from_mask(jnp.asarray(full_mask)))
+  full_pos = np.asarray(C.positions_from_mask(jnp.asarray(full_mask)))
   tokens = np.where(full_mask, tokens, PAD_ID).astype(np.int32)
   full = _ours(cfg, params, tokens, full_pos, full_mask)
   return params, tokens, full_pos, full_mask, full
@@ -283,7 +284,7 @@ def _decode(cfg, params, tokens, full_pos, full_mask, prefill_fn, step_fn, cache
   """Prefill the prompt (its first P tokens), then feed the others one at a time into ``cache``
   (default: an empty one of P + new + EXTRA slots); logits [B, T, V]."""
   slots = tokens.shape[1] + EXTRA
-  cache = T.init_cache(cfg, B, slots) if cache is None else cache
+  cache = C.init_cache(cfg, B, slots) if cache is None else cache
   kv_mask = np.zeros((B, slots), bool)
   kv_mask[:, :P] = full_mask[:, :P]
   logits, cache = prefill_fn(params, tokens[:, :P], full_pos[:, :P], kv_mask, cache)
@@ -328,7 +329,7 @@ def test_prefill_from_slot_zero_reads_no_other_slot(name):
   slots = P + N_NEW + EXTRA
   kv_mask = np.zeros((B, slots), bool)
   kv_mask[:, :P] = full_mask[:, :P]
-  nan_cache = jax.tree.map(lambda x: jnp.full_like(x, np.nan), T.init_cache(cfg, B, slots))
+  nan_cache = jax.tree.map(lambda x: jnp.full_like(x, np.nan), C.init_cache(cfg, B, slots))
   static = jax.jit(lambda p, c: model.apply({"params": p}, tokens[:, :P], full_pos[:, :P],
                                             kv_mask, c, 0))
   traced = jax.jit(lambda p, c, i: model.apply({"params": p}, tokens[:, :P], full_pos[:, :P],
@@ -336,7 +337,7 @@ def test_prefill_from_slot_zero_reads_no_other_slot(name):
   logits, cache = static(params, nan_cache)
   np.testing.assert_allclose(np.asarray(logits)[full_mask[:, :P]],
                              full[:, :P][full_mask[:, :P]], atol=1e-5)
-  _, reference = traced(params, T.init_cache(cfg, B, slots), jnp.int32(0))
+  _, reference = traced(params, C.init_cache(cfg, B, slots), jnp.int32(0))
   for is_values, (ours, theirs) in enumerate(zip((cache.k, cache.v), (reference.k, reference.v))):
     for mine, ref in zip(ours, theirs):  # per layer
       mine, ref = (np.asarray(x) if is_values else np.swapaxes(np.asarray(x), -1, -2)
@@ -362,7 +363,7 @@ def test_shared_prefix_cache_matches_full_forward(name, prefill_index):
   prefix = tokens[0, :prefix_len].copy()
   for row, start in enumerate(starts):  # every row begins with the prefix
     tokens[row, start:start + prefix_len] = prefix
-  full_pos = np.asarray(T.positions_from_mask(jnp.asarray(full_mask)))
+  full_pos = np.asarray(C.positions_from_mask(jnp.asarray(full_mask)))
   full = _ours(CACHE_CONFIGS[name], _random_params(CACHE_CONFIGS[name]), tokens, full_pos,
                full_mask)
 
@@ -371,11 +372,11 @@ def test_shared_prefix_cache_matches_full_forward(name, prefill_index):
     own[row, start:start + prefix_len] = False
   apply = jax.jit(lambda p, tok, pos, m, c, i: model.apply({"params": p}, tok, pos, m, c, i))
   _, prefix_cache = apply(params, prefix[None], np.arange(prefix_len)[None],
-                          np.ones((1, prefix_len), bool), T.init_cache(cfg, 1, prefix_len),
+                          np.ones((1, prefix_len), bool), C.init_cache(cfg, 1, prefix_len),
                           jnp.int32(0))
-  cache = T.with_shared_prefix(T.init_cache(cfg, B, P + new + EXTRA), prefix_cache)
+  cache = C.with_shared_prefix(C.init_cache(cfg, B, P + new + EXTRA), prefix_cache)
   assert cache.prefix_k[0].shape == (cfg.num_kv_heads, cfg.head_dim, prefix_len)
-  positions = prefix_len + np.asarray(T.positions_from_mask(jnp.asarray(own)))
+  positions = prefix_len + np.asarray(C.positions_from_mask(jnp.asarray(own)))
   if prefill_index == "static":
     prefill = jax.jit(lambda p, tok, pos, m, c: model.apply({"params": p}, tok, pos, m, c, 0))
   else:
@@ -415,7 +416,7 @@ def test_prefix_forward_matches_full_forward(name, scan, value):
     params = layout.unstack_layers(params)
   prefix_len = 3
   tokens, mask, prefix, own = _rows_with_prefix(prefix_len, 10, seed=5)
-  positions = np.asarray(T.positions_from_mask(jnp.asarray(mask)))
+  positions = np.asarray(C.positions_from_mask(jnp.asarray(mask)))
   rest = (tokens[:, prefix_len:], positions[:, prefix_len:], own[:, prefix_len:])
 
   def loss(p, tok, pos, m, sel, prefix=None):
@@ -444,20 +445,20 @@ def test_prefix_forward_rejects_a_cache_and_windows():
   cfg = CACHE_CONFIGS["llama"]
   with pytest.raises(ValueError, match="without a cache"):
     T.CausalLM(cfg).apply({"params": _random_params(cfg)}, tok, tok + 2, tok > 0,
-                          T.init_cache(cfg, 1, 4), prefix=jnp.ones(2, jnp.int32))
+                          C.init_cache(cfg, 1, 4), prefix=jnp.ones(2, jnp.int32))
   with pytest.raises(ValueError, match=r"one row of token ids \[C\]"):
     T.CausalLM(cfg).apply({"params": _random_params(cfg)}, tok, tok + 2, tok > 0,
                           prefix=jnp.ones((1, 2), jnp.int32))
 
 
 def test_shared_prefix_needs_unrolled_layers_and_no_window():
-  scanned = T.init_cache(CACHE_CONFIGS["llama"], 1, 3)
+  scanned = C.init_cache(CACHE_CONFIGS["llama"], 1, 3)
   with pytest.raises(ValueError, match="unrolled layers"):
-    T.with_shared_prefix(scanned, scanned)
+    C.with_shared_prefix(scanned, scanned)
   cfg = CACHE_CONFIGS["mistral-window"].replace(scan_layers=False)
   params = layout.unstack_layers(_random_params(CACHE_CONFIGS["mistral-window"]))
-  one = T.init_cache(cfg, 1, 2)
-  cache = T.with_shared_prefix(T.init_cache(cfg, 1, 4), one)
+  one = C.init_cache(cfg, 1, 2)
+  cache = C.with_shared_prefix(C.init_cache(cfg, 1, 4), one)
   with pytest.raises(ValueError, match="sliding attention window"):
     T.CausalLM(cfg).apply({"params": params}, jnp.ones((1, 2), jnp.int32),
                           jnp.arange(2)[None] + 2, jnp.ones((1, 4), bool), cache, 0)
@@ -932,7 +933,7 @@ def _partition_specs(params) -> dict:
   from ppojax import sharding  # pylint: disable=import-outside-toplevel
   mesh = sharding.make_mesh((1, 1, 1), devices=jax.devices()[:1])
   return {jax.tree_util.keystr(k): s.spec for k, s in jax.tree_util.tree_leaves_with_path(
-      sharding.param_shardings(params, mesh, T.partition_rules()))}
+      sharding.param_shardings(params, mesh, layout.partition_rules()))}
 
 
 @pytest.mark.parametrize("name", ["llama", "gpt2"])

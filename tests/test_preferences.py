@@ -145,3 +145,57 @@ def test_cli_writes_pairs_that_train_rm_reads(tokenizer_dir, tmp_path):  # noqa:
   assert len(records) >= 5 and {"answer", "source"} <= set(records[0])
   assert train_rm.source_ids(records).dtype == np.int32
   assert json.loads(out.read_text().splitlines()[0])["prompt"].startswith("What is")
+
+
+def test_rlhf_held_out_evaluation_reports_the_reward_models_score(tokenizer_dir, tmp_path):  # noqa: F811
+  """With a learned reward (reward.kind = "model") every held-out evaluation scores its greedy
+  completions with the reward model too (eval/reward_model: the proxy beside the true
+  accuracy), from the generated tokens as the rollout does; each score is the reward model's
+  output at the last token of the unpadded prompt + completion, computed here row by row. A
+  reward model whose vocabulary is smaller than the policy's is refused."""
+  import jax  # pylint: disable=import-outside-toplevel
+  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
+  from ppojax import evaluation  # pylint: disable=import-outside-toplevel
+  from ppojax.models import (LoadedModel, ValueModel,  # pylint: disable=import-outside-toplevel
+                             positions_from_mask, save_model)
+
+  def config(reward_vocab: int):
+    cfg = runner.tiny_model_config(_tiny_policy_config(tokenizer_dir).model.tiny).replace(
+        vocab_size=reward_vocab)
+    tokens = jnp.zeros((1, 2), jnp.int32)
+    params = ValueModel(cfg).init(jax.random.key(3), tokens, positions_from_mask(tokens >= 0),
+                                  tokens >= 0)["params"]
+    save_model(tmp_path / "rm", LoadedModel(cfg, jax.device_get(params), None, "value"))
+    return runner.load_config(
+        ROOT / "configs" / "rlhf_arith.py", model__policy="tiny",
+        model__tokenizer=str(tokenizer_dir), model__reward=str(tmp_path / "rm"),
+        sampling__max_new_tokens=6, data__eval_per_digits=2, eval__batch_size=3)
+
+  vocab = len(runner.load_tokenizer(str(tokenizer_dir)))
+  with pytest.raises(ValueError, match=f"vocabulary of {vocab - 1} tokens.*same tokenizer"):
+    runner.build(config(vocab - 1))  # a smaller vocabulary would read past its embedding
+  r = runner.build(config(vocab))
+  summary = runner._held_out(r, r.state, "before", tmp_path, None, 0,  # pylint: disable=W0212
+                             say=lambda *_: None)
+  rows = [json.loads(line) for line in open(tmp_path / "eval_samples_before.jsonl")]
+  assert len(rows) == 4  # two batches of 3, the last one filled up and its extras dropped
+  assert summary["eval/reward_model"] == pytest.approx(np.mean([x["reward_model"] for x in rows]))
+  assert {"eval/accuracy", "eval/score", "eval/reward_model/digits=2"} <= set(summary)
+
+  seen = []  # the scorer's inputs and outputs, batch by batch
+  scorer = evaluation.reward_model_scorer(r.models.reward, r.frozen.reward)
+  spy = lambda *rows: seen.append((*rows, scorer(*rows))) or seen[-1][-1]  # noqa: E731
+  texts, scores = evaluation.completions(
+      *runner.policy_model(r, r.state), r.source.eval_records, r.source.encode,
+      evaluation.greedy(r.sampling), r.policy.tokenizer, 3, scorer=spy)
+  assert texts == [x["completion"] for x in rows]
+  np.testing.assert_allclose(scores, [x["reward_model"] for x in rows], rtol=1e-6)
+  assert len(seen) == 2 and len(set(np.round(scores, 6))) > 1
+  for prompts, prompt_mask, responses, response_mask, got in seen:
+    for i in range(3):
+      ids = np.concatenate([np.asarray(prompts[i])[np.asarray(prompt_mask[i], bool)],
+                            np.asarray(responses[i])[np.asarray(response_mask[i], bool)]])
+      t = jnp.asarray(ids[None], jnp.int32)
+      m = jnp.ones_like(t, bool)
+      out, _ = r.models.reward.apply({"params": r.frozen.reward}, t, positions_from_mask(m), m)
+      assert float(got[i]) == pytest.approx(float(out[0, -1]), rel=1e-4, abs=1e-5)

@@ -152,7 +152,7 @@ def test_bfloat16_frozen_models_score_like_float32_ones(tmp_path):
   log-prob (every weight is rounded to bfloat16 at use anyway) and the reward model's score only
   by its float32 head's rounding; the trained models stay float32."""
   from ppojax.models import LoadedModel, ValueModel, save_model  # pylint: disable=C0415
-  from ppojax.models.transformer import positions_from_mask  # pylint: disable=C0415
+  from ppojax.models.cache import positions_from_mask  # pylint: disable=C0415
 
   cfg = runner.tiny_model_config(toy_config().model.tiny)
   tokens = jnp.zeros((1, 2), jnp.int32)

@@ -22,16 +22,16 @@ import numpy as np
 from ppojax import hostmem
 from ppojax.models import hf
 from ppojax.models.config import ModelConfig
-from ppojax.models.layout import fuse_projections, stack_layers, unstack_layers
-from ppojax.models.transformer import (CausalLM, KVCache, ValueModel, init_cache,
-                                       partition_rules, positions_from_mask, with_shared_prefix)
+from ppojax.models.cache import KVCache, init_cache, positions_from_mask, with_shared_prefix
+from ppojax.models.layout import fuse_projections, partition_rules, stack_layers, unstack_layers
+from ppojax.models.transformer import CausalLM, ValueModel
 
 SMOLLM2_NAMES = ("smollm2", "smollm2-135m-instruct", "huggingfacetb/smollm2-135m-instruct")
 
 __all__ = ["CausalLM", "KVCache", "LoadedModel", "ModelConfig", "ValueModel",
            "abstract_model", "fuse_projections", "init_cache", "init_params",
-           "load_model", "model_config", "partition_rules", "positions_from_mask", "save_model", "stack_layers",
-           "unstack_layers", "with_shared_prefix"]
+           "load_model", "model_config", "partition_rules", "positions_from_mask", "save_model",
+           "stack_layers", "unstack_layers", "with_shared_prefix"]
 
 
 class LoadedModel(NamedTuple):

@@ -1,13 +1,15 @@
 """Parameter layouts of the same transformer: layers stacked for ``nn.scan`` or one subtree per
 layer, q/k/v and gate/up separate or joined, kernels [in, out] or [out, in]. Each map changes
 how the parameters are stored, never the function they compute (``ModelConfig.scan_layers``,
-``fused_projections``, ``transposed_kernels``); ``sampling.decode_layout`` chains them.
+``fused_projections``, ``transposed_kernels``); ``sampling.decode_layout`` chains them. And
+where each parameter lives on a mesh: ``partition_rules``.
 """
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+
 
 def stack_layers(params: dict) -> dict:
   """The inverse of ``unstack_layers``."""
@@ -67,3 +69,36 @@ def transpose_kernels(params: dict) -> dict:
       return jnp.swapaxes(leaf, -1, -2)
     return leaf
   return jax.tree_util.tree_map_with_path(swap, params)
+
+
+# ---------------------------------------------------------------------------------------------
+# Partition rules over the mesh axes ("data", "fsdp", "tensor")
+# ---------------------------------------------------------------------------------------------
+
+
+def partition_rules() -> tuple[tuple[str, tuple], ...]:
+  """(regex over the '/'-joined parameter path, PartitionSpec entries), first match wins.
+
+  Megatron-style tensor parallelism: q/k/v, gate/up and fc split their output features over
+  "tensor", o/down/proj their input features; the other matrix dimension is sharded over
+  "fsdp" (ZeRO-3 style). Stacked layer parameters (``scan_layers``) carry the layer axis first,
+  never sharded. Vectors (norms, most biases) are replicated. ``ppojax.sharding`` applies
+  these, replicating any dimension that the mesh axis does not divide.
+  """
+  per_layer = (
+      (r"attn/(q|k|v|qkv)/kernel$", ("fsdp", "tensor")),
+      (r"attn/(q|k|v|qkv)/bias$", ("tensor",)),
+      (r"attn/o/kernel$", ("tensor", "fsdp")),
+      (r"mlp/(gate|up|gate_up|fc)/kernel$", ("fsdp", "tensor")),
+      (r"mlp/fc/bias$", ("tensor",)),
+      (r"mlp/(down|proj)/kernel$", ("tensor", "fsdp")),
+  )
+  return (
+      (r"embed/embedding$", ("tensor", "fsdp")),
+      (r"wpe/embedding$", (None, "fsdp")),
+      *((r"layers/" + pattern, (None,) + spec) for pattern, spec in per_layer),
+      *((r"layers_\d+/" + pattern, spec) for pattern, spec in per_layer),
+      (r"lm_head/kernel$", ("fsdp", "tensor")),
+      (r"score/kernel$", ("fsdp", None)),
+      (r".*", ()),  # everything else (norms, remaining biases): replicated
+  )

@@ -12,14 +12,14 @@ Calling convention (``CausalLM`` and ``ValueModel`` alike)::
 * ``tokens``/``positions``: [B, T] int32. Prompts are left-padded; ``positions`` count real tokens
   only (``positions_from_mask``), so a row's first real token has position 0.
 * without a cache: ``kv_mask`` [B, T] marks real tokens; attention is causal over the T tokens.
-* with a cache (``init_cache``: keys [L, B, H_kv, D, S], values [L, B, H_kv, S, D]): the T new
-  tokens are written at slots ``cache_index … cache_index + T − 1``; ``kv_mask`` [B, S] marks
-  every slot holding a real token (prompt and generated so far, the new ones included); the
-  returned cache is the updated one. Prefill is ``cache_index=0`` with the whole prompt (a
-  Python 0 with unrolled layers: the prompt then attends over its own keys and reads no other
-  slot), decode ``T=1``. The cache travels through the layer scan as part of the carry, so a
-  decode step writes only its new slot in place (as scanned inputs/outputs the whole cache
-  would be copied every step).
+* with a cache (``models/cache.py``; ``init_cache``: keys [L, B, H_kv, D, S], values [L, B, H_kv,
+  S, D]): the T new tokens are written at slots ``cache_index … cache_index + T − 1``; ``kv_mask``
+  [B, S] marks every slot holding a real token (prompt and generated so far, the new ones
+  included); the returned cache is the updated one. Prefill is ``cache_index=0`` with the whole
+  prompt (a Python 0 with unrolled layers: the prompt then attends over its own keys and reads no
+  other slot), decode ``T=1``. The cache travels through the layer scan as part of the carry, so a
+  decode step writes only its new slot in place (as scanned inputs/outputs the whole cache would
+  be copied every step).
 * a prefix shared by every row (``with_shared_prefix``, unrolled layers): its keys and values
   are held once for the batch and every query attends to them; the rows' own tokens take
   positions C, C + 1, … and slots 0, 1, … as before. Without a cache, ``prefix=`` [C] token ids
@@ -30,13 +30,13 @@ Calling convention (``CausalLM`` and ``ValueModel`` alike)::
 from __future__ import annotations
 
 import math
-from typing import NamedTuple
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
+from ppojax.models.cache import fills_from_start, update_cache
 from ppojax.models.config import REMAT_POLICIES, ModelConfig
 from ppojax.models.kernels import (dot_f32_accumulate, lora_dropout_matmul, lora_matmul, swiglu,
                                    weight_matmul)
@@ -44,59 +44,6 @@ from ppojax.models.rope import apply_rope, model_rope
 from ppojax.sharding import shard_rows, vocab_parallel_logits
 
 Array = jax.Array
-
-
-class KVCache(NamedTuple):
-  """Keys and values, laid out so that both attention products are plain matmuls: keys
-  transposed, [L, B, H_kv, D, S], values [L, B, H_kv, S, D] (scanned layers), or tuples of L
-  [B, H_kv, D, S] / [B, H_kv, S, D] arrays (unrolled layers, ``scan_layers=False``: each layer
-  updates and reads its own buffer, with no slice copied out of a stacked one). With keys stored
-  [.., S, D], q·kᵀ contracted both operands' minor axis: XLA:CPU ran that decode product at a
-  fifth of the speed of probs·v over the same bytes.
-
-  ``prefix_k`` / ``prefix_v`` (unrolled layers only; ``with_shared_prefix``): the keys and
-  values of C tokens that precede every row, one copy for the whole batch, tuples of L
-  [H_kv, D, C] / [H_kv, C, D]. Every query attends to all of them before its row's slots; their
-  scores are one [B·G·T, D]·[D, C] matmul per KV head instead of B matrix-vector products."""
-
-  k: Array | tuple[Array, ...]  # [(L,) B, H_kv, D, S]
-  v: Array | tuple[Array, ...]  # [(L,) B, H_kv, S, D]
-  prefix_k: tuple[Array, ...] | None = None  # L × [H_kv, D, C]
-  prefix_v: tuple[Array, ...] | None = None  # L × [H_kv, C, D]
-
-
-def init_cache(cfg: ModelConfig, batch: int, max_length: int, dtype=None) -> KVCache:
-  """A zeroed cache for ``max_length`` slots (prompt + response) per row, laid out for
-  ``cfg.scan_layers`` (see ``KVCache``)."""
-  k_shape = (batch, cfg.num_kv_heads, cfg.head_dim, max_length)
-  v_shape = (batch, cfg.num_kv_heads, max_length, cfg.head_dim)
-  dtype = dtype or cfg.compute_dtype
-  # rows over the batch axes, KV heads over "tensor" (traced under a mesh)
-  zeros = lambda shape, lead=0: shard_rows(  # noqa: E731
-      jnp.zeros(shape, dtype), tensor_dim=lead + 1, row_dim=lead)
-  if cfg.scan_layers:
-    stacked = lambda shape: zeros((cfg.num_layers,) + shape, lead=1)  # noqa: E731
-    return KVCache(stacked(k_shape), stacked(v_shape))
-  per_layer = lambda shape: tuple(zeros(shape) for _ in range(cfg.num_layers))  # noqa: E731
-  return KVCache(per_layer(k_shape), per_layer(v_shape))
-
-
-def with_shared_prefix(cache: KVCache, prefix_cache: KVCache) -> KVCache:
-  """``cache`` (unrolled layers) extended by the keys and values of a prefix shared by all of
-  its rows: ``prefix_cache`` holds them for one row (its C slots all real tokens, positions
-  0 … C − 1, e.g. a prefill of the prefix alone). The rows' own tokens then take positions
-  C, C + 1, …, and their slots are numbered from 0 as without a prefix."""
-  if not isinstance(cache.k, tuple) or not isinstance(prefix_cache.k, tuple):
-    raise ValueError("a shared prefix needs unrolled layers (scan_layers=False) in both caches")
-  if prefix_cache.k[0].shape[0] != 1:
-    raise ValueError(f"prefix_cache must hold one row, got {prefix_cache.k[0].shape[0]}")
-  return cache._replace(prefix_k=tuple(k[0] for k in prefix_cache.k),
-                        prefix_v=tuple(v[0] for v in prefix_cache.v))
-
-
-def positions_from_mask(mask: Array) -> Array:
-  """Position ids of left-padded rows: p_t = (Σ_{s ≤ t} m_s) − 1, clipped at 0."""
-  return jnp.maximum(jnp.cumsum(mask.astype(jnp.int32), axis=-1) - 1, 0)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -218,31 +165,6 @@ def attend(q: Array, k: Array, v: Array, allowed: Array, keys_transposed: bool =
   return out.transpose(0, 3, 1, 2, 4).reshape(b, t, h, d)
 
 
-def _update_cache(cache: KVCache, layer, cache_index, k_t: Array, v: Array):
-  """Write this layer's new keys k_t [B, H_kv, D, T] and values v [B, H_kv, T, D] at slot
-  ``cache_index``; return the updated cache and the layer's full keys and values."""
-  k_start, v_start = (0, 0, 0, cache_index), (0, 0, cache_index, 0)
-  if isinstance(cache.k, tuple):  # per-layer buffers; ``layer`` is a Python int here
-    def write(buffers, new, start):
-      buffers = list(buffers)
-      buffers[layer] = jax.lax.dynamic_update_slice(
-          buffers[layer], new.astype(buffers[layer].dtype), start)
-      return tuple(buffers)
-    cache = cache._replace(k=write(cache.k, k_t, k_start), v=write(cache.v, v, v_start))
-    return cache, cache.k[layer], cache.v[layer]
-  cache = KVCache(*(jax.lax.dynamic_update_slice(c, new[None].astype(c.dtype), (layer,) + start)
-                    for c, new, start in zip(cache[:2], (k_t, v), (k_start, v_start))))
-  k_t, v = (jax.lax.dynamic_index_in_dim(c, layer, 0, keepdims=False) for c in cache[:2])
-  return cache, k_t, v
-
-
-def _fills_from_start(cache_index) -> bool:
-  """Whether ``cache_index`` is statically 0 (a Python int: unrolled layers): the new tokens
-  then attend only to each other, so a prefill reads none of the cache's other slots (with
-  45-token prompts and 64 new tokens it read 108 slots for 45 keys)."""
-  return isinstance(cache_index, int) and cache_index == 0
-
-
 class Attention(nn.Module):
   cfg: ModelConfig
 
@@ -277,8 +199,8 @@ class Attention(nn.Module):
     q, k, v = heads(x, rope)
     keys_transposed = False
     if cache is not None:  # write the new keys/values of this layer in place
-      cache, k_all, v_all = _update_cache(cache, layer, cache_index, k.transpose(0, 2, 3, 1), v)
-    if cache is not None and not _fills_from_start(cache_index):  # attend over all its slots
+      cache, k_all, v_all = update_cache(cache, layer, cache_index, k.transpose(0, 2, 3, 1), v)
+    if cache is not None and not fills_from_start(cache_index):  # attend over all its slots
       k, v, keys_transposed = k_all, v_all, True
       q_slots, kv_slots = cache_index + jnp.arange(t), jnp.arange(v.shape[2])
     else:  # no cache, or a prefill from slot 0: causally, the T tokens see only their own keys
@@ -463,8 +385,9 @@ class ValueModel(nn.Module):
   """A scalar per position [B, T] (float32) from a linear head on the final hidden state.
 
   As a critic, out[:, t] is V(s_t); as a reward model, the score of a sequence is ``out`` read
-  at its last response token (``ops.gather_last(out, mask)``). The head is named ``score`` like Hugging
-  Face's ``*ForSequenceClassification`` (num_labels=1), so trl / OpenRLHF reward models load.
+  at its last response token (``ops.gather_last(out, mask)``). The head is named ``score`` like
+  Hugging Face's ``*ForSequenceClassification`` (num_labels=1), so trl / OpenRLHF reward models
+  load.
   """
 
   cfg: ModelConfig
@@ -478,36 +401,3 @@ class ValueModel(nn.Module):
                     kernel_init=nn.initializers.normal(1.0 / math.sqrt(self.cfg.hidden_size + 1)),
                     name="score")
     return head(x.astype(jnp.float32))[..., 0], cache
-
-
-# ---------------------------------------------------------------------------------------------
-# Partition rules over the mesh axes ("data", "fsdp", "tensor")
-# ---------------------------------------------------------------------------------------------
-
-
-def partition_rules() -> tuple[tuple[str, tuple], ...]:
-  """(regex over the '/'-joined parameter path, PartitionSpec entries), first match wins.
-
-  Megatron-style tensor parallelism: q/k/v, gate/up and fc split their output features over
-  "tensor", o/down/proj their input features; the other matrix dimension is sharded over
-  "fsdp" (ZeRO-3 style). Stacked layer parameters (``scan_layers``) carry the layer axis first,
-  never sharded. Vectors (norms, most biases) are replicated. ``ppojax.sharding`` applies
-  these, replicating any dimension that the mesh axis does not divide.
-  """
-  per_layer = (
-      (r"attn/(q|k|v|qkv)/kernel$", ("fsdp", "tensor")),
-      (r"attn/(q|k|v|qkv)/bias$", ("tensor",)),
-      (r"attn/o/kernel$", ("tensor", "fsdp")),
-      (r"mlp/(gate|up|gate_up|fc)/kernel$", ("fsdp", "tensor")),
-      (r"mlp/fc/bias$", ("tensor",)),
-      (r"mlp/(down|proj)/kernel$", ("tensor", "fsdp")),
-  )
-  return (
-      (r"embed/embedding$", ("tensor", "fsdp")),
-      (r"wpe/embedding$", (None, "fsdp")),
-      *((r"layers/" + pattern, (None,) + spec) for pattern, spec in per_layer),
-      *((r"layers_\d+/" + pattern, spec) for pattern, spec in per_layer),
-      (r"lm_head/kernel$", ("fsdp", "tensor")),
-      (r"score/kernel$", ("fsdp", None)),
-      (r".*", ()),  # everything else (norms, remaining biases): replicated
-  )
