@@ -125,12 +125,14 @@ def running_mean(x, k: int) -> np.ndarray:
   return (c[n] - c[lo]) / (n - lo)
 
 
-def read_ppo(workdir: pathlib.Path) -> dict:
+def read_ppo(workdir: pathlib.Path, smooth: int) -> dict:
   """Per iteration KL, proxy and true reward; held-out (iteration, KL, exact match, reward-model
-  score) points."""
+  score) points, each at the running mean of the sampled KL over ``smooth`` iterations (one
+  batch's KL is noisy)."""
   rows = [json.loads(line) for line in open(workdir / "metrics.jsonl", encoding="utf-8")]
   it = [r for r in rows if "objective/kl" in r]
-  kl = {r["step"]: r["objective/kl"] for r in it}
+  kl = dict(zip((r["step"] for r in it),
+                running_mean([r["objective/kl"] for r in it], smooth).tolist()))
   evals = json.loads((workdir / "eval.json").read_text())
   point = lambda e: (e["eval/accuracy"], e.get("eval/reward_model", np.nan))  # noqa: E731
   held = [(0, 0.0, *point(evals["before"]))]
@@ -139,7 +141,7 @@ def read_ppo(workdir: pathlib.Path) -> dict:
       step = int(phase.removeprefix("iteration_"))
       held.append((step, kl[step], *point(e)))
   if "after" in evals and it and it[-1]["step"] not in [h[0] for h in held]:
-    held.append((it[-1]["step"], it[-1]["objective/kl"], *point(evals["after"])))
+    held.append((it[-1]["step"], kl[it[-1]["step"]], *point(evals["after"])))
   held.sort()
   config = json.loads((workdir / "config.json").read_text())
   return {"name": f"β = {config['ppo']['kl_coef']}", "kl": [r["objective/kl"] for r in it],
@@ -246,7 +248,7 @@ def main(argv=None) -> None:
                         else pathlib.Path(args.compile_cache) if args.compile_cache else None)
   if not args.report_only:
     run_pipeline(args, out)
-  runs = [read_ppo(out / f"ppo_kl{kl}") for kl in args.kl
+  runs = [read_ppo(out / f"ppo_kl{kl}", args.smooth) for kl in args.kl
           if (out / f"ppo_kl{kl}" / "eval.json").exists()]
   if args.figure and runs:
     figure(runs, args.figure, args.smooth)
