@@ -10,8 +10,9 @@ the over-optimisation figure: ``python benchmarks/rlhf.py --out runs/rlhf``.
 
 The learned reward is what PPO maximises (objective/scores); the programmatic exact-match
 accuracy is only watched: on every batch of sampled responses (monitor/accuracy) and greedily on
-held-out problems before and after (eval.json). Learned reward up while true accuracy goes down
-is reward hacking.
+held-out problems before and after (eval.json), where every evaluation also carries the reward
+model's score of the same greedy completions (eval/reward_model). Learned reward up while true
+accuracy goes down is reward hacking (docs/learning.md measures it).
 """
 
 import ml_collections
