@@ -32,10 +32,9 @@ The figure: proxy and true reward of the sampled responses (running means over `
 iterations), and the held-out greedy completions' exact match (true) and reward-model score
 (proxy, ``eval/reward_model``), all against the KL. The JSON line: the reward model's held-out
 accuracy per evaluation, and per PPO run the SFT policy's held-out accuracy, the best one, its
-iteration and KL (where the true reward peaks), and the last, each with its held-out proxy;
-plus the machine. ``--rm-figure``: the reward
-model's held-out pairwise accuracy (overall and per pair source) at every evaluation against
-the training step.
+iteration and KL (where the true reward peaks), and the last, each with its held-out proxy; plus
+the machine. ``--rm-figure``: the reward model's held-out pairwise accuracy (overall and per
+pair source) at every evaluation against the training step.
 """
 
 from __future__ import annotations

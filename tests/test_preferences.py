@@ -147,7 +147,8 @@ def test_cli_writes_pairs_that_train_rm_reads(tokenizer_dir, tmp_path):  # noqa:
   assert json.loads(out.read_text().splitlines()[0])["prompt"].startswith("What is")
 
 
-def test_rlhf_held_out_evaluation_reports_the_reward_models_score(tokenizer_dir, tmp_path):  # noqa: F811
+def test_rlhf_held_out_evaluation_reports_the_reward_models_score(  # noqa: F811
+    tokenizer_dir, tmp_path):
   """With a learned reward (reward.kind = "model") every held-out evaluation scores its greedy
   completions with the reward model too (eval/reward_model: the proxy beside the true
   accuracy), from the generated tokens as the rollout does; each score is the reward model's
