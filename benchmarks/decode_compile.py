@@ -22,10 +22,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ppojax import evaluation
 from ppojax.models import CausalLM, init_params
 from ppojax.models.config import ModelConfig
-from ppojax.sampling import SamplingConfig
+from ppojax.rollout.sampling import SamplingConfig
+from ppojax.run import evaluation
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 from algorithms import machine  # noqa: E402

@@ -38,7 +38,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ppojax import hostmem
+from ppojax.infra import hostmem
 from ppojax.models import load_model
 from ppojax.models.kernels import weight_matmul
 

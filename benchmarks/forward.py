@@ -20,7 +20,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ppojax import hostmem, ops
+from ppojax.core import ops
+from ppojax.infra import hostmem
 from ppojax.models import hf, load_model, positions_from_mask
 
 

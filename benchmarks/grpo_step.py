@@ -1,11 +1,11 @@
 """Seconds per GRPO iteration of ppojax and of trl 0.17's ``GRPOTrainer``, side by side in one run.
 
 SmolLM2-135M-Instruct (``model.policy = "smollm2"``) is the policy and, frozen, the reference.
-The task is ppojax's arithmetic (``ppojax.arith``): ``--prompts`` two-digit problems from the
+The task is ppojax's arithmetic (``ppojax.tasks.arith``): ``--prompts`` two-digit problems from the
 training split ("What is 23 + 45?"), each chat-templated to exactly 40 tokens, so neither side
 pads; ``--samples`` responses per prompt, each exactly ``--response-length`` tokens at
 temperature ``--temperature`` (min_new_tokens = max_new_tokens on both sides, as in
-``ppo_step.py``); the reward is ``ppojax.arith.reward``, a Python function of the decoded text
+``ppo_step.py``); the reward is ``ppojax.tasks.arith.reward``, a Python function of the decoded text
 (exact match of the last number, + 0.1 for ending on a number); KL coefficient ``--kl-coef``
 against the reference; one optimizer step per batch (1 epoch, 1 minibatch, no accumulation):
 
@@ -51,7 +51,7 @@ process's. ``--ppo-rss`` also runs one PPO
 iteration of configs/quickstart.py's shape (32 prompts × 32 tokens, critic, 4 minibatches) in a
 fresh process and reports its ``VmHWM`` as ``ppo_quickstart_peak_rss_mb``. The last line is
 a JSON object. Like the CLI, the script restarts itself once with glibc's huge-page tunable
-(``ppojax.hostmem``; ``PPOJAX_HUGE_PAGES=0``: off).
+(``ppojax.infra.hostmem``; ``PPOJAX_HUGE_PAGES=0``: off).
 """
 
 from __future__ import annotations
@@ -71,8 +71,11 @@ from importlib import metadata
 import jax
 import numpy as np
 
-from ppojax import arith, hostmem, runner
+from ppojax.infra import hostmem
 from ppojax.models import load_model, save_model
+from ppojax.run import build as build_lib
+from ppojax.run import runner
+from ppojax.tasks import arith
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 # pylint: disable=wrong-import-position
@@ -94,7 +97,7 @@ def quickstart_config():
 
 
 def make_config(args):
-  """configs/quickstart.py (SmolLM2, the arithmetic task, ``ppojax.arith:reward`` as a text
+  """configs/quickstart.py (SmolLM2, the arithmetic task, ``ppojax.tasks.arith:reward`` as a text
   reward, temperature 0.7) as GRPO with the benchmark's sizes."""
   c = quickstart_config()
   c.algorithm = "grpo"
@@ -143,7 +146,7 @@ def ppo_quickstart_rss() -> dict:
   config = quickstart_config()
   config.sample_every = 0
   config.phase_timing = False
-  run = runner.build(config)
+  run = build_lib.build(config)
   drawn = run.source.batch(0)
   t0 = time.perf_counter()
   state, _, _, _ = runner.iteration(run, run.state, drawn.prompts, drawn.records)
@@ -229,7 +232,7 @@ def main():
 
   config = make_config(args)
   t0 = time.perf_counter()
-  run = runner.build(config)
+  run = build_lib.build(config)
   build_s = time.perf_counter() - t0
   ppo = run.config.ppo  # resolved: the algorithm's fields filled in
   print(f"ppojax: {jax.devices()[0].device_kind}, {os.cpu_count()} CPUs, jax {jax.__version__}; "
@@ -302,7 +305,7 @@ def main():
           "response_length": r_len, "temperature": args.temperature, "kl_coef": args.kl_coef,
           "lr": args.lr, "estimator": ppo.estimator, "kl_in": ppo.kl_in,
           "kl_estimator": ppo.kl_estimator, "aggregation": ppo.aggregation,
-          "epochs": 1, "minibatches": 1, "grad_accum": 1, "reward": "ppojax.arith:reward",
+          "epochs": 1, "minibatches": 1, "grad_accum": 1, "reward": "ppojax.tasks.arith:reward",
           "iterations": args.iterations, "warmup": args.warmup},
       "trl": trl, "tunix": tunix, "ppo_quickstart": quickstart}))
 

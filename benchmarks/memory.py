@@ -38,6 +38,8 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
 from algorithms import cpu_name, parse_job  # noqa: E402  pylint: disable=wrong-import-position
 
+from ppojax.run import build as build_lib
+
 DEFAULT_JOBS = ("ppo=configs/quickstart.py", "grpo=configs/grpo_arith.py")
 
 
@@ -67,8 +69,8 @@ def compiled_mb(config: str, flags: list[str]) -> dict:
   import jax  # pylint: disable=import-outside-toplevel
   import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
 
-  from ppojax import aot, runner  # pylint: disable=import-outside-toplevel
-  from ppojax.build import load_config  # pylint: disable=import-outside-toplevel
+  from ppojax.run import aot  # pylint: disable=import-outside-toplevel
+  from ppojax.run.build import load_config  # pylint: disable=import-outside-toplevel
 
   def value(text: str):
     try:
@@ -78,8 +80,8 @@ def compiled_mb(config: str, flags: list[str]) -> dict:
 
   c = load_config(config, **{k.removeprefix("--config.").replace(".", "__"): value(v)
                              for k, v in (f.split("=", 1) for f in flags)})
-  c.reward.update(kind="jax", fn="ppojax.tasks:count_reward")
-  run = runner.build(c, devices=jax.devices()[:1], abstract=True)
+  c.reward.update(kind="jax", fn="ppojax.tasks.count:count_reward")
+  run = build_lib.build(c, devices=jax.devices()[:1], abstract=True)
   prompts = aot.abstract_prompts(c, run.mesh)
   mb = lambda tree: round(sum(x.size * x.dtype.itemsize  # noqa: E731
                               for x in jax.tree.leaves(tree)) / 2**20, 1)

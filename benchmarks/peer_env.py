@@ -41,7 +41,7 @@ def ensure_env(directory: Path, requirements: tuple[str, ...], peer: str, skip: 
 
 def peak_rss_mb(field: str = "VmHWM") -> float:
   """VmHWM (or another field, e.g. VmRSS) of /proc/self/status in MiB, as
-  ``ppojax.hostmem.peak_rss_mb`` (which the peers' environments cannot import): ``ru_maxrss``
+  ``ppojax.infra.hostmem.peak_rss_mb`` (which the peers' environments cannot import): ``ru_maxrss``
   would count the parent's resident set at the fork."""
   with open("/proc/self/status", encoding="ascii") as f:
     return next(int(line.split()[1]) for line in f if line.startswith(field + ":")) / 1024

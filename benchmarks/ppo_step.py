@@ -22,7 +22,7 @@ times Google's tunix ``PPOLearner`` on the same models, prompts and lengths in t
 (``benchmarks/tunix_ppo.py``, in its own environment under ``~/.cache/ppojax``; its docstring lists
 what differs) and prints its figure and the ratio beside trl's. The last line is a
 JSON object. Like the CLI, the script restarts itself once with glibc's huge-page tunable
-(``ppojax.hostmem``; ``PPOJAX_HUGE_PAGES=0``: off).
+(``ppojax.infra.hostmem``; ``PPOJAX_HUGE_PAGES=0``: off).
 
 ``--lora RANK``: policy and critic train LoRA adapters of that rank (alpha ``--lora-alpha``) on
 every linear layer of the blocks, both on one frozen copy of the base (``lora.critic``), the
@@ -117,12 +117,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ppojax import hostmem, runner
-from ppojax.flops import model_flops
-from ppojax import step as step_lib
-from ppojax.data import template_prefix
-from ppojax.experience import Prompts, with_prefix
+from ppojax.data.batch import Prompts, with_prefix
+from ppojax.data.encoding import template_prefix
+from ppojax.infra import hostmem
+from ppojax.infra.flops import model_flops
+from ppojax.learner import update as update_lib
 from ppojax.models import load_model, save_model
+from ppojax.run import build as build_lib
+from ppojax.run import runner
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 import trl_ppo  # noqa: E402  pylint: disable=wrong-import-position
@@ -390,7 +392,7 @@ def main():
                       "ppojax's full fine-tuning iteration")
     config = make_config(args, reward_dir)
     t0 = time.perf_counter()
-    run = runner.build(config)
+    run = build_lib.build(config)
     build_s = time.perf_counter() - t0
   build_rss = hostmem.peak_rss_mb()
   cfg = run.policy.cfg
@@ -452,7 +454,7 @@ def main():
   checkpoint_mb = sum(x.nbytes for x in jax.tree.leaves(state._replace(base=None))) / 2**20
 
   recompute = args.old_logprobs == "recompute"
-  single = step_lib.single_pass(config.ppo)  # the benchmark's 1 × 1 × 1 update
+  single = update_lib.single_pass(config.ppo)  # the benchmark's 1 × 1 × 1 update
   runs = {"old_logp_fwd": recompute and not single, "critic_fwd": not single}
   lora = bool(args.lora)  # no weight gradients in the update
   flops = model_flops(cfg, b, args.prompt_length, r_len, **runs, shared=shared, lora=lora)

@@ -10,12 +10,12 @@ then the reward-model over-optimisation figure (Gao, Schulman and Hilton 2022) a
 Stages (each one ``python -m`` process, its log in OUT/NAME.log; a stage whose output exists is
 not rerun, so a cut-off run goes on where it stopped):
 
-1. ``ppojax.sft --config configs/sft_arith.py`` on ``--sft-size`` examples → OUT/sft/policy.
-2. ``ppojax.preferences``: the SFT policy answers ``--pairs`` train problems 4 times at
+1. ``ppojax.supervised.sft --config configs/sft_arith.py`` on ``--sft-size`` examples → OUT/sft/policy.
+2. ``ppojax.supervised.preferences``: the SFT policy answers ``--pairs`` train problems 4 times at
    temperature 1; each distinct wrong answer w gives the pair (w with the right number, w);
    ``--synthetic`` template pairs are mixed in. The same on ``--test-pairs`` test problems (and
    ``--test-synthetic``) for the held-out set → OUT/prefs/{train,test}.jsonl.
-3. ``ppojax.train_rm --config configs/rm_arith.py`` from the SFT policy, ``--rm-epochs`` epochs,
+3. ``ppojax.supervised.train_rm --config configs/rm_arith.py`` from the SFT policy, ``--rm-epochs`` epochs,
    held-out pairwise accuracy (overall and per source) every epoch → OUT/rm/reward_model.
 4. ``ppojax.train --config configs/rlhf_arith.py`` per ``--kl`` (at once with ``--parallel``, for
    an accelerator) → OUT/ppo_klK: per iteration the reward model's score of the sampled responses
@@ -81,9 +81,9 @@ def run_pipeline(args, out: pathlib.Path) -> None:
     env["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"
   stage = functools.partial(run_stage, env=env)
   stage(out, "sft", sft / "policy", [
-      "ppojax.sft", "--config", "configs/sft_arith.py", "--workdir", str(sft),
+      "ppojax.supervised.sft", "--config", "configs/sft_arith.py", "--workdir", str(sft),
       f"--config.data.train_size={args.sft_size}", "--config.save_every=100000"])
-  sample = ["ppojax.preferences", "--config", "configs/rlhf_arith.py",
+  sample = ["ppojax.supervised.preferences", "--config", "configs/rlhf_arith.py",
             f"--config.model.policy={sft / 'policy'}", "--samples=4"]
   stage(out, "prefs_train", prefs / "train.jsonl", [
       *sample, f"--out={prefs / 'train.jsonl'}", f"--n={args.pairs}",
@@ -92,7 +92,7 @@ def run_pipeline(args, out: pathlib.Path) -> None:
       *sample, f"--out={prefs / 'test.jsonl'}", "--split=test", f"--n={args.test_pairs}",
       f"--synthetic={args.test_synthetic}", "--seed=1"])
   stage(out, "rm", rm / "reward_model", [
-      "ppojax.train_rm", "--config", "configs/rm_arith.py", "--workdir", str(rm),
+      "ppojax.supervised.train_rm", "--config", "configs/rm_arith.py", "--workdir", str(rm),
       f"--config.model.init={sft / 'policy'}", f"--config.data.train={prefs / 'train.jsonl'}",
       f"--config.data.eval={prefs / 'test.jsonl'}", "--config.data.train_size=0",
       "--config.data.eval_size=0", "--config.data.max_response_len=32",

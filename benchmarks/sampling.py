@@ -31,9 +31,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ppojax import hostmem
+from ppojax.infra import hostmem
 from ppojax.models import hf, load_model
-from ppojax.sampling import SamplingConfig, decode_layout, generate, split_shared_prefix
+from ppojax.rollout.sampling import SamplingConfig, decode_layout, generate, split_shared_prefix
 
 QUESTIONS = [
     "What is 17 + 25? Explain your steps briefly.",

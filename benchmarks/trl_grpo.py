@@ -12,8 +12,8 @@ its copy, ``create_reference_model``). FILE holds {"token_ids": [[...], ...], "a
 the chat-templated prompts as token ids, all of one length, and each prompt's answer. Each
 prompt is decoded to its text, and the text must tokenize back to the same ids (else
 ``ValueError``): trl tokenizes the text itself, so both sides then feed the model the same
-tokens, with no padding. The reward is ``ppojax.arith.reward`` (exact match of the last number,
-plus 0.1 for ending on a number), loaded from ppojax/arith.py by path (it needs only NumPy):
+tokens, with no padding. The reward is ``ppojax.tasks.arith.reward`` (exact match of the last number,
+plus 0.1 for ending on a number), loaded from ppojax/tasks/arith.py by path (it needs only NumPy):
 a Python function of the decoded completions and the dataset's ``answer`` column.
 
 The settings mirror ``grpo_step.py``: float32 on the CPU, every core, no vLLM; the batch is
@@ -58,7 +58,7 @@ ARITH = Path(__file__).resolve().parents[1] / "ppojax" / "arith.py"
 
 
 def arith_reward():
-  """``ppojax.arith.reward``, imported from its file without the ppojax package (whose import
+  """``ppojax.tasks.arith.reward``, imported from its file without the ppojax package (whose import
   needs jax, which this environment does not have)."""
   spec = importlib.util.spec_from_file_location("ppojax_arith", ARITH)
   module = importlib.util.module_from_spec(spec)

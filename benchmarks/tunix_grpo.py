@@ -13,7 +13,7 @@ DIR is the Hugging Face directory ppojax exports (``save_model``, ``LlamaForCaus
 policy (trained, and the rollout model: one set of weights, tunix's colocated default, so no
 weight sync runs) and the reference (a second copy). FILE holds {"token_ids": [[...], ...],
 "answers": [...]}, as for ``trl_grpo.py``: the chat-templated prompts as token ids (40 each, no
-padding) and each prompt's answer. The reward is ``ppojax.arith.reward`` (loaded by path, as
+padding) and each prompt's answer. The reward is ``ppojax.tasks.arith.reward`` (loaded by path, as
 ``trl_grpo.arith_reward`` does), a Python function of the decoded completions; the answers
 reach it as tunix passes a batch's other columns, one keyword list repeated per generation.
 
@@ -79,7 +79,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 # pylint: disable=wrong-import-position
-import trl_grpo  # noqa: E402  (its arith_reward: ppojax.arith.reward without the package)
+import trl_grpo  # noqa: E402  (its arith_reward: ppojax.tasks.arith.reward without the package)
 import tunix_ppo  # noqa: E402
 
 

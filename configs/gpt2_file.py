@@ -1,8 +1,8 @@
 """GPT-2 (124M, no chat template) trained by PPO on prompts from a file, with a text reward
 function of your own given by import path. Runs on a CPU (slowly) or an accelerator.
 
-    python -m ppojax.arith prompts --n 4000 --out data/arith_train.jsonl
-    python -m ppojax.arith prompts --n 200 --split test --out data/arith_test.jsonl
+    python -m ppojax.tasks.arith prompts --n 4000 --out data/arith_train.jsonl
+    python -m ppojax.tasks.arith prompts --n 200 --split test --out data/arith_test.jsonl
     python -m ppojax.train --config configs/gpt2_file.py --workdir runs/gpt2
     python -m ppojax.train --config configs/gpt2_file.py --workdir runs/gpt2_mine \
         --config.data.path=my_prompts.jsonl --config.data.eval_path="" \
@@ -22,7 +22,7 @@ directory is on the import path, so ``my_rewards.py`` next to you works):
       return [float(c.strip() == a) for c, a in zip(completions, columns["answer"])]
 
 It must return one float per completion. The default here is the arithmetic reward
-(``ppojax.arith:reward``, needing an "answer" column) on prompts made by ``ppojax.arith``; the
+(``ppojax.tasks.arith:reward``, needing an "answer" column) on prompts made by ``ppojax.tasks.arith``; the
 metrics in ``eval.metrics`` (same signature) score greedy completions of ``data.eval_path``.
 """
 
@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import ml_collections
 
-from ppojax.config import defaults
+from ppojax.run.config import defaults
 
 
 def get_config() -> ml_collections.ConfigDict:
@@ -50,10 +50,10 @@ def get_config() -> ml_collections.ConfigDict:
   c.data.max_prompt_len = 64
 
   c.reward.kind = "text"
-  c.reward.fn = "ppojax.arith:reward"  # your own: "my_rewards:reward"
+  c.reward.fn = "ppojax.tasks.arith:reward"  # your own: "my_rewards:reward"
   c.eval.batch_size = 50
   c.eval.metrics = ml_collections.ConfigDict(
-      {"accuracy": "ppojax.arith:accuracy", "score": "ppojax.arith:reward"})
+      {"accuracy": "ppojax.tasks.arith:accuracy", "score": "ppojax.tasks.arith:reward"})
   c.eval.baselines = ml_collections.ConfigDict({"instructed": "Reply with just the number."})
 
   c.sampling.max_new_tokens = 24

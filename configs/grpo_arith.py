@@ -18,7 +18,7 @@ import ml_collections
 def get_config(algorithm: str = "grpo") -> ml_collections.ConfigDict:
   quickstart = runpy.run_path(str(pathlib.Path(__file__).with_name("quickstart.py")))
   c = quickstart["get_config"]()  # task, model, reward, evaluation, sampling, lr: the same
-  c.algorithm = algorithm  # estimator, KL placement, aggregation: ppojax/algorithms.py
+  c.algorithm = algorithm  # estimator, KL placement, aggregation: ppojax/core/algorithms.py
   c.sampling.num_samples_per_prompt = 4
   c.ppo.batch_size = 8  # prompts: 8 × 4 = 32 responses per iteration, as the quickstart's 32
   c.ppo.kl_coef = 0.04  # GRPO's β (DeepSeekMath); in the loss for grpo / dr_grpo

@@ -3,7 +3,7 @@ model, on prompts from a file (the original InstructGPT recipe: the critic start
 model). Written for one or more accelerators (bfloat16 compute, FSDP over all devices).
 
     # 1. a reward model on the policy's tokenizer, from pairs {"prompt", "chosen", "rejected"}:
-    python -m ppojax.train_rm --config configs/rm_arith.py --workdir runs/llama_rm \
+    python -m ppojax.supervised.train_rm --config configs/rm_arith.py --workdir runs/llama_rm \
         --config.model.init=meta-llama/Llama-3.2-1B-Instruct --config.model.dtype=bfloat16 \
         --config.data.train=prefs_train.jsonl --config.data.eval=prefs_test.jsonl \
         --config.data.max_prompt_len=256 --config.data.max_response_len=128
@@ -14,7 +14,7 @@ model). Written for one or more accelerators (bfloat16 compute, FSDP over all de
 ``model.policy`` and ``model.reward`` are hub ids (downloaded once; meta-llama models are gated:
 accept the licence and ``hf auth login`` first) or local Hugging Face directories. The reward
 model is any checkpoint with a scalar ``score`` head (``*ForSequenceClassification`` with one
-label, as ``ppojax.train_rm`` writes); it reads the policy's tokens, so it must use the same
+label, as ``ppojax.supervised.train_rm`` writes); it reads the policy's tokens, so it must use the same
 tokenizer. It scores the last response token.
 
 ``data.path`` holds the prompts: JSONL, JSON, parquet/csv/arrow or a ``datasets`` save_to_disk
@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import ml_collections
 
-from ppojax.config import defaults
+from ppojax.run.config import defaults
 
 
 def get_config() -> ml_collections.ConfigDict:

@@ -5,7 +5,7 @@ reward, on a 2-core CPU in about 15 minutes (the model is fetched once from PyPI
 
 Prompts are one- and two-digit additions and subtractions ("What is 23 + 45?") through the
 model's chat template; the reward is 1 for the right final number plus 0.1 for ending on a
-number (ppojax/arith.py), with a KL penalty against the reference model. Greedy exact-match
+number (ppojax/tasks/arith.py), with a KL penalty against the reference model. Greedy exact-match
 accuracy on 112 held-out problems is measured before and after training (eval.json), and
 before training also with "Reply with just the number." appended to each problem (the honest
 baseline, "before_instructed": docs/learning.md).
@@ -13,7 +13,7 @@ baseline, "before_instructed": docs/learning.md).
 
 import ml_collections
 
-from ppojax.config import defaults
+from ppojax.run.config import defaults
 
 
 def get_config() -> ml_collections.ConfigDict:
@@ -29,11 +29,11 @@ def get_config() -> ml_collections.ConfigDict:
   c.data.max_prompt_len = 40
   c.data.eval_per_digits = 64  # 48 one-digit (all there are) + 64 two-digit test problems
   c.reward.kind = "text"
-  c.reward.fn = "ppojax.arith:reward"
+  c.reward.fn = "ppojax.tasks.arith:reward"
   c.eval.batch_size = 56
   c.eval.group_by = "digits"
   c.eval.metrics = ml_collections.ConfigDict(
-      {"accuracy": "ppojax.arith:accuracy", "score": "ppojax.arith:reward"})
+      {"accuracy": "ppojax.tasks.arith:accuracy", "score": "ppojax.tasks.arith:reward"})
   # the untrained model with a plain instruction too (eval.json "before_instructed")
   c.eval.baselines = ml_collections.ConfigDict({"instructed": "Reply with just the number."})
 

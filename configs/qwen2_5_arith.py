@@ -11,8 +11,8 @@ or a local directory with config.json, *.safetensors and the tokenizer files
 Llama or Mistral instruct checkpoint works the same way; set ``sampling.stop_ids`` to its
 end-of-turn tokens.
 
-Prompts are one- and two-digit additions and subtractions ("What is 23 + 45?", ppojax/arith.py)
-through the model's chat template; the reward is ``ppojax.arith:reward`` (1 for the right final
+Prompts are one- and two-digit additions and subtractions ("What is 23 + 45?", ppojax/tasks/arith.py)
+through the model's chat template; the reward is ``ppojax.tasks.arith:reward`` (1 for the right final
 number, plus 0.1 for ending on a number), with a KL penalty against the initial model. Greedy
 exact-match accuracy on 112 held-out problems (never trained on) is measured before and after
 training, per digit count (eval.json).
@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import ml_collections
 
-from ppojax.config import defaults
+from ppojax.run.config import defaults
 
 
 def get_config() -> ml_collections.ConfigDict:
@@ -39,11 +39,11 @@ def get_config() -> ml_collections.ConfigDict:
   c.data.max_prompt_len = 64  # Qwen's template adds its default system prompt (~40 tokens in all)
   c.data.eval_per_digits = 64  # 48 one-digit (all there are) + 64 two-digit test problems
   c.reward.kind = "text"
-  c.reward.fn = "ppojax.arith:reward"
+  c.reward.fn = "ppojax.tasks.arith:reward"
   c.eval.batch_size = 112
   c.eval.group_by = "digits"
   c.eval.metrics = ml_collections.ConfigDict(
-      {"accuracy": "ppojax.arith:accuracy", "score": "ppojax.arith:reward"})
+      {"accuracy": "ppojax.tasks.arith:accuracy", "score": "ppojax.tasks.arith:reward"})
   c.eval.baselines = ml_collections.ConfigDict({"instructed": "Reply with just the number."})
 
   c.sampling.max_new_tokens = 64

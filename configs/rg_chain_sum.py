@@ -7,7 +7,7 @@ baselines). Needs the extra: ``pip install -e ".[reasoning]"``.
 
 Questions come from ``reasoning_gym.create_dataset("chain_sum", seed=..., size=..., **options)``:
 128 held-out ones from seed 10000 (repeats dropped), training batches from seeds drawn per
-data position, held-out questions skipped (ppojax/reasoning.py). The reward is chain_sum's
+data position, held-out questions skipped (ppojax/tasks/reasoning.py). The reward is chain_sum's
 ``score_answer`` of the completion's answer (its last ``<answer>`` tag, else its last number):
 1 for the exact number (partial credit only for a tagged answer that contains it). Everything
 else as configs/grpo_arith.py (8 prompts × 4 samples, SmolLM2-135M-Instruct). Held-out
@@ -20,7 +20,7 @@ import runpy
 
 import ml_collections
 
-from ppojax import reasoning
+from ppojax.tasks import reasoning
 
 
 def get_config() -> ml_collections.ConfigDict:
@@ -38,10 +38,10 @@ def get_config() -> ml_collections.ConfigDict:
   c.data.max_prompt_len = 48  # the longest: "99 - 99 =" through the chat template
 
   c.reward.kind = "text"
-  c.reward.fn = "ppojax.reasoning:reward"
+  c.reward.fn = "ppojax.tasks.reasoning:reward"
   c.eval.group_by = "num_digits"
   c.eval.metrics = ml_collections.ConfigDict(
-      {"accuracy": "ppojax.reasoning:accuracy", "score": "ppojax.reasoning:reward"})
+      {"accuracy": "ppojax.tasks.reasoning:accuracy", "score": "ppojax.tasks.reasoning:reward"})
   c.eval.baselines = ml_collections.ConfigDict(
       {"instructed": "Reply with just the number.", "rg_direct": reasoning.DIRECT})
   return c

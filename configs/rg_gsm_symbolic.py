@@ -6,7 +6,7 @@ Needs the extra: ``pip install -e ".[reasoning]"``.
 
 Questions come from ``reasoning_gym.create_dataset("gsm_symbolic", seed=..., size=...)``: 64
 held-out ones from seed 10000, training batches from seeds drawn per data position, held-out
-questions skipped (ppojax/reasoning.py). The reward is gsm_symbolic's ``score_answer`` of the
+questions skipped (ppojax/tasks/reasoning.py). The reward is gsm_symbolic's ``score_answer`` of the
 completion's answer (its last ``<answer>`` tag, else its last number: where a worked solution
 ends): 1 when it is right, 0.01 for another number, 0 without one. Prompts run to about 190
 tokens and answers need room to reason (256 new tokens): an accelerator's job more than a
@@ -20,7 +20,7 @@ import runpy
 
 import ml_collections
 
-from ppojax import reasoning
+from ppojax.tasks import reasoning
 
 
 def get_config() -> ml_collections.ConfigDict:
@@ -39,11 +39,11 @@ def get_config() -> ml_collections.ConfigDict:
   c.data.max_prompt_len = 192  # the longest question through the chat template: 182
 
   c.reward.kind = "text"
-  c.reward.fn = "ppojax.reasoning:reward"
+  c.reward.fn = "ppojax.tasks.reasoning:reward"
   c.eval.group_by = ""
   c.eval.batch_size = 32
   c.eval.metrics = ml_collections.ConfigDict(
-      {"accuracy": "ppojax.reasoning:accuracy", "score": "ppojax.reasoning:reward"})
+      {"accuracy": "ppojax.tasks.reasoning:accuracy", "score": "ppojax.tasks.reasoning:reward"})
   c.eval.baselines = ml_collections.ConfigDict(
       {"instructed": "Reply with just the number.", "rg_direct": reasoning.DIRECT})
   c.sampling.max_new_tokens = 256

@@ -1,8 +1,8 @@
 """RLHF on the arithmetic task: PPO against a LEARNED reward model, the critic initialised from
 it (the original RLHF recipe). The last stage of the SFT -> reward model -> PPO pipeline:
 
-    python -m ppojax.sft --config configs/sft_arith.py --workdir runs/sft_arith
-    python -m ppojax.train_rm --config configs/rm_arith.py --workdir runs/rm_arith
+    python -m ppojax.supervised.sft --config configs/sft_arith.py --workdir runs/sft_arith
+    python -m ppojax.supervised.train_rm --config configs/rm_arith.py --workdir runs/rm_arith
     python -m ppojax.train --config configs/rlhf_arith.py --workdir runs/rlhf_arith
 
 or all of it, with the SFT policy's own mistakes as the reward model's preference pairs and
@@ -17,7 +17,7 @@ accuracy goes down is reward hacking (docs/learning.md measures it).
 
 import ml_collections
 
-from ppojax.config import defaults
+from ppojax.run.config import defaults
 
 
 def get_config() -> ml_collections.ConfigDict:
@@ -37,7 +37,7 @@ def get_config() -> ml_collections.ConfigDict:
   c.eval.group_by = "digits"
   c.eval.monitor = True
   c.eval.metrics = ml_collections.ConfigDict(
-      {"accuracy": "ppojax.arith:accuracy", "score": "ppojax.arith:reward"})
+      {"accuracy": "ppojax.tasks.arith:accuracy", "score": "ppojax.tasks.arith:reward"})
   c.eval.baselines = ml_collections.ConfigDict({"instructed": "Reply with just the number."})
 
   c.sampling.max_new_tokens = 24

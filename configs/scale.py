@@ -2,21 +2,21 @@
 tokens, policy + reference + reward model + critic (initialised from the reward model), the
 four models of the same architecture. One config per model, chosen by the argument:
 
-    python -m ppojax.aot --config configs/scale.py:qwen2_5_0_5b --topology v5e:2x4
-    python -m ppojax.aot --config configs/scale.py:llama3_1_8b --topology v5e:4x4
+    python -m ppojax.run.aot --config configs/scale.py:qwen2_5_0_5b --topology v5e:2x4
+    python -m ppojax.run.aot --config configs/scale.py:llama3_1_8b --topology v5e:4x4
     python -m ppojax.train --config configs/scale.py:qwen2_5_1_5b --workdir runs/q15 \\
         --config.model.policy=/path/to/Qwen2.5-1.5B-Instruct \\
         --config.model.reward=/path/to/a/reward_model --config.data.path=prompts.jsonl
 
 Shapes come from the models' public config.json values (ppojax/models/public.py), so
-``ppojax.aot`` compiles any of them without weights; a training run reads the weights from the
+``ppojax.run.aot`` compiles any of them without weights; a training run reads the weights from the
 local directories given as ``model.policy`` and ``model.reward``. Argument "tiny" is a small
 random model of the same recipe, for tests.
 """
 
 import ml_collections
 
-from ppojax.config import defaults
+from ppojax.run.config import defaults
 
 MODELS = {
     "qwen2_5_0_5b": "Qwen/Qwen2.5-0.5B-Instruct",

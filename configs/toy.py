@@ -1,4 +1,4 @@
-"""A tiny random-init transformer learns the *count* task (ppojax/tasks.py) by PPO with a rule
+"""A tiny random-init transformer learns the *count* task (ppojax/tasks/count.py) by PPO with a rule
 reward, on CPU in about a minute (score ~0.07 → ~0.6). The CLI's test job.
 
     python -m ppojax.train --config configs/toy.py --workdir /tmp/toy [--config.ppo.kl_coef=0.1]
@@ -6,7 +6,7 @@ reward, on CPU in about a minute (score ~0.07 → ~0.6). The CLI's test job.
 
 import ml_collections
 
-from ppojax.config import defaults
+from ppojax.run.config import defaults
 
 
 def get_config() -> ml_collections.ConfigDict:
@@ -19,7 +19,7 @@ def get_config() -> ml_collections.ConfigDict:
   c.data.task = "count"
   c.data.prompt_len = 6
   c.reward.kind = "jax"  # traced into the compiled step
-  c.reward.fn = "ppojax.tasks:count_reward"  # for "python": ppojax.tasks:count_reward_numpy
+  c.reward.fn = "ppojax.tasks.count:count_reward"  # for "python": ppojax.tasks.count:count_reward_numpy
 
   c.sampling.max_new_tokens = 6
   c.sampling.stop_ids = [0]

@@ -71,7 +71,7 @@ def quickstart() -> list:
 
 SmolLM2-135M-Instruct learns small-number arithmetic ("What is 23 + 45?") by PPO with a
 verifiable reward: 1 for the right final number plus 0.1 for ending on a number
-(`ppojax/arith.py`), with a KL penalty against the starting model. This is
+(`ppojax/tasks/arith.py`), with a KL penalty against the starting model. This is
 `configs/quickstart.py` driven step by step through the library API instead of the CLI
 (`python -m ppojax.train --config configs/quickstart.py`):
 
@@ -93,7 +93,7 @@ import time
 import jax
 import numpy as np
 
-from ppojax import sharding
+from ppojax.infra import sharding
 
 print("backend:", jax.default_backend())
 for d in jax.devices():
@@ -119,17 +119,17 @@ print(f"{cfg.num_layers} layers, d={cfg.hidden_size}, {cfg.num_heads} heads / "
 print(policy.tokenizer.apply_chat_template(
     [{"role": "user", "content": "What is 23 + 45?"}], tokenize=False,
     add_generation_prompt=True))
-del policy  # runner.build loads its own copy'''),
+del policy  # build_lib.build loads its own copy'''),
       md('''\
 ## Config and build
 
-`runner.load_config` reads a config file's `get_config()`; keyword overrides use `__` for
-nesting (`ppo__kl_coef=0.1` is the CLI's `--config.ppo.kl_coef=0.1`). `runner.build` loads the
+`build_lib.load_config` reads a config file's `get_config()`; keyword overrides use `__` for
+nesting (`ppo__kl_coef=0.1` is the CLI's `--config.ppo.kl_coef=0.1`). `build_lib.build` loads the
 policy (and a critic initialised from it), shards the train state over the mesh and builds the
 compiled PPO step.'''),
       code('''\
 import ppojax
-from ppojax import runner
+from ppojax.run import runner
 
 
 def find_config(name):
@@ -151,12 +151,12 @@ if SMALL:
 else:
   overrides = {}  # configs/quickstart.py as it is: 20 iterations of 32 prompts
   n_eval = None  # all 112 held-out problems
-config = runner.load_config(find_config("quickstart.py"), **overrides)
+config = build_lib.load_config(find_config("quickstart.py"), **overrides)
 print({k: config.ppo[k] for k in ("batch_size", "num_minibatches", "kl_coef")},
       "iterations:", config.num_iterations, "new tokens:", config.sampling.max_new_tokens)
 
 t0 = time.perf_counter()
-run = runner.build(config)
+run = build_lib.build(config)
 print(f"built in {time.perf_counter() - t0:.1f} s")'''),
       md('''\
 ## Held-out accuracy before training
@@ -165,7 +165,8 @@ print(f"built in {time.perf_counter() - t0:.1f} s")'''),
 trl-style text metrics `fn(prompts, completions, **columns)`; here exact-match accuracy and the
 training reward, also per number of digits.'''),
       code('''\
-from ppojax import arith, evaluation
+from ppojax.tasks import arith
+from ppojax.run import evaluation
 
 eval_records = run.source.eval_records
 if n_eval:  # spread over the set: one- and two-digit problems alike
@@ -195,7 +196,7 @@ host arrays and goes onto the mesh with `sharding.place_prompts`: rows over the 
 the chat template's header, which every prompt shares and the step runs once per batch,
 replicated. The first iteration compiles the step (about a minute on a CPU).'''),
       code('''\
-from ppojax import reporting
+from ppojax.run import reporting
 
 state = run.state  # the step donates it: always keep the returned one
 history = []
@@ -278,7 +279,7 @@ notebook calls three of them on hand-made arrays:
 
 1. the clipped surrogate objective, `losses.policy_loss`, against the probability ratio;
 2. generalised advantage estimation, `advantages.gae`, on a toy trajectory;
-3. the KL estimators of `ppojax.kl` (k1, k2, k3, abs, clamp) against the exact KL.
+3. the KL estimators of `ppojax.core.kl` (k1, k2, k3, abs, clamp) against the exact KL.
 
 No model and no training: it runs in seconds on a CPU.'''),
       code(INSTALL),
@@ -289,7 +290,8 @@ import jax.numpy as jnp
 import matplotlib.pyplot as plt
 import numpy as np
 
-from ppojax import advantages, kl, losses
+from ppojax.core import advantages, kl, losses
+from ppojax.run import build as build_lib
 
 print("backend:", jax.default_backend())'''),
       md('''\

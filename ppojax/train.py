@@ -4,7 +4,7 @@ Config files are ml_collections files with ``get_config()``; override any field 
 ``--config.section.field=value`` (e.g. ``--config.ppo.kl_coef=0.1``). The resolved config is
 printed first. With ``--workdir`` the run resumes from the latest complete checkpoint there (a
 rerun with another seed, batch, model or data is refused, naming the fields and the override
-``--config.resume_allow_changes=...``: ppojax/resume.py) and writes config.json (the resolved
+``--config.resume_allow_changes=...``: ppojax/run/resume.py) and writes config.json (the resolved
 config), metrics.jsonl, TensorBoard events, samples.jsonl, the held-out eval.json and
 eval_samples_*.jsonl, curves.png and the final policy/. A config with a ``classic`` section
 (configs/cartpole.py) trains a classic-control agent instead (``ppojax.classic.runner``).
@@ -20,7 +20,8 @@ os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-from ppojax import hostmem, runner
+from ppojax.infra import hostmem
+from ppojax.run import runner
 
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/toy.py", "Training config file.")
 _WORKDIR = flags.DEFINE_string("workdir", None, "Run directory: checkpoints, metrics, plots.")

@@ -6,7 +6,6 @@ import pathlib
 import tempfile
 
 import pytest
-
 import real_model  # tests/real_model.py (this folder is on sys.path for its conftest)
 
 # The suite runs on the CPU. With libtpu installed (the test extra brings it for the deviceless

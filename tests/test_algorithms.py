@@ -12,12 +12,16 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from ppojax import algorithms, experience, runner
-from ppojax import config as config_lib
-from ppojax import step as step_lib
-from ppojax import update as update_lib
+from ppojax.core import algorithms
+from ppojax.learner import experience
+from ppojax.learner import step as step_lib
+from ppojax.learner import update as update_lib
 from ppojax.models import CausalLM, init_params
-from ppojax.sampling import SamplingConfig, generate
+from ppojax.models import passes as passes_lib
+from ppojax.rollout.sampling import SamplingConfig, generate
+from ppojax.run import build as build_lib
+from ppojax.run import checks as checks_lib
+from ppojax.run import runner
 
 _TOY = pathlib.Path(__file__).parents[1] / "configs" / "toy.py"
 
@@ -27,13 +31,13 @@ def toy(algorithm: str = "ppo", **changes):
   overrides = {"algorithm": algorithm, "ppo__batch_size": 4,
                "sampling__num_samples_per_prompt": 4, "num_iterations": 2, "sample_every": 0,
                **changes}
-  return runner.load_config(_TOY, **overrides)
+  return build_lib.load_config(_TOY, **overrides)
 
 
 def test_group_sampling_decodes_each_prompt_n_times_from_one_prefill():
   """n samples per prompt are the rows i·n … i·n + n − 1, exactly what sampling each prompt
   repeated n times gives (same key): the prefill ran once per prompt, its cache repeated."""
-  cfg = runner.tiny_model_config(toy().model.tiny)
+  cfg = build_lib.tiny_model_config(toy().model.tiny)
   module = CausalLM(cfg)
   params = init_params(module, jax.random.key(0))
   tokens = jnp.array([[1, 2, 3, 4], [0, 5, 6, 7], [0, 0, 8, 9]])
@@ -71,15 +75,15 @@ def test_algorithm_defaults_fill_only_what_is_unset():
 
 
 def test_config_errors_name_the_fix():
-  with pytest.raises(config_lib.ConfigError, match="num_samples_per_prompt=1"):
-    runner.validate(toy("grpo", sampling__num_samples_per_prompt=1))
-  with pytest.raises(config_lib.ConfigError, match="algorithm='gpro' is not one of"):
-    runner.validate(toy("gpro"))
-  with pytest.raises(config_lib.ConfigError, match="4 × 3 = 12 is not divisible"):
-    runner.validate(toy("grpo", sampling__num_samples_per_prompt=3, ppo__num_minibatches=8))
-  runner.validate(toy("reinforce_pp", sampling__num_samples_per_prompt=1))  # no groups needed
+  with pytest.raises(checks_lib.ConfigError, match="num_samples_per_prompt=1"):
+    build_lib.validate(toy("grpo", sampling__num_samples_per_prompt=1))
+  with pytest.raises(checks_lib.ConfigError, match="algorithm='gpro' is not one of"):
+    build_lib.validate(toy("gpro"))
+  with pytest.raises(checks_lib.ConfigError, match="4 × 3 = 12 is not divisible"):
+    build_lib.validate(toy("grpo", sampling__num_samples_per_prompt=3, ppo__num_minibatches=8))
+  build_lib.validate(toy("reinforce_pp", sampling__num_samples_per_prompt=1))  # no groups needed
   with pytest.raises(ValueError, match="unset: pass the ppo section of"):
-    run = runner.build(toy("grpo"))
+    run = build_lib.build(toy("grpo"))
     step_lib.make_ppo_step(run.models, None, None, None, run.sampling, toy("grpo").ppo)
 
 
@@ -98,7 +102,7 @@ def test_critic_free_step_holds_and_runs_no_critic(monkeypatch, algorithm, split
   for module in (experience, update_lib):
     _forbid(monkeypatch, module, "response_values")
   changes = {} if split == "two_pass" else {"ppo__num_epochs": 1, "ppo__num_minibatches": 1}
-  run = runner.build(toy(algorithm, **changes))
+  run = build_lib.build(toy(algorithm, **changes))
   assert run.models.critic is None
   assert run.state.critic is None and run.state.critic_opt is None
   assert run.step.fused is not None  # a JAX reward: one compiled function
@@ -109,7 +113,7 @@ def test_critic_free_step_holds_and_runs_no_critic(monkeypatch, algorithm, split
     assert name in metrics and np.isfinite(metrics[name]), name
   assert not any(k.startswith(("val/values", "loss/value", "val/grad_norm")) for k in metrics)
   assert metrics["reward"] == pytest.approx(metrics["objective/scores"])
-  ppo_bytes = _param_bytes(runner.build(toy("ppo", **changes)).state)
+  ppo_bytes = _param_bytes(build_lib.build(toy("ppo", **changes)).state)
   assert _param_bytes(state) < 0.55 * ppo_bytes  # actor + its Adam only: about half
 
 
@@ -119,10 +123,10 @@ def _param_bytes(state) -> int:
 
 @pytest.mark.parametrize("algorithm", ["ppo", "grpo"])
 def test_no_reference_is_held_or_run_without_a_kl_penalty(monkeypatch, algorithm):
-  run = runner.build(toy(algorithm, ppo__kl_coef=0.0))
+  run = build_lib.build(toy(algorithm, ppo__kl_coef=0.0))
   assert run.frozen.ref_actor is None
   calls = []
-  real = experience.response_logprobs
+  real = passes_lib.response_logprobs
   monkeypatch.setattr(experience, "response_logprobs",
                       lambda module, params, *a, **k: calls.append(params) or real(
                           module, params, *a, **k))
@@ -130,12 +134,12 @@ def test_no_reference_is_held_or_run_without_a_kl_penalty(monkeypatch, algorithm
                                       phase_timing=True)
   assert r.ref_logp is None and metrics["objective/kl"] == 0.0 and metrics["kl"] == 0.0
   assert all(p is not None for p in calls)  # the reference (None) never scored anything
-  with_ref = runner.build(toy(algorithm, ppo__kl_coef=0.0, ppo__adaptive_kl=True))
+  with_ref = build_lib.build(toy(algorithm, ppo__kl_coef=0.0, ppo__adaptive_kl=True))
   assert with_ref.frozen.ref_actor is not None  # an adaptive β may grow from 0
 
 
 def _final(workdir):
-  from ppojax import checkpoint  # pylint: disable=import-outside-toplevel
+  from ppojax.run import checkpoint  # pylint: disable=import-outside-toplevel
   ckpt = checkpoint.Checkpointer(workdir / "checkpoints", 1, 2)
   try:
     return ckpt.latest_step(), json_lines(workdir / "metrics.jsonl")
@@ -154,7 +158,7 @@ def test_critic_free_runs_checkpoint_resume_and_export(tmp_path, algorithm):
   (metrics and the exported policy): a critic-free state (None critic and optimizer state)
   through orbax; GRPO with a Python (host) reward, REINFORCE++ with a JAX one. (PPO:
   tests/test_resume.py.)"""
-  changes = {"reward__kind": "python", "reward__fn": "ppojax.tasks:count_reward_numpy"} if (
+  changes = {"reward__kind": "python", "reward__fn": "ppojax.tasks.count:count_reward_numpy"} if (
       algorithm == "grpo") else {}
   config = toy(algorithm, save_every=1, **changes)
   whole, split = tmp_path / "whole", tmp_path / "split"

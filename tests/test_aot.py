@@ -1,4 +1,4 @@
-"""Deviceless compiles of the PPO step for TPU topologies (``ppojax.aot``), the abstract build
+"""Deviceless compiles of the PPO step for TPU topologies (``ppojax.run.aot``), the abstract build
 they rest on, the public model shapes, the activation-row constraint and the FLOP count."""
 
 import importlib.util
@@ -13,9 +13,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from ppojax import aot, flops, runner
+from ppojax.infra import flops
+from ppojax.infra.sharding import shard_rows
 from ppojax.models import abstract_model, model_config, public
-from ppojax.sharding import shard_rows
+from ppojax.run import aot
+from ppojax.run import build as build_lib
 
 ROOT = pathlib.Path(__file__).parents[1]
 SCALE = str(ROOT / "configs" / "scale.py")
@@ -25,7 +27,8 @@ SCALE = str(ROOT / "configs" / "scale.py")
 # never lives in a test worker that goes on to compute on the CPU.
 DEVICELESS = """
 import json, sys
-from ppojax import aot, runner
+from ppojax.run import aot
+from ppojax.run import build as build_lib
 try:
   devices = aot.topology_devices("v5e:2x2")
 except aot.AotError as e:
@@ -33,7 +36,7 @@ except aot.AotError as e:
   sys.exit(0)
 out = {}
 for name, overrides in json.loads(sys.argv[1]).items():
-  config = runner.load_config(sys.argv[2] + ":tiny", **overrides)
+  config = build_lib.load_config(sys.argv[2] + ":tiny", **overrides)
   result = aot.compile_step(config, devices)
   mem = result.compiled.memory_analysis()
   out[name] = dict(
@@ -73,9 +76,9 @@ def test_public_shapes_give_the_published_parameter_counts(name, billions):
 
 def test_abstract_build_matches_the_real_one():
   """Same state tree, shapes, dtypes and shardings as a run's; no weights, no data."""
-  config = runner.load_config(SCALE + ":tiny")
-  real = runner.build(runner.load_config(SCALE + ":tiny", data__task="count"))
-  fake = runner.build(config, abstract=True)
+  config = build_lib.load_config(SCALE + ":tiny")
+  real = build_lib.build(build_lib.load_config(SCALE + ":tiny", data__task="count"))
+  fake = build_lib.build(config, abstract=True)
   assert fake.source is None
   shapes = lambda t: jax.tree.map(lambda x: (x.shape, str(x.dtype), x.sharding.spec), t)  # noqa
   assert shapes(fake.state) == shapes(real.state)
@@ -128,7 +131,7 @@ def test_critic_free_step_compiles_deviceless_without_critic_memory_or_flops():
   assert out["ppo"]["critic"] and not out["grpo"]["critic"] and grpo["fits"] is True
   assert grpo["argument_bytes"] < 0.75 * ppo["argument_bytes"]
   assert grpo["flops_per_iteration"] < 0.8 * ppo["flops_per_iteration"]
-  cfg = runner.build(runner.load_config(SCALE + ":tiny", **grpo_overrides),
+  cfg = build_lib.build(build_lib.load_config(SCALE + ":tiny", **grpo_overrides),
                      abstract=True).policy.cfg
   per_prompt = flops.model_flops(cfg, 4, 32, 16, samples=4)["generation (prefill)"]
   assert per_prompt == pytest.approx(flops.model_flops(cfg, 16, 32, 16)["generation (prefill)"] / 4)
@@ -137,7 +140,7 @@ def test_critic_free_step_compiles_deviceless_without_critic_memory_or_flops():
 def test_cli_prints_a_table_and_a_json_line_and_names_bad_topologies():
   if importlib.util.find_spec("libtpu") is None:  # found, not loaded: see DEVICELESS
     pytest.skip("no TPU compiler here: libtpu is not installed (pip install -e '.[tpu]')")
-  command = [sys.executable, "-m", "ppojax.aot", f"--config={SCALE}:tiny", "--topology"]
+  command = [sys.executable, "-m", "ppojax.run.aot", f"--config={SCALE}:tiny", "--topology"]
   ok = subprocess.run(command + ["v5e:2x2"], capture_output=True, text=True, timeout=600,
                       cwd=ROOT)
   assert ok.returncode == 0, ok.stderr[-3000:]
@@ -149,7 +152,7 @@ def test_cli_prints_a_table_and_a_json_line_and_names_bad_topologies():
 
 
 def test_a_python_reward_has_no_fused_step_to_compile():
-  config = runner.load_config(SCALE + ":tiny", reward__kind="text")
+  config = build_lib.load_config(SCALE + ":tiny", reward__kind="text")
   with pytest.raises(aot.AotError, match="reward.kind='text' runs on the host"):
     aot.compile_step(config, jax.devices())
 
@@ -157,7 +160,7 @@ def test_a_python_reward_has_no_fused_step_to_compile():
 def test_both_out_of_memory_messages_parse():
   """XLA:TPU stops a compile that does not fit with one of two messages; the report takes the
   temporaries and the HBM from either, and nothing from another error."""
-  from ppojax import aot  # pylint: disable=import-outside-toplevel
+  from ppojax.run import aot  # pylint: disable=import-outside-toplevel
   g = 2**30
   temps = ("RESOURCE_EXHAUSTED: Ran out of memory on HBM, the total memory required for HLO "
            "temporaries (18.04G) exceeds available HBM (15.75G).")
@@ -174,8 +177,8 @@ def test_both_out_of_memory_messages_parse():
 def test_a_refused_compile_never_fits():
   """When XLA:TPU refuses the program, the report says it does not fit, whatever the estimate
   from the shapes says, and takes the compiler's own total where its message names one."""
-  config = runner.load_config(SCALE + ":tiny")
-  run = runner.build(config, devices=jax.devices()[:1], abstract=True)
+  config = build_lib.load_config(SCALE + ":tiny")
+  run = build_lib.build(config, devices=jax.devices()[:1], abstract=True)
   g = 2**30
   for oom, per_device in ((aot.OutOfMemory(1, 16 * g, 16 * g + 1), 16 * g + 1),
                           (aot.OutOfMemory(1, 16 * g), None)):

@@ -1,4 +1,4 @@
-"""Tests of ppojax.arith: the stable train/test split, problem sampling, the held-out set, answer
+"""Tests of ppojax.tasks.arith: the stable train/test split, problem sampling, the held-out set, answer
 parsing, the reward and accuracy, preference pairs, SFT examples and the data-writing CLI."""
 
 from __future__ import annotations
@@ -7,7 +7,8 @@ import re
 
 import pytest
 
-from ppojax import arith, data
+from ppojax.data import records as records_lib
+from ppojax.tasks import arith
 
 ALL_1 = [(a, op, b) for a in range(10) for b in range(10) for op in "+-" if op == "+" or a >= b]
 ALL_2 = [(a, op, b) for a in range(10, 100) for b in range(10, 100) for op in "+-"
@@ -179,6 +180,6 @@ def test_cli_writes_jsonl_that_read_records_reads(kind, make, fields, tmp_path, 
   out = tmp_path / "sub" / f"{kind}.jsonl"
   arith.main([kind, "--n", "7", "--split", "test", "--seed", "4", "--out", str(out)])
   assert f"wrote 7 {kind} (test) to {out}" in capsys.readouterr().out
-  records = data.read_records(out, required=fields)
+  records = records_lib.read_records(out, required=fields)
   assert records == make(4, 7, "test")
   assert all(r["answer"] for r in records)

@@ -1,4 +1,4 @@
-"""Honest baselines (ppojax/baselines.py, ``eval.baselines``): the untrained policy evaluated
+"""Honest baselines (ppojax/run/baselines.py, ``eval.baselines``): the untrained policy evaluated
 with an instruction appended to each held-out prompt, before training, once (also across a
 resume that cut it short), beside "before" in eval.json and as its own metric names; on a
 tiny random model and the character tokenizer."""
@@ -11,9 +11,14 @@ import jax
 import ml_collections
 import pytest
 
-from ppojax import arith, baselines, data, reporting, runner
-from ppojax import config as config_lib
+from ppojax.data import encoding
+from ppojax.data import records as records_lib
 from ppojax.models import CausalLM, LoadedModel, init_params, save_model
+from ppojax.run import baselines, reporting, runner
+from ppojax.run import build as build_lib
+from ppojax.run import checks as checks_lib
+from ppojax.run import config as config_lib
+from ppojax.tasks import arith
 
 BASELINES = {"instructed": "Reply with just the number.", "terse": "Be brief."}
 
@@ -27,7 +32,7 @@ def test_instruct_appends_to_a_string_or_the_last_user_message():
   assert [m["content"] for m in out[1]["prompt"]] == ["S", "Q1", "A",
                                                       "Q2 Reply with just the number."]
   assert records[1]["prompt"][3]["content"] == "Q2"  # the records themselves are unchanged
-  with pytest.raises(data.DataError, match="record 0: a baseline instruction goes into the last "
+  with pytest.raises(records_lib.DataError, match="record 0: a baseline instruction goes into the last "
                      "user message"):
     baselines.instruct([{"prompt": [{"role": "system", "content": "S"}]}], "x")
 
@@ -39,7 +44,7 @@ def test_instructed_prompts_are_never_cut(char_tokenizer):
   instructed, encode = baselines.instructed(config, char_tokenizer, records, "Be brief.")
   enc = encode(instructed)
   assert not enc.truncated.any()
-  longest = max(len(data.prompt_ids(char_tokenizer, r["prompt"])) for r in instructed)
+  longest = max(len(encoding.prompt_ids(char_tokenizer, r["prompt"])) for r in instructed)
   assert enc.tokens.shape == (4, longest) and longest > 20
 
 
@@ -58,10 +63,10 @@ def test_phases_and_metric_names():
     ("empty", "  ", r"eval\.baselines\.empty='  ' must be a non-empty instruction text"),
 ])
 def test_bad_baselines_fail_validation(name, text, message):
-  config = runner.load_config("configs/toy.py")
+  config = build_lib.load_config("configs/toy.py")
   config.eval.baselines = ml_collections.ConfigDict({name: text})
-  with pytest.raises(config_lib.ConfigError, match=message):
-    config_lib.validate(config, num_devices=1)
+  with pytest.raises(checks_lib.ConfigError, match=message):
+    checks_lib.validate(config, num_devices=1)
 
 
 def test_only_the_cut_short_phases_rows_are_dropped(tmp_path):
@@ -77,7 +82,7 @@ def test_only_the_cut_short_phases_rows_are_dropped(tmp_path):
 
 @pytest.fixture(scope="module")
 def policy_dir(char_tokenizer, tmp_path_factory):
-  cfg = runner.tiny_model_config(ml_collections.ConfigDict(dict(
+  cfg = build_lib.tiny_model_config(ml_collections.ConfigDict(dict(
       vocab_size=len(char_tokenizer), hidden_size=32, intermediate_size=64, num_layers=2,
       num_heads=2, num_kv_heads=1, max_position_embeddings=64)))
   cfg = cfg.replace(bos_token_id=None, eos_token_id=1, pad_token_id=0)
@@ -91,7 +96,7 @@ def _config(policy, iterations: int) -> ml_collections.ConfigDict:
   c.model.policy = str(policy)
   c.data.update(task="arith", eval_per_digits=2, max_prompt_len=24)  # 4 held-out problems
   c.eval.update(batch_size=4, group_by="digits")
-  c.eval.metrics = ml_collections.ConfigDict({"accuracy": "ppojax.arith:accuracy",
+  c.eval.metrics = ml_collections.ConfigDict({"accuracy": "ppojax.tasks.arith:accuracy",
                                               "length": "text_reward_fn:length"})
   c.eval.baselines = ml_collections.ConfigDict(BASELINES)
   c.sampling.update(max_new_tokens=4)

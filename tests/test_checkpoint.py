@@ -20,8 +20,12 @@ import numpy as np
 import optax
 import pytest
 
-from ppojax.checkpoint import (Checkpointer, CheckpointMismatchError, CheckpointWarning,
-                               CorruptCheckpointError)
+from ppojax.run.checkpoint import (
+  Checkpointer,
+  CheckpointMismatchError,
+  CheckpointWarning,
+  CorruptCheckpointError,
+)
 
 TMP_SUFFIX = ".orbax-checkpoint-tmp"  # how orbax names a step directory before its commit
 TX = optax.chain(optax.clip_by_global_norm(1.0), optax.adam(1e-3))
@@ -290,8 +294,8 @@ KILL_CHILD = textwrap.dedent("""
     import jax
     sys.path.insert(0, sys.argv[2])
     from test_checkpoint import make_state
-    from ppojax.checkpoint import (Checkpointer, CheckpointMismatchError, CheckpointWarning,
-                               CorruptCheckpointError)
+    from ppojax.run.checkpoint import (Checkpointer, CheckpointMismatchError, CheckpointWarning,
+                                       CorruptCheckpointError)
 
     ckpt = Checkpointer(sys.argv[1], save_every=1, keep=5)
     ckpt.save(1, make_state(0), {"step": 1})
@@ -345,8 +349,8 @@ def test_sigkill_during_save_restores_last_complete(tmp_path):
 SHARDED_SCRIPT = textwrap.dedent("""
     import jax, jax.numpy as jnp, numpy as np, optax
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
-    from ppojax.checkpoint import (Checkpointer, CheckpointMismatchError, CheckpointWarning,
-                               CorruptCheckpointError)
+    from ppojax.run.checkpoint import (Checkpointer, CheckpointMismatchError, CheckpointWarning,
+                                       CorruptCheckpointError)
 
     assert jax.device_count() == 8, jax.devices()
     devices = np.asarray(jax.devices())

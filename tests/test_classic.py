@@ -17,9 +17,10 @@ from flax import linen as nn
 
 pytest.importorskip("gymnax")
 
-from ppojax import advantages, reporting  # noqa: E402
 from ppojax.classic import agent, envs, ppo, runner  # noqa: E402
-from ppojax.runner import load_config  # noqa: E402
+from ppojax.core import advantages
+from ppojax.run import reporting
+from ppojax.run.build import load_config  # noqa: E402
 
 ROOT = pathlib.Path(__file__).parents[1]
 

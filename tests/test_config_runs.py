@@ -19,9 +19,19 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 from transformers.convert_slow_tokenizer import bytes_to_unicode
 
-from ppojax import arith, data, reporting, runner
-from ppojax.models import (CausalLM, LoadedModel, ModelConfig, ValueModel, init_params,
-                           load_model, save_model)
+from ppojax.data import records as records_lib
+from ppojax.models import (
+  CausalLM,
+  LoadedModel,
+  ModelConfig,
+  ValueModel,
+  init_params,
+  load_model,
+  save_model,
+)
+from ppojax.run import build as build_lib
+from ppojax.run import reporting, runner
+from ppojax.tasks import arith
 
 ROOT = pathlib.Path(__file__).parents[1]
 TINY = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
@@ -101,7 +111,7 @@ def llama3_2(tmp_path):
                                  "high_freq_factor": 4.0,
                                  "original_max_position_embeddings": 8192})
   prompts = tmp_path / "prompts.jsonl"
-  data.write_jsonl([{"prompt": [{"role": "user", "content": p["prompt"]}]}
+  records_lib.write_jsonl([{"prompt": [{"role": "user", "content": p["prompt"]}]}
                     for p in arith.problems(0, 16)], prompts)
   return {"model__policy": _checkpoint(tmp_path / "llama", hf_config, tok,
                                       "PreTrainedTokenizerFast"),
@@ -112,7 +122,7 @@ def llama3_2(tmp_path):
 def gpt2(tmp_path):
   """GPT-2's layout: no chat template, <|endoftext|> (50256) for everything special, "\\n" 198
   and "\\n\\n" 628 (the config's stop ids); the prompt files written by the config's own
-  command (python -m ppojax.arith prompts)."""
+  command (python -m ppojax.tasks.arith prompts)."""
   tok = _tokenizer(50257, {"<|endoftext|>": 50256}, None, merges={("Ċ", "Ċ"): 628},
                    bos_token="<|endoftext|>", eos_token="<|endoftext|>",
                    unk_token="<|endoftext|>")
@@ -134,7 +144,7 @@ def gpt2(tmp_path):
 @pytest.mark.parametrize("name, stand_in", [("qwen2_5_arith", qwen2_5), ("llama3_2_rm", llama3_2),
                                             ("gpt2_file", gpt2)])
 def test_hugging_face_config_runs_one_iteration(name, stand_in, tmp_path):
-  config = runner.load_config(ROOT / "configs" / f"{name}.py", **SMALL, **stand_in(tmp_path))
+  config = build_lib.load_config(ROOT / "configs" / f"{name}.py", **SMALL, **stand_in(tmp_path))
   work = tmp_path / "run"
   result = runner.run(config, str(work))
 

@@ -1,5 +1,5 @@
-"""Every config file in configs/ loads, and the PPO ones pass ``runner.validate``, set only options
-that ``ppojax.config.defaults()`` documents (a typo would silently add a new field) and name
+"""Every config file in configs/ loads, and the PPO ones pass ``build_lib.validate``, set only options
+that ``ppojax.run.config.defaults()`` documents (a typo would silently add a new field) and name
 reward / metric functions that import and take the trl-style arguments. No model is loaded."""
 
 from __future__ import annotations
@@ -10,13 +10,13 @@ import pathlib
 import ml_collections
 import pytest
 
-from ppojax import config as config_lib
-from ppojax import runner
-from ppojax.config import defaults
+from ppojax.run import build as build_lib
+from ppojax.run import checks as checks_lib
+from ppojax.run.config import defaults
 
 ROOT = pathlib.Path(__file__).parents[1]
 CONFIGS = sorted((ROOT / "configs").glob("*.py"))
-COMMANDS = {"ppo": "ppojax.train", "sft": "ppojax.sft", "rm": "ppojax.train_rm",
+COMMANDS = {"ppo": "ppojax.train", "sft": "ppojax.supervised.sft", "rm": "ppojax.supervised.train_rm",
             "classic": "ppojax.train"}
 
 
@@ -34,7 +34,7 @@ def _keys(node: ml_collections.ConfigDict, prefix: str = "") -> set[str]:
   out = set()
   for name, value in node.items():
     key = prefix + name
-    if isinstance(value, ml_collections.ConfigDict) and key not in config_lib.FREE_FORM:
+    if isinstance(value, ml_collections.ConfigDict) and key not in checks_lib.FREE_FORM:
       out |= _keys(value, key + ".")
     else:
       out.add(key)
@@ -47,7 +47,7 @@ COLUMNS = {"arith": ("answer",), "file": ("answer",),
 
 
 def _check_text_fn(path: str, what: str, task: str) -> None:
-  fn = runner._import(path)
+  fn = build_lib._import(path)
   assert callable(fn), f"{what}={path!r} is not callable"
   try:  # the trl signature: fn(prompts, completions, **columns) with the task's columns
     inspect.signature(fn).bind(prompts=[], completions=[], **dict.fromkeys(COLUMNS[task], []))
@@ -61,26 +61,26 @@ def test_there_are_configs_of_every_kind():
   assert {"toy", "quickstart", "qwen2_5_arith", "llama3_2_rm", "gpt2_file", "sft_arith",
           "rm_arith", "grpo_arith", "dr_grpo_arith", "rloo_arith", "reinforce_pp_arith",
           "rg_chain_sum", "rg_gsm_symbolic"} <= names
-  from ppojax import algorithms  # pylint: disable=import-outside-toplevel
+  from ppojax.core import algorithms  # pylint: disable=import-outside-toplevel
   for name in set(algorithms.ALGORITHMS) - {"ppo"}:  # one config per critic-free algorithm
-    assert runner.load_config(ROOT / "configs" / f"{name}_arith.py").algorithm == name
+    assert build_lib.load_config(ROOT / "configs" / f"{name}_arith.py").algorithm == name
 
 
 @pytest.mark.parametrize("path", CONFIGS, ids=[p.stem for p in CONFIGS])
 def test_config_loads_and_its_docstring_shows_its_command(path):
   text = path.read_text()
-  config = runner.load_config(path)
+  config = build_lib.load_config(path)
   command = f"python -m {COMMANDS[_kind(config)]} --config configs/{path.name}"
   assert command in " ".join(text.split()), f"{path.name}: the docstring should show {command}"
 
 
-PPO_CONFIGS = [p for p in CONFIGS if "ppo" in runner.load_config(p)]
+PPO_CONFIGS = [p for p in CONFIGS if "ppo" in build_lib.load_config(p)]
 
 
 @pytest.mark.parametrize("path", PPO_CONFIGS, ids=[p.stem for p in PPO_CONFIGS])
 def test_ppo_config_validates_and_its_functions_import(path):
-  config = runner.load_config(path)
-  runner.validate(config)
+  config = build_lib.load_config(path)
+  build_lib.validate(config)
   unknown = _keys(config) - _keys(defaults())
   assert not unknown, f"{path.name} sets options that defaults() does not have: {unknown}"
   kind = config.reward.kind
@@ -89,14 +89,14 @@ def test_ppo_config_validates_and_its_functions_import(path):
   elif kind == "text":
     _check_text_fn(config.reward.fn, "reward.fn", config.data.task)
   else:
-    assert callable(runner._import(config.reward.fn))
+    assert callable(build_lib._import(config.reward.fn))
   if config.data.task in COLUMNS:
     for name, fn in config.eval.metrics.items():
       _check_text_fn(fn, f"eval.metrics.{name}", config.data.task)
   if "accuracy" in config.eval.metrics:  # an evaluation table: the untrained model instructed
     assert config.eval.baselines, f"{path.name}: set eval.baselines (docs/learning.md)"
   # every field can be overridden as on the command line, e.g. a local model directory
-  local = runner.load_config(path, model__policy="/models/mine", ppo__batch_size=16)
+  local = build_lib.load_config(path, model__policy="/models/mine", ppo__batch_size=16)
   assert local.model.policy == "/models/mine" and local.ppo.batch_size == 16
 
 
@@ -106,7 +106,7 @@ def test_ppo_config_validates_and_its_functions_import(path):
     ("gpt2_file", "openai-community/gpt2", "text", "file"),
 ])
 def test_hugging_face_configs(name, policy, reward, task):
-  c = runner.load_config(ROOT / "configs" / f"{name}.py")
+  c = build_lib.load_config(ROOT / "configs" / f"{name}.py")
   assert (c.model.policy, c.reward.kind, c.data.task) == (policy, reward, task)
   assert c.sampling.stop_ids, "the stop tokens of a real checkpoint are set explicitly"
   assert c.sampling.pad_id is not None

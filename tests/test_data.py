@@ -1,4 +1,4 @@
-"""Tests of ppojax.data: reading records, chat templates, padding/truncation, batching.
+"""Tests of ppojax.data.encoding: reading records, chat templates, padding/truncation, batching.
 
 A tiny word-level tokenizer built here (with a Jinja chat template, BOS post-processor, eos and pad
 tokens, and variants without pad token or template) covers the logic offline; one test checks the
@@ -17,8 +17,9 @@ from hypothesis import strategies as st
 from tokenizers import Tokenizer, models, pre_tokenizers, processors
 from transformers import PreTrainedTokenizerFast
 
-from ppojax import data
-from ppojax.data import DataError
+from ppojax.data import encoding
+from ppojax.data import records as records_lib
+from ppojax.data.records import DataError
 
 WORDS = "a b c d e f g h hello world what is two plus".split()
 SPECIAL = ["<pad>", "<unk>", "<bos>", "<eos>", "<system>", "<user>", "<assistant>", "<end>"]
@@ -56,27 +57,27 @@ def ids(tok, text):
 def test_jsonl_round_trip_skips_blank_lines(tmp_path):
   records = [{"prompt": "a b", "n": 1}, {"prompt": [{"role": "user", "content": "é"}]}]
   path = tmp_path / "sub" / "dir" / "d.jsonl"
-  data.write_jsonl(iter(records), path)
-  assert data.read_records(path, required=["prompt"]) == records
+  records_lib.write_jsonl(iter(records), path)
+  assert records_lib.read_records(path, required=["prompt"]) == records
   assert [p.name for p in path.parent.iterdir()] == ["d.jsonl"]  # no temp file left behind
   path.write_text("\n" + path.read_text() + "\n  \n")
-  assert data.read_records(str(path)) == records
+  assert records_lib.read_records(str(path)) == records
 
 
 def test_jsonl_with_utf8_bom(tmp_path):
   path = tmp_path / "bom.jsonl"
   path.write_bytes(b"\xef\xbb\xbf" + b'{"prompt": "a"}\n')
-  assert data.read_records(path) == [{"prompt": "a"}]
+  assert records_lib.read_records(path) == [{"prompt": "a"}]
 
 
 def test_write_jsonl_failure_keeps_old_file(tmp_path):
   path = tmp_path / "d.jsonl"
-  data.write_jsonl([{"a": 1}], path)
+  records_lib.write_jsonl([{"a": 1}], path)
   with pytest.raises(DataError, match=r"record 1 is not JSON-serialisable"):
-    data.write_jsonl([{"a": 2}, {"b": object()}], path)
+    records_lib.write_jsonl([{"a": 2}, {"b": object()}], path)
   with pytest.raises(DataError, match=r"record 0 is a list, not a dict"):
-    data.write_jsonl([[1]], path)
-  assert data.read_records(path) == [{"a": 1}]
+    records_lib.write_jsonl([[1]], path)
+  assert records_lib.read_records(path) == [{"a": 1}]
   assert [p.name for p in tmp_path.iterdir()] == ["d.jsonl"]
 
 
@@ -90,7 +91,7 @@ def test_jsonl_bad_line_names_file_and_line(tmp_path, line, detail):
   path = tmp_path / "bad.jsonl"
   path.write_text('{"prompt": "a"}\n\n' + line + "\n")
   with pytest.raises(DataError, match="not a JSON object") as e:
-    data.read_records(path)
+    records_lib.read_records(path)
   assert f"{path}:3:" in str(e.value) and detail in str(e.value)
 
 
@@ -98,14 +99,14 @@ def test_jsonl_invalid_utf8(tmp_path):
   path = tmp_path / "bin.jsonl"
   path.write_bytes(b'{"prompt": "a"}\n{"prompt": "\xff"}\n')
   with pytest.raises(DataError, match=rf"{path}:2: not valid UTF-8"):
-    data.read_records(path)
+    records_lib.read_records(path)
 
 
 def test_missing_required_field_names_file_line_and_fields(tmp_path):
   path = tmp_path / "d.jsonl"
   path.write_text('{"prompt": "a"}\n{"question": "b", "answer": "c"}\n')
   with pytest.raises(DataError) as e:
-    data.read_records(path, required=("prompt",))
+    records_lib.read_records(path, required=("prompt",))
   assert str(e.value) == (f"{path}:2: record has no field 'prompt' "
                           "(fields: 'question', 'answer')")
 
@@ -120,46 +121,46 @@ def test_missing_required_field_names_file_line_and_fields(tmp_path):
 ])
 def test_required_field_of_wrong_type(tmp_path, value, detail):
   path = tmp_path / "d.jsonl"
-  data.write_jsonl([{"prompt": "a", "chosen": "x"}, {"prompt": value, "chosen": "y"}], path)
+  records_lib.write_jsonl([{"prompt": "a", "chosen": "x"}, {"prompt": value, "chosen": "y"}], path)
   with pytest.raises(DataError) as e:
-    data.read_records(path, required=("chosen", "prompt"))
+    records_lib.read_records(path, required=("chosen", "prompt"))
   assert f"{path}:2: field 'prompt'" in str(e.value) and detail in str(e.value)
 
 
 def test_missing_and_empty_and_unsupported_sources(tmp_path):
   with pytest.raises(DataError, match=r"data file not found: .*nowhere\.jsonl"):
-    data.read_records(tmp_path / "nowhere.jsonl")
+    records_lib.read_records(tmp_path / "nowhere.jsonl")
   (tmp_path / "empty.jsonl").write_text("\n\n")
   with pytest.raises(DataError, match=r"empty\.jsonl contains no records"):
-    data.read_records(tmp_path / "empty.jsonl")
+    records_lib.read_records(tmp_path / "empty.jsonl")
   (tmp_path / "empty.json").write_text("[]")
   with pytest.raises(DataError, match=r"empty\.json contains no records"):
-    data.read_records(tmp_path / "empty.json")
+    records_lib.read_records(tmp_path / "empty.json")
   (tmp_path / "d.txt").write_text("a")
   with pytest.raises(DataError, match=r"d\.txt: unsupported data file type '\.txt'"):
-    data.read_records(tmp_path / "d.txt")
+    records_lib.read_records(tmp_path / "d.txt")
   (tmp_path / "plain").mkdir()
   with pytest.raises(DataError, match=r"plain is a directory but not one written by datasets"):
-    data.read_records(tmp_path / "plain")
+    records_lib.read_records(tmp_path / "plain")
 
 
 def test_json_list(tmp_path):
   records = [{"prompt": "a", "response": "b"}, {"prompt": "c", "response": "d"}]
   path = tmp_path / "d.json"
   path.write_text(json.dumps(records, indent=1))
-  assert data.read_records(path, required=("prompt", "response")) == records
+  assert records_lib.read_records(path, required=("prompt", "response")) == records
   path.write_text(json.dumps([records[0], {"prompt": "c"}]))
   with pytest.raises(DataError, match=r"d\.json: record 1: record has no field 'response'"):
-    data.read_records(path, required=("prompt", "response"))
+    records_lib.read_records(path, required=("prompt", "response"))
   path.write_text(json.dumps([records[0], 7]))
   with pytest.raises(DataError, match=r"d\.json: record 1: not a JSON object"):
-    data.read_records(path)
+    records_lib.read_records(path)
   path.write_text(json.dumps({"prompt": "a"}))
   with pytest.raises(DataError, match=r"d\.json: a \.json data file must hold a list"):
-    data.read_records(path)
+    records_lib.read_records(path)
   path.write_text('[\n{"prompt": "a"},\n{"prompt": }\n]')
   with pytest.raises(DataError, match=r"d\.json:3: not valid JSON"):
-    data.read_records(path)
+    records_lib.read_records(path)
 
 
 def test_datasets_save_to_disk_dataset_and_splits(tmp_path):
@@ -168,27 +169,27 @@ def test_datasets_save_to_disk_dataset_and_splits(tmp_path):
            {"prompt": "e", "chosen": "f", "rejected": "g"}]
   test = [{"prompt": "h", "chosen": "a", "rejected": "b"}]
   datasets.Dataset.from_list(train).save_to_disk(tmp_path / "ds")
-  assert data.read_records(tmp_path / "ds", required=("prompt", "chosen")) == train
+  assert records_lib.read_records(tmp_path / "ds", required=("prompt", "chosen")) == train
   dd = datasets.DatasetDict(train=datasets.Dataset.from_list(train),
                             test=datasets.Dataset.from_list(test))
   dd.save_to_disk(tmp_path / "dd")
-  assert data.read_records(tmp_path / "dd") == train
-  assert data.read_records(tmp_path / "dd", split="test") == test
+  assert records_lib.read_records(tmp_path / "dd") == train
+  assert records_lib.read_records(tmp_path / "dd", split="test") == test
   with pytest.raises(DataError, match=r"dd: no split 'validation'; the splits are \['test', "
                      r"'train'\]"):
-    data.read_records(tmp_path / "dd", split="validation")
+    records_lib.read_records(tmp_path / "dd", split="validation")
   with pytest.raises(DataError, match=r"dd \(split 'test'\): record 0: record has no field "
                      r"'response' \(fields: 'prompt', 'chosen', 'rejected'\)"):
-    data.read_records(tmp_path / "dd", required=("response",), split="test")
+    records_lib.read_records(tmp_path / "dd", required=("response",), split="test")
   datasets.DatasetDict(train=datasets.Dataset.from_list(train),
                        test=datasets.Dataset.from_list(test).select([])).save_to_disk(
                            tmp_path / "dd0")
   with pytest.raises(DataError, match=r"dd0 \(split 'test'\) contains no records"):
-    data.read_records(tmp_path / "dd0", split="test")
-  assert data.read_records(tmp_path / "dd0") == train
+    records_lib.read_records(tmp_path / "dd0", split="test")
+  assert records_lib.read_records(tmp_path / "dd0") == train
   next((tmp_path / "ds").glob("*.arrow")).write_bytes(b"corrupt")
   with pytest.raises(DataError, match=r"ds: could not load the saved dataset"):
-    data.read_records(tmp_path / "ds")
+    records_lib.read_records(tmp_path / "ds")
 
 
 def test_datasets_chat_messages_and_files(tmp_path):
@@ -198,20 +199,20 @@ def test_datasets_chat_messages_and_files(tmp_path):
              {"prompt": [{"role": "user", "content": "c"}], "response": "d"}]
   ds = datasets.Dataset.from_list(records)
   ds.to_parquet(str(tmp_path / "d.parquet"))
-  assert data.read_records(tmp_path / "d.parquet", required=("prompt", "response")) == records
+  assert records_lib.read_records(tmp_path / "d.parquet", required=("prompt", "response")) == records
   flat = [{"prompt": "a b", "response": "c"}, {"prompt": "d", "response": "e"}]
   datasets.Dataset.from_list(flat).to_csv(str(tmp_path / "d.csv"), index=False)
-  assert data.read_records(tmp_path / "d.csv", required=("prompt",)) == flat
+  assert records_lib.read_records(tmp_path / "d.csv", required=("prompt",)) == flat
   ds.save_to_disk(tmp_path / "ds")
   arrow = next((tmp_path / "ds").glob("*.arrow"))
-  assert data.read_records(arrow, required=("prompt",)) == records
+  assert records_lib.read_records(arrow, required=("prompt",)) == records
   datasets.Dataset.from_list([{"prompt": 1}]).to_parquet(str(tmp_path / "n.parquet"))
   with pytest.raises(DataError, match=r"n\.parquet: record 0: field 'prompt' must be a string "
                      r"or a list of chat messages .* got type int"):
-    data.read_records(tmp_path / "n.parquet", required=("prompt",))
+    records_lib.read_records(tmp_path / "n.parquet", required=("prompt",))
   (tmp_path / "junk.parquet").write_bytes(b"not parquet")
   with pytest.raises(DataError, match=r"junk\.parquet: could not read it as a parquet file"):
-    data.read_records(tmp_path / "junk.parquet")
+    records_lib.read_records(tmp_path / "junk.parquet")
 
 
 def test_missing_datasets_package_says_how_to_install(tmp_path, monkeypatch):
@@ -226,52 +227,52 @@ def test_missing_datasets_package_says_how_to_install(tmp_path, monkeypatch):
   monkeypatch.setattr(builtins, "__import__", no_datasets)
   (tmp_path / "d.parquet").write_bytes(b"x")
   with pytest.raises(DataError, match=r"d\.parquet needs .*pip install datasets"):
-    data.read_records(tmp_path / "d.parquet")
+    records_lib.read_records(tmp_path / "d.parquet")
   (tmp_path / "dir").mkdir()
   (tmp_path / "dir" / "state.json").write_text('{"_data_files": [{"filename": "x.arrow"}]}')
   with pytest.raises(DataError, match=r"dir needs .*pip install datasets"):
-    data.read_records(tmp_path / "dir")
+    records_lib.read_records(tmp_path / "dir")
 
 
 # ----------------------------------------------------------------------------- tokenizing
 
 
 def test_pad_token_id_falls_back_to_eos_with_one_warning():
-  assert data.pad_token_id(make_tokenizer()) == 0
+  assert encoding.pad_token_id(make_tokenizer()) == 0
   tok = make_tokenizer(pad=False)
   with pytest.warns(UserWarning, match=r"no pad token; padding with the eos token \(id 3\)"):
-    assert data.pad_token_id(tok) == 3
+    assert encoding.pad_token_id(tok) == 3
   with warnings.catch_warnings():
     warnings.simplefilter("error")
-    assert data.pad_token_id(tok) == 3  # warned once already
+    assert encoding.pad_token_id(tok) == 3  # warned once already
   with pytest.raises(DataError, match="neither a pad token nor an eos token"):
-    data.pad_token_id(make_tokenizer(pad=False, eos=False))
+    encoding.pad_token_id(make_tokenizer(pad=False, eos=False))
 
 
 def test_prompt_ids_chat_template(tok):
-  assert data.prompt_ids(tok, "a b") == ids(tok, "<user> a b <end> <assistant>")
-  assert data.prompt_ids(tok, "a", system="c") == ids(
+  assert encoding.prompt_ids(tok, "a b") == ids(tok, "<user> a b <end> <assistant>")
+  assert encoding.prompt_ids(tok, "a", system="c") == ids(
       tok, "<system> c <end> <user> a <end> <assistant>")
   messages = [{"role": "system", "content": "d"}, {"role": "user", "content": "a"}]
-  assert data.prompt_ids(tok, messages, system="c") == ids(  # the prompt's own system wins
+  assert encoding.prompt_ids(tok, messages, system="c") == ids(  # the prompt's own system wins
       tok, "<system> d <end> <user> a <end> <assistant>")
-  out = data.prompt_ids(tok, messages)
+  out = encoding.prompt_ids(tok, messages)
   assert type(out) is list and all(type(t) is int for t in out)
   with pytest.raises(DataError, match=r"the tokenizer has no chat template; set "
                      r"data\.chat_template=False"):
-    data.prompt_ids(make_tokenizer(template=False), "a")
+    encoding.prompt_ids(make_tokenizer(template=False), "a")
   with pytest.raises(DataError, match="a prompt must be a string or a list of chat messages"):
-    data.prompt_ids(tok, 5)
+    encoding.prompt_ids(tok, 5)
 
 
 def test_prompt_ids_raw_text(tok):
-  assert data.prompt_ids(tok, "a b", chat_template=False) == ids(tok, "<bos> a b")
-  assert data.prompt_ids(make_tokenizer(template=False), "a", chat_template=False) == ids(
+  assert encoding.prompt_ids(tok, "a b", chat_template=False) == ids(tok, "<bos> a b")
+  assert encoding.prompt_ids(make_tokenizer(template=False), "a", chat_template=False) == ids(
       tok, "<bos> a")
   with pytest.raises(DataError, match=r"the prompt is a list .* data\.chat_template=False"):
-    data.prompt_ids(tok, [{"role": "user", "content": "a"}], chat_template=False)
+    encoding.prompt_ids(tok, [{"role": "user", "content": "a"}], chat_template=False)
   with pytest.raises(DataError, match="a system prompt needs the chat template"):
-    data.prompt_ids(tok, "a", system="s", chat_template=False)
+    encoding.prompt_ids(tok, "a", system="s", chat_template=False)
 
 
 def test_prompt_ids_template_failure_is_a_data_error():
@@ -279,7 +280,7 @@ def test_prompt_ids_template_failure_is_a_data_error():
   tok.chat_template = ("{% if messages[0]['role'] == 'system' %}"
                        "{{ raise_exception('System role not supported') }}{% endif %}x")
   with pytest.raises(DataError, match=r"chat template failed .*System role not supported"):
-    data.prompt_ids(tok, "a", system="s")
+    encoding.prompt_ids(tok, "a", system="s")
 
 
 def test_a_missing_jinja2_is_reported_as_a_missing_package(monkeypatch):
@@ -290,7 +291,7 @@ def test_a_missing_jinja2_is_reported_as_a_missing_package(monkeypatch):
   tok.chat_template = TEMPLATE + "{# a template not compiled before: no lru_cache hit #}"
   monkeypatch.setattr(chat_template_utils, "is_jinja_available", lambda: False)
   with pytest.raises(ImportError) as e:
-    data.prompt_ids(tok, "a")
+    encoding.prompt_ids(tok, "a")
   assert not isinstance(e.value, DataError) and e.value.name == "jinja2"
   message = str(e.value)
   assert "chat template needs the Python package `jinja2`" in message
@@ -313,16 +314,16 @@ def test_an_import_error_in_the_template_names_the_package(monkeypatch, error, i
 
   monkeypatch.setattr(tok, "apply_chat_template", apply_chat_template)
   with pytest.raises(ImportError, match="rendering the tokenizer's chat template needs") as e:
-    data.prompt_ids(tok, "a")
+    encoding.prompt_ids(tok, "a")
   assert not isinstance(e.value, DataError) and e.value.__cause__ is error
   assert install in str(e.value) and str(error) in str(e.value)
 
 
 def test_response_ids(tok):
-  assert data.response_ids(tok, "a b", stop_id=3) == ids(tok, "a b <eos>")
-  assert data.response_ids(tok, "", stop_id=7) == [7]
+  assert encoding.response_ids(tok, "a b", stop_id=3) == ids(tok, "a b <eos>")
+  assert encoding.response_ids(tok, "", stop_id=7) == [7]
   with pytest.raises(DataError, match="a response must be a string"):
-    data.response_ids(tok, ["a"], stop_id=3)
+    encoding.response_ids(tok, ["a"], stop_id=3)
 
 
 def test_smollm2_tokenizer(smollm2_path):
@@ -334,11 +335,11 @@ def test_smollm2_tokenizer(smollm2_path):
   messages = [{"role": "user", "content": "What is 2 + 3?"}]
   expected = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
   expected = list(expected["input_ids"] if hasattr(expected, "keys") else expected)
-  assert data.prompt_ids(tok, "What is 2 + 3?") == expected
+  assert encoding.prompt_ids(tok, "What is 2 + 3?") == expected
   assert tok.pad_token_id == tok.eos_token_id
   with warnings.catch_warnings():
     warnings.simplefilter("error")  # pad == eos is a real pad token: no warning
-    sft = data.encode_sft(tok, [{"prompt": "What is 2 + 3?", "response": "5"}], 64, 4)
+    sft = encoding.encode_sft(tok, [{"prompt": "What is 2 + 3?", "response": "5"}], 64, 4)
   eos = tok.eos_token_id
   assert sft.prompt.tokens[0, sft.prompt.mask[0]].tolist() == expected
   assert sft.response.tokens[0].tolist() == tok.encode("5", add_special_tokens=False) + [eos] * 3
@@ -349,35 +350,35 @@ def test_smollm2_tokenizer(smollm2_path):
 
 
 def test_left_and_right_pad_examples():
-  enc = data.left_pad([[1, 2], [3, 4, 5, 6, 7], [8]], 3, pad_id=0)
+  enc = encoding.left_pad([[1, 2], [3, 4, 5, 6, 7], [8]], 3, pad_id=0)
   np.testing.assert_array_equal(enc.tokens, [[0, 1, 2], [5, 6, 7], [0, 0, 8]])
   np.testing.assert_array_equal(enc.mask, [[0, 1, 1], [1, 1, 1], [0, 0, 1]])
   np.testing.assert_array_equal(enc.truncated, [False, True, False])
   assert enc.tokens.dtype == np.int32 and enc.mask.dtype == bool and enc.truncated.dtype == bool
-  enc = data.right_pad([[1, 2], [3, 4, 5, 6, 7]], 3, pad_id=9)
+  enc = encoding.right_pad([[1, 2], [3, 4, 5, 6, 7]], 3, pad_id=9)
   np.testing.assert_array_equal(enc.tokens, [[1, 2, 9], [3, 4, 5]])
   np.testing.assert_array_equal(enc.mask, [[1, 1, 0], [1, 1, 1]])
   np.testing.assert_array_equal(enc.truncated, [False, True])
-  assert data.left_pad([], 4, 0).tokens.shape == (0, 4)
+  assert encoding.left_pad([], 4, 0).tokens.shape == (0, 4)
 
 
 def test_pad_errors():
   with pytest.raises(DataError, match=r"row 1 has 5 tokens, more than the limit of 3"):
-    data.left_pad([[1], [1, 2, 3, 4, 5]], 3, 0, truncate="error")
+    encoding.left_pad([[1], [1, 2, 3, 4, 5]], 3, 0, truncate="error")
   with pytest.raises(DataError, match=r"row 0 has 4 tokens, more than the limit of 3"):
-    data.right_pad([[1, 2, 3, 4]], 3, 0, truncate="error")
-  assert data.left_pad([[1, 2, 3]], 3, 0, truncate="error").truncated.tolist() == [False]
+    encoding.right_pad([[1, 2, 3, 4]], 3, 0, truncate="error")
+  assert encoding.left_pad([[1, 2, 3]], 3, 0, truncate="error").truncated.tolist() == [False]
   with pytest.raises(DataError, match=r"row 2 is empty \(zero tokens\)"):
-    data.left_pad([[1], [2], []], 3, 0)
+    encoding.left_pad([[1], [2], []], 3, 0)
   with pytest.raises(DataError, match=r"row 0 is empty"):
-    data.right_pad([[]], 3, 0)
+    encoding.right_pad([[]], 3, 0)
   with pytest.raises(DataError, match=r"left_pad: truncate must be one of \('left', 'error'\), "
                      r"got 'right'"):
-    data.left_pad([[1]], 3, 0, truncate="right")
+    encoding.left_pad([[1]], 3, 0, truncate="right")
   with pytest.raises(DataError, match=r"right_pad: truncate must be one of \('right', 'error'\)"):
-    data.right_pad([[1]], 3, 0, truncate="left")
+    encoding.right_pad([[1]], 3, 0, truncate="left")
   with pytest.raises(DataError, match=r"length must be >= 1, got 0"):
-    data.left_pad([[1]], 0, 0)
+    encoding.left_pad([[1]], 0, 0)
 
 
 def _reference_pad(seqs, length, pad_id, left):
@@ -398,7 +399,7 @@ def _reference_pad(seqs, length, pad_id, left):
 @given(seqs=st.lists(st.lists(st.integers(1, 50_000), min_size=1, max_size=12), max_size=6),
        length=st.integers(1, 10), pad_id=st.integers(0, 5), left=st.booleans())
 def test_padding_matches_reference(seqs, length, pad_id, left):
-  enc = (data.left_pad if left else data.right_pad)(seqs, length, pad_id)
+  enc = (encoding.left_pad if left else encoding.right_pad)(seqs, length, pad_id)
   rows, flags = _reference_pad(seqs, length, pad_id, left)
   assert enc.tokens.shape == enc.mask.shape == (len(seqs), length)
   assert [r[0] for r in rows] == enc.tokens.tolist()
@@ -412,30 +413,30 @@ def test_padding_matches_reference(seqs, length, pad_id, left):
 def test_encode_prompts(tok):
   records = [{"prompt": "a b"}, {"q": [{"role": "user", "content": "c"}]}]
   with pytest.raises(DataError, match=r"record 1 has no field 'prompt' \(fields: 'q'\)"):
-    data.encode_prompts(tok, records, 8)
-  enc = data.encode_prompts(tok, [{"q": "a b"}, {"q": [{"role": "user", "content": "c"}]}], 5,
+    encoding.encode_prompts(tok, records, 8)
+  enc = encoding.encode_prompts(tok, [{"q": "a b"}, {"q": [{"role": "user", "content": "c"}]}], 5,
                             field="q")
   assert enc.tokens.tolist() == [ids(tok, "<user> a b <end> <assistant>"),
                                  ids(tok, "<pad> <user> c <end> <assistant>")]
   assert enc.mask.sum(1).tolist() == [5, 4] and not enc.truncated.any()
-  enc = data.encode_prompts(tok, [{"prompt": "a b c d"}], 4)
+  enc = encoding.encode_prompts(tok, [{"prompt": "a b c d"}], 4)
   assert enc.tokens.tolist() == [ids(tok, "c d <end> <assistant>")] and enc.truncated.all()
   with pytest.raises(DataError, match=r"prompts \(field 'prompt'\): row 0 has 7 tokens, more "
                      "than the limit of 4"):
-    data.encode_prompts(tok, [{"prompt": "a b c d"}], 4, truncate="error")
+    encoding.encode_prompts(tok, [{"prompt": "a b c d"}], 4, truncate="error")
   with pytest.raises(DataError, match=r"prompts \(field 'prompt'\): row 1 is empty"):
-    data.encode_prompts(make_tokenizer(bos=False), [{"prompt": "a"}, {"prompt": " "}], 4,
+    encoding.encode_prompts(make_tokenizer(bos=False), [{"prompt": "a"}, {"prompt": " "}], 4,
                         chat_template=False)
   with pytest.raises(DataError, match=r"record 0, field 'prompt': the tokenizer has no chat"):
-    data.encode_prompts(make_tokenizer(template=False), [{"prompt": "a"}], 4)
+    encoding.encode_prompts(make_tokenizer(template=False), [{"prompt": "a"}], 4)
   with pytest.raises(DataError, match=r"encode_prompts: truncate must be one of"):
-    data.encode_prompts(tok, [{"prompt": "a"}], 4, truncate="right")
+    encoding.encode_prompts(tok, [{"prompt": "a"}], 4, truncate="right")
 
 
 def test_encode_pairs(tok):
   records = [{"prompt": "a", "chosen": "b c", "rejected": "d"},
              {"prompt": "e f", "chosen": "g", "rejected": "a b c d"}]
-  pairs = data.encode_pairs(tok, records, 6, 3, system="h")
+  pairs = encoding.encode_pairs(tok, records, 6, 3, system="h")
   assert pairs.prompt.tokens.shape == (2, 6) and pairs.prompt.truncated.tolist() == [True, True]
   assert pairs.prompt.tokens.tolist() == [ids(tok, "h <end> <user> a <end> <assistant>"),
                                           ids(tok, "<end> <user> e f <end> <assistant>")]
@@ -443,24 +444,24 @@ def test_encode_pairs(tok):
   assert pairs.chosen.mask.tolist() == [[1, 1, 1], [1, 1, 0]]
   assert pairs.rejected.tokens.tolist() == [ids(tok, "d <eos> <pad>"), ids(tok, "a b c")]
   assert pairs.rejected.truncated.tolist() == [False, True]
-  pairs = data.encode_pairs(tok, records[:1], 8, 4, stop_id=7, chat_template=True)
+  pairs = encoding.encode_pairs(tok, records[:1], 8, 4, stop_id=7, chat_template=True)
   assert pairs.chosen.tokens.tolist() == [ids(tok, "b c") + [7, 0]]
   with pytest.raises(DataError, match=r"record 1 has no field 'rejected' \(fields: 'prompt', "
                      r"'chosen'\)"):
-    data.encode_pairs(tok, [records[0], {"prompt": "a", "chosen": "b"}], 8, 4)
+    encoding.encode_pairs(tok, [records[0], {"prompt": "a", "chosen": "b"}], 8, 4)
   with pytest.raises(DataError, match=r"record 0, field 'chosen': a response must be a string"):
-    data.encode_pairs(tok, [{"prompt": "a", "chosen": [{"role": "assistant", "content": "b"}],
+    encoding.encode_pairs(tok, [{"prompt": "a", "chosen": [{"role": "assistant", "content": "b"}],
                              "rejected": "c"}], 8, 4)
 
 
 def test_encode_sft_pads_responses_with_eos_when_no_pad(tmp_path):
   tok = make_tokenizer(pad=False)
   path = tmp_path / "sft.jsonl"
-  data.write_jsonl([{"prompt": "a", "response": "b c"}, {"prompt": "d", "response": ""}], path)
-  records = data.read_records(path, required=("prompt", "response"))
+  records_lib.write_jsonl([{"prompt": "a", "response": "b c"}, {"prompt": "d", "response": ""}], path)
+  records = records_lib.read_records(path, required=("prompt", "response"))
   with warnings.catch_warnings():
     warnings.simplefilter("ignore")
-    sft = data.encode_sft(tok, records, 5, 4)
+    sft = encoding.encode_sft(tok, records, 5, 4)
   eos = tok.eos_token_id
   assert sft.prompt.tokens.tolist() == [ids(tok, "<eos> <user> a <end> <assistant>"),
                                         ids(tok, "<eos> <user> d <end> <assistant>")]
@@ -468,8 +469,8 @@ def test_encode_sft_pads_responses_with_eos_when_no_pad(tmp_path):
   assert sft.response.tokens.tolist() == [ids(tok, "b c") + [eos, eos], [eos] * 4]
   assert sft.response.mask.tolist() == [[1, 1, 1, 0], [1, 0, 0, 0]]
   with pytest.raises(DataError, match="no eos token to end responses with; pass stop_id"):
-    data.encode_sft(make_tokenizer(eos=False), records, 5, 4)
-  sft = data.encode_sft(make_tokenizer(eos=False), records, 5, 4, stop_id=5)
+    encoding.encode_sft(make_tokenizer(eos=False), records, 5, 4)
+  sft = encoding.encode_sft(make_tokenizer(eos=False), records, 5, 4, stop_id=5)
   assert sft.response.tokens[1].tolist() == [5, 0, 0, 0]
 
 
@@ -478,9 +479,9 @@ def test_encode_sft_pads_responses_with_eos_when_no_pad(tmp_path):
 
 def test_batch_indices_is_deterministic_and_covers_each_epoch():
   n, b = 10, 4
-  a = [data.batch_indices(n, b, seed=3, position=p) for p in range(10)]
+  a = [encoding.batch_indices(n, b, seed=3, position=p) for p in range(10)]
   assert all(x.dtype == np.int64 and x.shape == (b,) for x in a)
-  assert all(np.array_equal(x, data.batch_indices(n, b, 3, p)) for p, x in enumerate(a))
+  assert all(np.array_equal(x, encoding.batch_indices(n, b, 3, p)) for p, x in enumerate(a))
   stream = np.concatenate(a)  # 40 indices = exactly 4 epochs, batches 2 and 7 straddle
   for e in range(4):
     epoch = stream[e * n:(e + 1) * n]
@@ -488,14 +489,14 @@ def test_batch_indices_is_deterministic_and_covers_each_epoch():
     np.testing.assert_array_equal(epoch, np.random.default_rng([3, e]).permutation(n))
   assert not np.array_equal(stream[:n], stream[n:2 * n])  # reshuffled each epoch
   np.testing.assert_array_equal(a[2], np.concatenate([stream[8:10], stream[10:12]]))
-  assert not np.array_equal(data.batch_indices(n, b, 4, 0), a[0])
+  assert not np.array_equal(encoding.batch_indices(n, b, 4, 0), a[0])
 
 
 def test_batch_indices_larger_than_n_and_far_positions():
-  x = data.batch_indices(3, 7, seed=0, position=1)  # rows 7..13 of the stream: epochs 2, 3, 4
+  x = encoding.batch_indices(3, 7, seed=0, position=1)  # rows 7..13 of the stream: epochs 2, 3, 4
   perms = [np.random.default_rng([0, e]).permutation(3) for e in range(5)]
   np.testing.assert_array_equal(x, np.concatenate(perms)[7:14])
-  far = data.batch_indices(1000, 32, seed=1, position=10**9)
+  far = encoding.batch_indices(1000, 32, seed=1, position=10**9)
   start = 10**9 * 32
   perm = np.random.default_rng([1, start // 1000]).permutation(1000)
   np.testing.assert_array_equal(far, perm[start % 1000:start % 1000 + 32])
@@ -503,8 +504,8 @@ def test_batch_indices_larger_than_n_and_far_positions():
 
 def test_batch_indices_errors():
   with pytest.raises(DataError, match=r"no rows to draw from \(n=0\)"):
-    data.batch_indices(0, 4, 0, 0)
+    encoding.batch_indices(0, 4, 0, 0)
   with pytest.raises(DataError, match=r"batch_size must be >= 1, got 0"):
-    data.batch_indices(5, 0, 0, 0)
+    encoding.batch_indices(5, 0, 0, 0)
   with pytest.raises(DataError, match=r"position must be >= 0"):
-    data.batch_indices(5, 2, 0, -1)
+    encoding.batch_indices(5, 2, 0, -1)

@@ -13,6 +13,7 @@ import importlib.metadata
 import pathlib
 import re
 import sys
+
 import tomllib
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]

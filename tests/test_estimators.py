@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 sys.path.insert(0, os.path.dirname(__file__))
 import reference as ref  # noqa: E402
 
-from ppojax import advantages  # noqa: E402
+from ppojax.core import advantages  # noqa: E402
 
 SETTINGS = settings(max_examples=40, deadline=None,
                     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])

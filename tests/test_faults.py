@@ -1,6 +1,6 @@
 """Reliability: bad input fails early with a clear error, and faults lose nothing.
 
-  data      a bad data file fails ``runner.build`` naming file, line and field, before anything
+  data      a bad data file fails ``build_lib.build`` naming file, line and field, before anything
             compiles; so do a tokenizer without a chat template and a too-long prompt with
             ``data.truncate="error"``
   models    truncated, corrupt, incomplete or mismatched safetensors and GGUF files: the error
@@ -34,12 +34,14 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 import pytest
-
-from ppojax import reporting, runner, tasks
-from ppojax.checkpoint import Checkpointer
-from ppojax.data import DataError
-from ppojax.models import CausalLM, LoadedModel, hf, init_params, load_model, save_model
 from test_step import toy_config
+
+from ppojax.data.records import DataError
+from ppojax.models import CausalLM, LoadedModel, hf, init_params, load_model, save_model
+from ppojax.run import build as build_lib
+from ppojax.run import reporting, runner
+from ppojax.run.checkpoint import Checkpointer
+from ppojax.tasks import count
 
 ROOT = pathlib.Path(__file__).parents[1]
 VOLATILE = ("time/", "eps", "memory/")  # wall-clock figures differ between runs
@@ -75,7 +77,7 @@ def text_policy(char_tokenizer, tmp_path_factory):
   """A tiny random policy with the character tokenizer, as a Hugging Face directory (loading
   it compiles nothing), and a copy of the tokenizer without a chat template."""
   tiny = toy_config().model.tiny
-  cfg = runner.tiny_model_config(ml_collections.ConfigDict(
+  cfg = build_lib.tiny_model_config(ml_collections.ConfigDict(
       dict(tiny.to_dict(), vocab_size=len(char_tokenizer))))
   cfg = cfg.replace(bos_token_id=None, eos_token_id=1, pad_token_id=0)
   params = _init(cfg, 0)
@@ -94,7 +96,7 @@ def text_policy(char_tokenizer, tmp_path_factory):
 def _file_config(policy, path, **changes):
   return toy_config(**{"model.policy": str(policy), "data.task": "file", "data.path": str(path),
                        "data.max_prompt_len": 24, "reward.kind": "text",
-                       "reward.fn": "ppojax.arith:reward", **changes})
+                       "reward.fn": "ppojax.tasks.arith:reward", **changes})
 
 
 @pytest.fixture
@@ -128,7 +130,7 @@ def test_a_bad_data_file_fails_build_naming_file_and_line(text_policy, tmp_path,
   path = tmp_path / "train.jsonl"
   path.write_text("\n".join(lines) + "\n")
   with pytest.raises(DataError, match=message) as e:
-    runner.build(_file_config(text_policy[0], path))
+    build_lib.build(_file_config(text_policy[0], path))
   assert str(path) in str(e.value)
 
 
@@ -136,7 +138,7 @@ def test_an_empty_data_file_fails_build(text_policy, tmp_path, no_compiling):
   path = tmp_path / "train.jsonl"
   path.write_text("\n\n")
   with pytest.raises(DataError, match=r"train\.jsonl contains no records"):
-    runner.build(_file_config(text_policy[0], path))
+    build_lib.build(_file_config(text_policy[0], path))
 
 
 def test_no_chat_template_and_too_long_prompts_fail_build(text_policy, tmp_path, no_compiling):
@@ -145,9 +147,9 @@ def test_no_chat_template_and_too_long_prompts_fail_build(text_policy, tmp_path,
   path.write_text("".join(json.dumps({"prompt": f"What is {i} + {i}?"}) + "\n" for i in range(20)))
   with pytest.raises(DataError, match="the tokenizer has no chat template; set "
                      "data.chat_template=False"):
-    runner.build(_file_config(policy, path, **{"model.tokenizer": str(plain)}))
+    build_lib.build(_file_config(policy, path, **{"model.tokenizer": str(plain)}))
   with pytest.raises(DataError, match=r"has \d+ tokens, more than the limit of 8"):
-    runner.build(_file_config(policy, path, **{"data.max_prompt_len": 8,
+    build_lib.build(_file_config(policy, path, **{"data.max_prompt_len": 8,
                                                "data.truncate": "error"}))
 
 
@@ -159,7 +161,7 @@ def test_no_chat_template_and_too_long_prompts_fail_build(text_policy, tmp_path,
 @pytest.fixture(scope="module")
 def tiny_hf(tmp_path_factory):
   """A tiny Llama policy saved as a Hugging Face directory (one model.safetensors)."""
-  cfg = runner.tiny_model_config(toy_config().model.tiny)
+  cfg = build_lib.tiny_model_config(toy_config().model.tiny)
   params = jax.device_get(_init(cfg, 1))
   return save_model(tmp_path_factory.mktemp("tiny_hf") / "model",
                     LoadedModel(cfg, params, None, "lm"))
@@ -271,8 +273,9 @@ def test_sharded_checkpoint_faults(model_copy):
 
 
 def test_gguf_faults_name_file_and_tensor(tmp_path):
-  from ppojax.models import gguf as gg  # pylint: disable=import-outside-toplevel
   from test_gguf import _tiny_hf_weights, write_tiny_gguf  # pylint: disable=import-outside-toplevel
+
+  from ppojax.models import gguf as gg  # pylint: disable=import-outside-toplevel
 
   weights = _tiny_hf_weights(np.random.default_rng(0), True)
   good = write_tiny_gguf(tmp_path / "good.gguf", weights)
@@ -307,7 +310,7 @@ CALLS = [0]
 
 def flaky_reward(rollout):
   """The count task's reward, with one NaN score in the calls listed in ``NAN_AT``."""
-  scores = tasks.count_reward_numpy(rollout).astype(np.float32)
+  scores = count.count_reward_numpy(rollout).astype(np.float32)
   if CALLS[0] in NAN_AT:
     scores[3] = np.nan
   CALLS[0] += 1
@@ -338,7 +341,7 @@ def test_a_nonfinite_step_changes_nothing_but_the_key(single_pass):
   step stay; the key moves on; the metrics say what was non-finite. Both with minibatches (a
   select after the update) and in the single-pass update (a cond around the optimizer step)."""
   one = {"ppo.num_epochs": 1, "ppo.num_minibatches": 1} if single_pass else {}
-  r = runner.build(toy_config(**{"reward.fn": "test_faults:nan_rule", **one}))
+  r = build_lib.build(toy_config(**{"reward.fn": "test_faults:nan_rule", **one}))
   before = jax.device_get(r.state)
   state, metrics, _, _ = runner.iteration(r, r.state, r.source.batch(0).prompts)
   after = jax.device_get(state)
@@ -366,7 +369,7 @@ def test_nonfinite_iterations_are_skipped_counted_and_n_in_a_row_stop_the_run(tm
   assert [r["skipped/nonfinite_total"] for r in rows] == [0, 1, 2, 2, 3, 4, 5]
   assert np.isfinite(rows[3]["loss/policy_avg"]) and np.isnan(rows[4]["loss/policy_avg"])
 
-  target = runner.build(config).state
+  target = build_lib.build(config).state
   with Checkpointer(tmp_path / "checkpoints", 1, 10) as ckpt:
     assert ckpt.all_steps() == list(range(1, 8))
     states = {it: ckpt.restore(target, step=it) for it in range(1, 8)}

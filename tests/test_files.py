@@ -5,7 +5,7 @@ import stat
 
 import pytest
 
-from ppojax import files
+from ppojax.infra import files
 
 
 @pytest.fixture

@@ -1,4 +1,4 @@
-"""ppojax.hostmem: the entry points restart once with glibc's huge-page tunable, never loop, and
+"""ppojax.infra.hostmem: the entry points restart once with glibc's huge-page tunable, never loop, and
 leave the process alone where it cannot help or is turned off; with the tunable, glibc's malloc
 really advises the kernel to back a large block with huge pages.
 
@@ -14,14 +14,15 @@ import textwrap
 
 import pytest
 
-from ppojax import hostmem
+from ppojax.infra import hostmem
+from ppojax.run import build as build_lib
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 SCRIPT = textwrap.dedent("""
     import ctypes, os, sys
     print("start", flush=True)  # printed once per process image
-    from ppojax import hostmem
+    from ppojax.infra import hostmem
     hostmem.reexec_with_huge_pages()
     print("args", sys.argv[1:], flush=True)
     print("tunables", os.environ.get("GLIBC_TUNABLES", ""), flush=True)
@@ -115,7 +116,7 @@ def test_cli_results_do_not_depend_on_huge_pages(tmp_path, huge_pages):
   bit, as with PPOJAX_HUGE_PAGES=0: only the page size of host buffers changes. A
   sitecustomize.py logs each interpreter start's GLIBC_TUNABLES: the default run really ran
   under the tunable, the other never did."""
-  from ppojax import reporting  # pylint: disable=import-outside-toplevel
+  from ppojax.run import reporting  # pylint: disable=import-outside-toplevel
   del huge_pages
   root = pathlib.Path(__file__).parents[1]
   site = tmp_path / "site"
@@ -162,7 +163,7 @@ def test_peak_rss_of_a_child_counts_the_child_only():
 
 RELEASE_SCRIPT = textwrap.dedent("""
     import ctypes, json
-    from ppojax import hostmem
+    from ppojax.infra import hostmem
     libc = ctypes.CDLL(None)
     libc.malloc.restype = ctypes.c_void_p
     libc.malloc.argtypes = [ctypes.c_size_t]
@@ -214,7 +215,8 @@ def test_each_step_function_compiles_once_apart_from_its_first_call(monkeypatch)
   import jax  # pylint: disable=import-outside-toplevel
   import numpy as np  # pylint: disable=import-outside-toplevel
   from jax._src import monitoring  # pylint: disable=import-outside-toplevel
-  from ppojax import runner  # pylint: disable=import-outside-toplevel
+
+  from ppojax.run import runner  # pylint: disable=import-outside-toplevel
   events = []
   monkeypatch.setattr(hostmem, "release", lambda: events.append("release") or True)
 
@@ -222,7 +224,7 @@ def test_each_step_function_compiles_once_apart_from_its_first_call(monkeypatch)
     if name == "/jax/core/compile/backend_compile_duration":
       events.append("compile")
 
-  r = runner.build(runner.load_config(ROOT / "configs" / "toy.py", ppo__batch_size=4,
+  r = build_lib.build(build_lib.load_config(ROOT / "configs" / "toy.py", ppo__batch_size=4,
                                       num_iterations=3))
   assert r.policy.params is None  # the state holds the weights, the run no second copy
   prompts, state = r.source.batch(0).prompts, r.state

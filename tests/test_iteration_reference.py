@@ -29,15 +29,17 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-
 import reference as ref
-from ppojax import algorithms, runner, tasks
-from ppojax import step as step_lib
-from ppojax import update as update_lib
+
+from ppojax.core import algorithms
+from ppojax.learner import step as step_lib
+from ppojax.learner import update as update_lib
+from ppojax.run import build as build_lib
+from ppojax.tasks import count
 
 _TOY = pathlib.Path(__file__).parents[1] / "configs" / "toy.py"
 LR = 0.2
-STOP_IDS = (tasks.STOP,)  # configs/toy.py: sampling.stop_ids
+STOP_IDS = (count.STOP,)  # configs/toy.py: sampling.stop_ids
 # Two-pass: 2 epochs × 2 minibatches × 2 micro-batches (shuffled rows, parameters that move
 # between minibatches, ratios away from 1); single-pass: the default 1 × 1 × 1 of the quickstart.
 SPLITS = {"two_pass": (2, 2, 2), "single_pass": (1, 1, 1)}
@@ -47,7 +49,7 @@ def _config(split: str, temperature: float, algorithm: str = "ppo"):
   e, m, k = SPLITS[split]
   grouped = {} if algorithm == "ppo" else {
       "algorithm": algorithm, "ppo__batch_size": 4, "sampling__num_samples_per_prompt": 4}
-  return algorithms.resolve(runner.load_config(
+  return algorithms.resolve(build_lib.load_config(
       _TOY, **{"ppo__batch_size": 16, "ppo__num_epochs": e, "ppo__num_minibatches": m,
                "ppo__grad_accum": k, "ppo__clip_eps": 0.05, "ppo__value_clip": 0.05,
                "ppo__kl_coef": 0.2, "ppo__ent_coef": 0.01, "sampling__temperature": temperature,
@@ -69,7 +71,7 @@ def _moved(run):
 @pytest.fixture(scope="module", params=[1.0, 0.7], ids=["T1.0", "T0.7"])
 def trained(request):
   """``_moved`` at the sampling temperature ``request.param``."""
-  return _moved(runner.build(_config("two_pass", request.param)))
+  return _moved(build_lib.build(_config("two_pass", request.param)))
 
 
 def _sgd_step(run, config):
@@ -148,7 +150,7 @@ def reference_iteration(run, config, state, r):
                                      temperature), 0.0)
   old_values = None if critic is None else np.where(
       mask, np.asarray(_values(critic, state.critic, rows, n_resp), np.float64), 0.0)
-  scores = tasks.count_reward_numpy(r).astype(np.float64)
+  scores = count.count_reward_numpy(r).astype(np.float64)
   beta = float(state.kl.beta)
   kl_in_loss = ppo.kl_in == "loss"
   rewards, kl_metrics = ref.shape_rewards(
@@ -263,7 +265,7 @@ def test_step_equals_the_reference_iteration(trained, split):
 # seq_mean_token_sum_norm, token_mean).
 @pytest.fixture(scope="module", params=["grpo", "dr_grpo", "rloo"])
 def trained_grouped(request):
-  return _moved(runner.build(_config("two_pass", 0.7, request.param)))
+  return _moved(build_lib.build(_config("two_pass", 0.7, request.param)))
 
 
 @pytest.mark.parametrize("split", list(SPLITS))

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from ppojax import advantages, kl, losses, ops, rewards
+from ppojax.core import advantages, kl, losses, ops, rewards
 
 B, T, V = 2, 5, 11
 N_CALLS = 3

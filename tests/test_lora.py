@@ -1,4 +1,4 @@
-"""LoRA (ppojax.lora, transformer.Linear's adapters): exact start at the base, merge = adapted
+"""LoRA (ppojax.models.lora, transformer.Linear's adapters): exact start at the base, merge = adapted
 model, gradients only for adapters, the reference from the base, and peft's layout."""
 
 import jax
@@ -6,12 +6,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from ppojax import lora
-from ppojax.models import hf
-from ppojax.models import kernels as K
 from ppojax.models import cache as C
+from ppojax.models import hf, lora
+from ppojax.models import kernels as K
 from ppojax.models import transformer as T
 from ppojax.models.config import ModelConfig
+from ppojax.run import build as build_lib
+from ppojax.learner import state as state_lib
 
 V, D, I, L, H = 64, 32, 48, 3, 4
 
@@ -171,19 +172,18 @@ def test_peft_export_loads_in_peft_and_gives_the_adapted_logits(tmp_path):
 
 
 def _toy(**changes):
-  from ppojax import runner  # pylint: disable=import-outside-toplevel
   import pathlib  # pylint: disable=import-outside-toplevel
+
   overrides = {"ppo__batch_size": 16, "num_iterations": 4, "save_every": 2, "log_every": 1,
                "sample_every": 0, **{k.replace(".", "__"): v for k, v in changes.items()}}
-  return runner.load_config(pathlib.Path(__file__).parent.parent / "configs" / "toy.py",
+  return build_lib.load_config(pathlib.Path(__file__).parent.parent / "configs" / "toy.py",
                             **overrides)
 
 
 @pytest.mark.parametrize("algorithm", ["ppo", "grpo"])
 def test_a_lora_run_trains_only_adapters_with_the_base_as_reference(algorithm):
-  from ppojax import runner, step as step_lib  # pylint: disable=import-outside-toplevel
   extra = {"sampling.num_samples_per_prompt": 4, "ppo.batch_size": 4} if algorithm != "ppo" else {}
-  r = runner.build(_toy(**{"lora.rank": 4, "lora.targets": "q,v,down", "algorithm": algorithm,
+  r = build_lib.build(_toy(**{"lora.rank": 4, "lora.targets": "q,v,down", "algorithm": algorithm,
                            "ppo.kl_coef": 0.1, **extra}))
   state = r.state
   assert r.frozen.ref_actor is None and state.base is not None  # no copy: the base is the ref
@@ -193,7 +193,7 @@ def test_a_lora_run_trains_only_adapters_with_the_base_as_reference(algorithm):
   assert sum(x.size for x in opt_leaves) == 2 * lora.count(state.actor)  # Adam's two moments
   base0 = jax.tree.map(np.asarray, state.base)
   # the reference log-probs = a separately built base model's (no adapters, no LoRA path)
-  plain = runner.build(_toy(**{"algorithm": algorithm, "ppo.kl_coef": 0.1, **extra}))
+  plain = build_lib.build(_toy(**{"algorithm": algorithm, "ppo.kl_coef": 0.1, **extra}))
   prompts = r.source.batch(0).prompts
   roll = jax.jit(r.step.rollout)(state, r.frozen, prompts)
   ref = jax.jit(plain.step.rollout)(plain.state, plain.frozen, prompts)
@@ -205,14 +205,15 @@ def test_a_lora_run_trains_only_adapters_with_the_base_as_reference(algorithm):
   jax.tree.map(np.testing.assert_array_equal, jax.tree.map(np.asarray, state.base), base0)
   b = state.actor["model"]["layers"]["attn"]["q"]["lora_b"]
   assert np.abs(np.asarray(b)).max() > 0  # the adapters moved
-  assert step_lib.policy_params(state.actor, state.base)["model"]["embed"] is state.base[
+  assert state_lib.policy_params(state.actor, state.base)["model"]["embed"] is state.base[
       "model"]["embed"]
 
 
 def test_a_lora_run_resumes_exactly_saves_small_checkpoints_and_exports(tmp_path):
   import json  # pylint: disable=import-outside-toplevel
-  from ppojax import reporting, runner  # pylint: disable=import-outside-toplevel
+
   from ppojax.models import load_model  # pylint: disable=import-outside-toplevel
+  from ppojax.run import reporting, runner  # pylint: disable=import-outside-toplevel
   config = _toy(**{"lora.rank": 4, "ppo.kl_coef": 0.1})
   whole = runner.run(config, str(tmp_path / "whole")).history
   runner.run(config, str(tmp_path / "parts"), stop_after=2)
@@ -229,12 +230,12 @@ def test_a_lora_run_resumes_exactly_saves_small_checkpoints_and_exports(tmp_path
   runner.run(_toy(**grpo, **{"lora.rank": 2}), str(tmp_path / "lora"))
   size = lambda d: sum(f.stat().st_size  # noqa: E731
                        for f in (tmp_path / d / "checkpoints" / "2").rglob("*") if f.is_file())
-  base_bytes = sum(x.nbytes for x in jax.tree.leaves(runner.build(_toy(**grpo)).state.actor))
+  base_bytes = sum(x.nbytes for x in jax.tree.leaves(build_lib.build(_toy(**grpo)).state.actor))
   # orbax's metadata, 0.1-0.2 MB whatever the arrays (it varied between machines), is most of
   # this tiny model's LoRA checkpoint: the bound is the base's own bytes, which it must lack
   assert size("lora") < min(0.3 * size("full"), base_bytes), (size("lora"), size("full"))
   # the merged export is the trained policy as a plain model; the adapters in peft's layout
-  r = runner.build(config)
+  r = build_lib.build(config)
   exported = load_model(str(tmp_path / "whole" / "policy"))
   assert not any("lora" in jax.tree_util.keystr(p)
                  for p, _ in jax.tree_util.tree_leaves_with_path(exported.params))
@@ -245,8 +246,7 @@ def test_a_lora_run_resumes_exactly_saves_small_checkpoints_and_exports(tmp_path
 
 
 def test_a_lora_critic_shares_the_policy_base():
-  from ppojax import runner  # pylint: disable=import-outside-toplevel
-  r = runner.build(_toy(**{"lora.rank": 4, "lora.critic": True, "model.critic_init": "policy",
+  r = build_lib.build(_toy(**{"lora.rank": 4, "lora.critic": True, "model.critic_init": "policy",
                            "ppo.kl_coef": 0.1}))
   state = r.state
   names = {path[-1].key for path, _ in jax.tree_util.tree_leaves_with_path(state.critic)}
@@ -265,17 +265,20 @@ def test_a_lora_critic_shares_the_policy_base():
                        new.critic, state.critic)
   assert moved["score"]["kernel"] > 0
   with pytest.raises(ValueError, match="lora.critic=True.*needs lora.rank > 0"):
-    runner.build(_toy(**{"lora.critic": True, "model.critic_init": "policy"}))
+    build_lib.build(_toy(**{"lora.critic": True, "model.critic_init": "policy"}))
 
 
 MESH_SCRIPT = """
 import pathlib, jax, jax.numpy as jnp, numpy as np
-from ppojax import runner, sharding
+from ppojax.run import runner
+from ppojax.infra import sharding
+from ppojax.learner import state as state_lib
+from ppojax.run import build as build_lib
 root = pathlib.Path("ROOT")
 over = dict(ppo__batch_size=16, lora__rank=4, lora__critic=True, model__critic_init="policy",
             ppo__kl_coef=0.1, model__tiny__hidden_size=64, lora__dropout=DROPOUT)
-one = runner.build(runner.load_config(root / "configs" / "toy.py", **over))
-mesh = runner.build(runner.load_config(root / "configs" / "toy.py", mesh__shape=(2, 4, 1), **over))
+one = build_lib.build(build_lib.load_config(root / "configs" / "toy.py", **over))
+mesh = build_lib.build(build_lib.load_config(root / "configs" / "toy.py", mesh__shape=(2, 4, 1), **over))
 q = mesh.state.base["model"]["layers"]["attn"]["q"]["kernel"]
 assert len(q.sharding.device_set) == 8 and not q.sharding.is_fully_replicated, q.sharding
 assert all(x.sharding.is_fully_replicated for x in jax.tree.leaves(mesh.state.actor))
@@ -406,10 +409,11 @@ def test_lora_dropout_0_compiles_the_update_without_random_bits():
   was also compared with the one before dropout existed); p > 0 draws in the gradient, and a
   module with p > 0 given no key is again the program without dropout."""
   import dataclasses  # pylint: disable=import-outside-toplevel
-  from ppojax import algorithms, experience, runner  # pylint: disable=import-outside-toplevel
-  from ppojax import step as step_lib  # pylint: disable=import-outside-toplevel
-  from ppojax import update as update_lib  # pylint: disable=import-outside-toplevel
-  r = runner.build(_toy(**{"lora.rank": 4, "lora.critic": True, "model.critic_init": "policy",
+
+  from ppojax.core import algorithms
+  from ppojax.learner import experience
+  from ppojax.learner import update as update_lib  # pylint: disable=import-outside-toplevel
+  r = build_lib.build(_toy(**{"lora.rank": 4, "lora.critic": True, "model.critic_init": "policy",
                            "ppo.kl_coef": 0.1}))
   ppo = algorithms.resolve(r.config).ppo
   roll = jax.eval_shape(r.step.rollout, r.state, r.frozen, r.source.batch(0).prompts)
@@ -422,7 +426,7 @@ def test_lora_dropout_0_compiles_the_update_without_random_bits():
   params = (r.state.actor, r.state.critic)
 
   def grads_jaxpr(models, key):
-    ctx = step_lib.Context(r.state.base, key)
+    ctx = state_lib.Context(r.state.base, key)
     return str(jax.make_jaxpr(lambda p, e: update_lib._minibatch_grads(  # pylint: disable=W0212
         p, models, e, idx, ppo, 1.0, ctx=ctx))(params, exp))
 
@@ -435,7 +439,7 @@ def test_lora_dropout_0_compiles_the_update_without_random_bits():
   # a one-step update takes its old log-probs and values from a rollout forward with dropout
   one = ppo.copy_and_resolve_references()
   one.num_epochs = one.num_minibatches = one.grad_accum = 1
-  assert step_lib.single_pass(one) and not step_lib.single_pass(one, 0.1)
+  assert update_lib.single_pass(one) and not update_lib.single_pass(one, 0.1)
 
 
 def _same(a, b) -> bool:
@@ -445,8 +449,7 @@ def _same(a, b) -> bool:
 def test_lora_dropout_acts_in_the_update_only_and_is_reproducible():
   """Policy and LoRA critic: the rollout (samples, old and reference log-probs, old values) is
   bit for bit the one without dropout; the update is another, and the same for the same state."""
-  from ppojax import runner  # pylint: disable=import-outside-toplevel
-  runs = {p: runner.build(_toy(**{"lora.rank": 4, "lora.critic": True, "lora.dropout": p,
+  runs = {p: build_lib.build(_toy(**{"lora.rank": 4, "lora.critic": True, "lora.dropout": p,
                                   "model.critic_init": "policy", "ppo.kl_coef": 0.1}))
           for p in (0.0, 0.3)}
   prompts = runs[0.0].source.batch(0).prompts
@@ -466,7 +469,8 @@ def test_lora_dropout_acts_in_the_update_only_and_is_reproducible():
 
 def test_a_lora_dropout_run_resumes_exactly_and_exports_its_dropout(tmp_path):
   import json  # pylint: disable=import-outside-toplevel
-  from ppojax import reporting, runner  # pylint: disable=import-outside-toplevel
+
+  from ppojax.run import reporting, runner  # pylint: disable=import-outside-toplevel
   config = _toy(**{"lora.rank": 4, "lora.dropout": 0.1, "ppo.kl_coef": 0.1})
   whole = runner.run(config, str(tmp_path / "whole")).history
   runner.run(config, str(tmp_path / "parts"), stop_after=2)

@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from ppojax import ops
+from ppojax.core import ops
 
 B, T, V, CHUNK = 4, 128, 4096, 64
 

@@ -20,10 +20,10 @@ import numpy as np
 import pytest
 import transformers as tf
 
-from ppojax import ops
+from ppojax.core import ops
 from ppojax.models import cache as C
-from ppojax.models import hf
-from ppojax.models import kernels as K, layout
+from ppojax.models import hf, layout
+from ppojax.models import kernels as K
 from ppojax.models import rope as R
 from ppojax.models import transformer as T
 from ppojax.models.config import REMAT_POLICIES, ModelConfig
@@ -930,7 +930,7 @@ def _assert_decodes_like_full(cfg, params, tokens, full_pos, full_mask, full):
 
 def _partition_specs(params) -> dict:
   """{leaf path: PartitionSpec} under the models' partition rules on a one-device mesh."""
-  from ppojax import sharding  # pylint: disable=import-outside-toplevel
+  from ppojax.infra import sharding  # pylint: disable=import-outside-toplevel
   mesh = sharding.make_mesh((1, 1, 1), devices=jax.devices()[:1])
   return {jax.tree_util.keystr(k): s.spec for k, s in jax.tree_util.tree_leaves_with_path(
       sharding.param_shardings(params, mesh, layout.partition_rules()))}

@@ -20,13 +20,13 @@ devices, process_id, port = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
 os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
 import importlib.util
 import jax
-from ppojax import runner
+from ppojax.run import runner
 spec = importlib.util.spec_from_file_location("toy", sys.argv[4])
 toy = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(toy)
 c = toy.get_config()
 c.num_iterations, c.log_every, c.sample_every = 2, 1, 1
-c.reward.kind, c.reward.fn = "python", "ppojax.tasks:count_reward_numpy"
+c.reward.kind, c.reward.fn = "python", "ppojax.tasks.count:count_reward_numpy"
 if process_id >= 0:
   c.distributed, c.num_processes, c.process_id = True, 2, process_id
   c.coordinator_address = f"localhost:{port}"

@@ -1,5 +1,5 @@
-"""Preference pairs from a policy's own mistakes (ppojax.preferences) and the reward model's
-held-out accuracy per source and per epoch (ppojax.train_rm, ppojax.supervised)."""
+"""Preference pairs from a policy's own mistakes (ppojax.supervised.preferences) and the reward model's
+held-out accuracy per source and per epoch (ppojax.supervised.train_rm, ppojax.supervised.common)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ppojax import arith, data, preferences, reporting, runner, train_rm
+from ppojax.data import records as records_lib
+from ppojax.run import build as build_lib
+from ppojax.run import reporting, runner
+from ppojax.supervised import preferences, train_rm
+from ppojax.tasks import arith
 from tests.test_supervised import _config, preference_records, tokenizer_dir  # noqa: F401
 
 ROOT = pathlib.Path(__file__).parents[1]
@@ -104,7 +108,7 @@ def test_only_the_sources_present_in_the_held_out_pairs_are_reported(
 def test_unknown_pair_sources_and_eval_every_are_refused(tokenizer_dir, tmp_path):  # noqa: F811
   bad = lambda seed, n: [dict(r, source="human") for r in preference_records(seed, n)]  # noqa
   config = _config("rm_arith.py", tokenizer_dir, tmp_path, bad)
-  with pytest.raises(data.DataError, match=r"source \['human'\].*synthetic"):
+  with pytest.raises(records_lib.DataError, match=r"source \['human'\].*synthetic"):
     train_rm.run(config)
   config = _config("rm_arith.py", tokenizer_dir, tmp_path, preference_records,
                    train__eval_every=-2)
@@ -113,7 +117,7 @@ def test_unknown_pair_sources_and_eval_every_are_refused(tokenizer_dir, tmp_path
 
 
 def _tiny_policy_config(tokenizer_dir):  # noqa: F811
-  return runner.load_config(ROOT / "configs" / "rlhf_arith.py", model__policy="tiny",
+  return build_lib.load_config(ROOT / "configs" / "rlhf_arith.py", model__policy="tiny",
                             model__tokenizer=str(tokenizer_dir), sampling__max_new_tokens=6)
 
 
@@ -136,12 +140,12 @@ def test_make_pairs_samples_the_policy_and_mixes_in_synthetic_pairs(tokenizer_di
 
 def test_cli_writes_pairs_that_train_rm_reads(tokenizer_dir, tmp_path):  # noqa: F811
   out = tmp_path / "pairs.jsonl"
-  subprocess.run([sys.executable, "-m", "ppojax.preferences", "--config",
+  subprocess.run([sys.executable, "-m", "ppojax.supervised.preferences", "--config",
                   str(ROOT / "configs" / "rlhf_arith.py"), "--config.model.policy=tiny",
                   f"--config.model.tokenizer={tokenizer_dir}",
                   "--config.sampling.max_new_tokens=4", f"--out={out}", "--n=4", "--samples=2",
                   "--synthetic=5"], cwd=ROOT, check=True, capture_output=True, text=True)
-  records = data.read_records(str(out), required=train_rm.FIELDS)
+  records = records_lib.read_records(str(out), required=train_rm.FIELDS)
   assert len(records) >= 5 and {"answer", "source"} <= set(records[0])
   assert train_rm.source_ids(records).dtype == np.int32
   assert json.loads(out.read_text().splitlines()[0])["prompt"].startswith("What is")
@@ -156,26 +160,26 @@ def test_rlhf_held_out_evaluation_reports_the_reward_models_score(  # noqa: F811
   reward model whose vocabulary is smaller than the policy's is refused."""
   import jax  # pylint: disable=import-outside-toplevel
   import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
-  from ppojax import evaluation  # pylint: disable=import-outside-toplevel
-  from ppojax.models import (LoadedModel, ValueModel,  # pylint: disable=import-outside-toplevel
-                             positions_from_mask, save_model)
+
+  from ppojax.models import LoadedModel, ValueModel, positions_from_mask, save_model
+  from ppojax.run import evaluation  # pylint: disable=import-outside-toplevel
 
   def config(reward_vocab: int):
-    cfg = runner.tiny_model_config(_tiny_policy_config(tokenizer_dir).model.tiny).replace(
+    cfg = build_lib.tiny_model_config(_tiny_policy_config(tokenizer_dir).model.tiny).replace(
         vocab_size=reward_vocab)
     tokens = jnp.zeros((1, 2), jnp.int32)
     params = ValueModel(cfg).init(jax.random.key(3), tokens, positions_from_mask(tokens >= 0),
                                   tokens >= 0)["params"]
     save_model(tmp_path / "rm", LoadedModel(cfg, jax.device_get(params), None, "value"))
-    return runner.load_config(
+    return build_lib.load_config(
         ROOT / "configs" / "rlhf_arith.py", model__policy="tiny",
         model__tokenizer=str(tokenizer_dir), model__reward=str(tmp_path / "rm"),
         sampling__max_new_tokens=6, data__eval_per_digits=2, eval__batch_size=3)
 
-  vocab = len(runner.load_tokenizer(str(tokenizer_dir)))
+  vocab = len(build_lib.load_tokenizer(str(tokenizer_dir)))
   with pytest.raises(ValueError, match=f"vocabulary of {vocab - 1} tokens.*same tokenizer"):
-    runner.build(config(vocab - 1))  # a smaller vocabulary would read past its embedding
-  r = runner.build(config(vocab))
+    build_lib.build(config(vocab - 1))  # a smaller vocabulary would read past its embedding
+  r = build_lib.build(config(vocab))
   summary = runner._held_out(r, r.state, "before", tmp_path, None, 0,  # pylint: disable=W0212
                              say=lambda *_: None)
   rows = [json.loads(line) for line in open(tmp_path / "eval_samples_before.jsonl")]

@@ -18,7 +18,7 @@ from hypothesis import HealthCheck, assume, event, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from ppojax import advantages, kl, losses, ops, rewards
+from ppojax.core import advantages, kl, losses, ops, rewards
 
 SETTINGS = settings(
     max_examples=50,

@@ -6,7 +6,6 @@ import subprocess
 
 import numpy as np
 import pytest
-
 import real_model  # tests/real_model.py
 import reference as ref  # tests/reference.py
 

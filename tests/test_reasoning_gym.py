@@ -1,4 +1,4 @@
-"""reasoning-gym as a task source (ppojax/reasoning.py, ``data.task="reasoning_gym"``): batches
+"""reasoning-gym as a task source (ppojax/tasks/reasoning.py, ``data.task="reasoning_gym"``): batches
 are pure functions of (seed, position), held-out questions never reach training, the reward is
 the dataset's own ``score_answer`` of the extracted answer, bad options fail validation with a
 clear message, and configs/rg_*.py validate and run one iteration on a tiny model."""
@@ -13,9 +13,12 @@ import jax
 import ml_collections
 import pytest
 
-from ppojax import config as config_lib
-from ppojax import reasoning, runner, sources
 from ppojax.models import CausalLM, LoadedModel, init_params, save_model
+from ppojax.run import build as build_lib
+from ppojax.run import checks as checks_lib
+from ppojax.run import config as config_lib
+from ppojax.run import runner
+from ppojax.tasks import reasoning, sources
 
 rg = pytest.importorskip("reasoning_gym")
 
@@ -30,7 +33,7 @@ def _config(**rg_changes) -> ml_collections.ConfigDict:
   c.data.rg.update(dict(dataset="chain_sum", eval_size=100, **rg_changes))
   c.data.rg.options = ml_collections.ConfigDict(ONE_DIGIT)
   c.ppo.batch_size = 16
-  c.reward.fn = "ppojax.reasoning:reward"
+  c.reward.fn = "ppojax.tasks.reasoning:reward"
   return c
 
 
@@ -161,24 +164,24 @@ def test_bad_options_fail_validation_naming_them(change, message):
   c = _config()
   for key, value in change.items():
     c.data.rg[key] = value  # the options replaced, not merged
-  with pytest.raises(config_lib.ConfigError, match=message):
-    config_lib.validate(c, num_devices=1)
+  with pytest.raises(checks_lib.ConfigError, match=message):
+    checks_lib.validate(c, num_devices=1)
 
 
 def test_a_missing_package_names_the_extra(monkeypatch):
   real = importlib.util.find_spec
   monkeypatch.setattr(importlib.util, "find_spec",
                       lambda name, *a: None if name == "reasoning_gym" else real(name, *a))
-  with pytest.raises(config_lib.ConfigError, match=r'pip install -e "\.\[reasoning\]"'):
-    config_lib.validate(_config(), num_devices=1)
+  with pytest.raises(checks_lib.ConfigError, match=r'pip install -e "\.\[reasoning\]"'):
+    checks_lib.validate(_config(), num_devices=1)
 
 
 @pytest.mark.parametrize("name", RG_CONFIGS)
 def test_the_configs_validate_and_build_their_source(name, char_tokenizer):
-  c = runner.load_config(ROOT / "configs" / f"{name}.py")
-  runner.validate(c)
+  c = build_lib.load_config(ROOT / "configs" / f"{name}.py")
+  build_lib.validate(c)
   assert c.data.task == "reasoning_gym" and c.data.rg.dataset == name.removeprefix("rg_")
-  assert c.reward.fn == "ppojax.reasoning:reward" and c.data.rg.extract == "last_number"
+  assert c.reward.fn == "ppojax.tasks.reasoning:reward" and c.data.rg.extract == "last_number"
   assert set(c.eval.baselines) == {"instructed", "rg_direct"}
   source = sources.make_source(c, char_tokenizer)
   assert 0 < len(source.eval_records) <= c.data.rg.eval_size
@@ -189,7 +192,7 @@ def test_the_configs_validate_and_build_their_source(name, char_tokenizer):
 def policy_dir(char_tokenizer, tmp_path_factory):
   """A tiny random model on the character tokenizer, as a Hugging Face directory (128
   positions: chain_sum's questions are about 75 characters)."""
-  cfg = runner.tiny_model_config(ml_collections.ConfigDict(dict(
+  cfg = build_lib.tiny_model_config(ml_collections.ConfigDict(dict(
       vocab_size=len(char_tokenizer), hidden_size=32, intermediate_size=64, num_layers=2,
       num_heads=2, num_kv_heads=1, max_position_embeddings=128)))
   cfg = cfg.replace(bos_token_id=None, eos_token_id=1, pad_token_id=0)
@@ -198,7 +201,7 @@ def policy_dir(char_tokenizer, tmp_path_factory):
 
 
 def test_rg_chain_sum_runs_one_iteration_with_its_evaluations(policy_dir, tmp_path):
-  config = runner.load_config(
+  config = build_lib.load_config(
       ROOT / "configs" / "rg_chain_sum.py", num_iterations=1, save_every=1, sample_every=1,
       model__policy=str(policy_dir), data__max_prompt_len=80, ppo__batch_size=2,
       sampling__max_new_tokens=4, eval__batch_size=8, data__rg__eval_size=6)

@@ -18,7 +18,7 @@ import pytest
 sys.path.insert(0, os.path.dirname(__file__))
 import reference as ref  # noqa: E402
 
-from ppojax import advantages, kl, losses, ops, rewards  # noqa: E402
+from ppojax.core import advantages, kl, losses, ops, rewards  # noqa: E402
 
 SHAPES = [(1, 1), (3, 7), (8, 33), (5, 64)]
 SEEDS = [0, 1]

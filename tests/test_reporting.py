@@ -1,4 +1,4 @@
-"""Tests for ppojax.reporting: progress bar, metric/sample logs, samples table, curve plots."""
+"""Tests for ppojax.run.reporting: progress bar, metric/sample logs, samples table, curve plots."""
 
 from __future__ import annotations
 
@@ -14,8 +14,13 @@ import types
 import numpy as np
 import pytest
 
-from ppojax.reporting import (MetricWriter, Progress, format_samples_table, plot_curves,
-                              read_metrics)
+from ppojax.run.reporting import (
+  MetricWriter,
+  Progress,
+  format_samples_table,
+  plot_curves,
+  read_metrics,
+)
 
 
 class FakeClock:

@@ -1,7 +1,7 @@
 """Resume refuses the wrong run: a rerun of a workdir with another seed, batch size, model or data
 stops with an error naming each differing field and the override, and changes nothing; raising
 num_iterations, or a change accepted by ``resume_allow_changes``, resumes; a corrupt latest
-checkpoint resumes from the previous one with a warning (ppojax/resume.py, checkpoint.py).
+checkpoint resumes from the previous one with a warning (ppojax/run/resume.py, checkpoint.py).
 
 Only the fixture's run, the run that trains longer and the one that falls back compile the step;
 a refused rerun stops before anything compiles.
@@ -19,10 +19,11 @@ import sys
 import warnings
 
 import pytest
-
-from ppojax import reporting, resume, runner
-from ppojax.checkpoint import Checkpointer, CheckpointWarning
 from test_step import toy_config
+
+from ppojax.run import build as build_lib
+from ppojax.run import reporting, resume, runner
+from ppojax.run.checkpoint import Checkpointer, CheckpointWarning
 
 ROOT = pathlib.Path(__file__).parents[1]
 RUN = dict(num_iterations=2, save_every=1, keep=2, log_every=1, sample_every=0)
@@ -148,8 +149,8 @@ def file_run(char_tokenizer, tmp_path):
   config = toy_config(**{**RUN, "num_iterations": 1, "data.task": "file",
                          "model.tokenizer": str(tmp_path / "tokenizer"), "data.path": str(path),
                          "data.max_prompt_len": 24, "reward.kind": "text",
-                         "reward.fn": "ppojax.arith:reward"})
-  r = runner.build(config)
+                         "reward.fn": "ppojax.tasks.arith:reward"})
+  r = build_lib.build(config)
   with Checkpointer(tmp_path / "run" / "checkpoints", 1, 2) as ckpt:
     ckpt.save(1, r.state, {"iteration": 1, "data_position": 1, "nonfinite_total": 0,
                            "nonfinite_streak": 0,

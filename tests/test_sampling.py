@@ -1,4 +1,4 @@
-"""The generation engine (``ppojax.sampling``).
+"""The generation engine (``ppojax.rollout.sampling``).
 
 * greedy decoding equals transformers' ``generate(do_sample=False)`` on SmolLM2-135M-Instruct;
 * sampled first-token frequencies pass a chi-square goodness-of-fit test against the model's
@@ -22,11 +22,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from ppojax import ops
+from ppojax.core import ops
 from ppojax.models import CausalLM, ModelConfig, positions_from_mask
 from ppojax.models.layout import transpose_kernels
-from ppojax import sampling
-from ppojax.sampling import SamplingConfig, generate
+from ppojax.rollout import sampling
+from ppojax.rollout.sampling import SamplingConfig, generate
 
 # ---------------------------------------------------------------------------------------------
 # A tiny random Llama. Its lm head is scaled up so that next-token distributions are far from
@@ -255,7 +255,7 @@ SMOL_NEW = 40
 
 def test_greedy_matches_transformers_generate_on_smollm2(smollm2_path):
   torch = pytest.importorskip("torch")
-  import transformers  # pylint: disable=import-outside-toplevel
+
   from ppojax.models import hf, load_model  # pylint: disable=import-outside-toplevel
 
   model = load_model(smollm2_path)
@@ -538,9 +538,9 @@ def test_logprobs_match_full_forward_ragged(tiny_params, ragged_batch, stop_outp
 
 SHARDED_SCRIPT = textwrap.dedent("""
     import jax, jax.numpy as jnp, numpy as np
-    from ppojax import sharding
+    from ppojax.infra import sharding
     from ppojax.models import CausalLM, ModelConfig, partition_rules, positions_from_mask
-    from ppojax.sampling import SamplingConfig, generate
+    from ppojax.rollout.sampling import SamplingConfig, generate
 
     assert jax.device_count() == 8, jax.devices()
     cfg = ModelConfig(model_type="llama", vocab_size=64, hidden_size=32, intermediate_size=64,

@@ -15,10 +15,13 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-
-from ppojax import experience, losses, runner
-from ppojax import step as step_lib
 from test_step import _assert_close, _iterate, _params, toy_config
+
+from ppojax.core import losses
+from ppojax.core import optim as optim_lib
+from ppojax.learner import step as step_lib
+from ppojax.models import passes as passes_lib
+from ppojax.run import build as build_lib
 
 
 def _masked(shape=(4, 7), seed=0):
@@ -85,10 +88,10 @@ def test_map_rows_equals_one_call():
   fn = lambda a, b, s: {"sum": a.sum(1) * s + b, "none": None, "rows": a * 2}  # noqa: E731
   whole = fn(x, y, 3.0)
   for k in (1, 2, 3, 4, 6, 12):
-    parts = experience.map_rows(fn, (x, y), k, 3.0)
+    parts = passes_lib.map_rows(fn, (x, y), k, 3.0)
     jax.tree.map(np.testing.assert_array_equal, parts, whole)
   with pytest.raises(ValueError, match="do not split"):
-    experience.map_rows(fn, (x, y), 5, 3.0)
+    passes_lib.map_rows(fn, (x, y), 5, 3.0)
 
 
 def test_bfloat16_optimizer_state_follows_float32_adam():
@@ -98,7 +101,7 @@ def test_bfloat16_optimizer_state_follows_float32_adam():
            for _ in range(5)]
   runs = {}
   for dtype in ("float32", "bfloat16"):
-    tx = step_lib.make_optimizer(optax.constant_schedule(1e-2), 1.0, state_dtype=dtype)
+    tx = optim_lib.make_optimizer(optax.constant_schedule(1e-2), 1.0, state_dtype=dtype)
     state, p = tx.init(params), params
     for g in grads:
       updates, state = jax.jit(tx.update)(g, state, p)
@@ -119,7 +122,7 @@ def test_bfloat16_optimizer_state_follows_float32_adam():
 
 
 def _rollout(config, it=0):
-  run = runner.build(config)
+  run = build_lib.build(config)
   r = run.step.rollout(run.state, run.frozen, run.source.batch(it).prompts)
   return run, jax.device_get(r)
 
@@ -144,7 +147,7 @@ def test_forward_micro_batches_give_the_same_rollout_and_iterations():
     _assert_close(_params(state), _params(base[1]), rtol=1e-5, atol=1e-6)
     _assert_close(rows, base[2], rtol=1e-4, atol=1e-6)
   with pytest.raises(ValueError, match="forward_micro_batches=3"):
-    runner.build(toy_config(**{"ppo.forward_micro_batches": 3}))
+    build_lib.build(toy_config(**{"ppo.forward_micro_batches": 3}))
 
 
 def test_bfloat16_frozen_models_score_like_float32_ones(tmp_path):
@@ -154,7 +157,7 @@ def test_bfloat16_frozen_models_score_like_float32_ones(tmp_path):
   from ppojax.models import LoadedModel, ValueModel, save_model  # pylint: disable=C0415
   from ppojax.models.cache import positions_from_mask  # pylint: disable=C0415
 
-  cfg = runner.tiny_model_config(toy_config().model.tiny)
+  cfg = build_lib.tiny_model_config(toy_config().model.tiny)
   tokens = jnp.zeros((1, 2), jnp.int32)
   params = ValueModel(cfg).init(jax.random.key(7), tokens, positions_from_mask(tokens >= 0),
                                 tokens >= 0)["params"]
@@ -192,9 +195,9 @@ def test_sampler_mismatch_is_reported_and_tis_reweights():
   _, rows, _ = _iterate(plain_run, 1)
   assert rows[0]["rollout/logp_mismatch"] == pytest.approx(gap, rel=1e-4, abs=1e-7)
   assert "policy/is_weight_avg" not in rows[0]
-  _, rows_t, _ = _iterate(runner.build(toy_config(**over, **{"ppo.tis_cap": 2.0})), 1)
+  _, rows_t, _ = _iterate(build_lib.build(toy_config(**over, **{"ppo.tis_cap": 2.0})), 1)
   assert 0.8 < rows_t[0]["policy/is_weight_avg"] < 1.2
   assert rows_t[0]["loss/policy_avg"] != pytest.approx(rows[0]["loss/policy_avg"], rel=1e-6)
-  assert runner.build(toy_config()).models.sampler is None  # model.dtype: no second module
+  assert build_lib.build(toy_config()).models.sampler is None  # model.dtype: no second module
   with pytest.raises(ValueError, match="tis_cap"):
-    runner.build(toy_config(**{"ppo.tis_cap": -1.0}))
+    build_lib.build(toy_config(**{"ppo.tis_cap": -1.0}))

@@ -7,8 +7,9 @@ import pytest
 
 SCRIPT = textwrap.dedent("""
     import jax, jax.numpy as jnp, numpy as np
-    from ppojax import sharding
-    from ppojax.models import CausalLM, ModelConfig, ValueModel, partition_rules, positions_from_mask
+    from ppojax.infra import sharding
+    from ppojax.models import (CausalLM, ModelConfig, ValueModel, partition_rules,
+                               positions_from_mask)
 
     assert jax.device_count() == 8, jax.devices()
     for model_type in ("llama", "gpt2"):
@@ -44,8 +45,9 @@ def test_sharded_forward_matches_single_device(run_on_8_cpu_devices):
 
 
 def test_mesh_shape_errors():
-  from ppojax import sharding  # pylint: disable=import-outside-toplevel
   import jax  # pylint: disable=import-outside-toplevel
+
+  from ppojax.infra import sharding  # pylint: disable=import-outside-toplevel
   n = jax.device_count()
   with pytest.raises(ValueError, match="needs"):
     sharding.make_mesh((n + 1, 1, 1))
@@ -57,7 +59,7 @@ VOCAB_SCRIPT = textwrap.dedent("""
     import re
     import jax, jax.numpy as jnp, numpy as np
     from jax.sharding import NamedSharding, PartitionSpec as P
-    from ppojax import sharding
+    from ppojax.infra import sharding
 
     V, D, B, T = 256, 32, 8, 6
     table = jax.random.normal(jax.random.key(0), (V, D))

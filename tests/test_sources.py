@@ -1,5 +1,5 @@
-"""Text tasks: ppojax.sources (where prompts come from, trl-style text rewards), ppojax.evaluation
-(greedy held-out evaluation) and a text task run end to end by ppojax.runner.
+"""Text tasks: ppojax.tasks.sources (where prompts come from, trl-style text rewards), ppojax.run.evaluation
+(greedy held-out evaluation) and a text task run end to end by ppojax.run.runner.
 
 A character-level tokenizer (conftest ``char_tokenizer``) and a tiny random transformer keep it
 fast: batches must be pure functions of the data position (resume safety), file batches must
@@ -15,13 +15,18 @@ import jax
 import ml_collections
 import numpy as np
 import pytest
-
 import text_reward_fn
-from ppojax import arith, data, evaluation, reporting, runner, sources
-from ppojax.config import defaults
-from ppojax.data import DataError, template_prefix
+
+from ppojax.data import encoding
+from ppojax.data import records as records_lib
+from ppojax.data.encoding import template_prefix
+from ppojax.data.records import DataError
 from ppojax.models import CausalLM, LoadedModel, init_params, save_model
-from ppojax.sampling import SamplingConfig
+from ppojax.rollout.sampling import SamplingConfig
+from ppojax.run import build as build_lib
+from ppojax.run import evaluation, reporting, runner
+from ppojax.run.config import defaults
+from ppojax.tasks import arith, sources
 
 TINY = dict(hidden_size=32, intermediate_size=64, num_layers=2, num_heads=2, num_kv_heads=1,
             max_position_embeddings=64)
@@ -43,7 +48,7 @@ def _config(**changes) -> ml_collections.ConfigDict:
 
 
 def _write(path, records):
-  data.write_jsonl(records, path)
+  records_lib.write_jsonl(records, path)
   return str(path)
 
 
@@ -164,7 +169,7 @@ def test_unknown_task_and_missing_tokenizer():
 
 def _responses(tok, texts: list[str], length: int = 8):
   """Right-padded response tokens ending in the stop token, and their mask."""
-  enc = data.right_pad([data.response_ids(tok, t, STOP) for t in texts], length, PAD)
+  enc = encoding.right_pad([encoding.response_ids(tok, t, STOP) for t in texts], length, PAD)
   return enc.tokens, enc.mask
 
 
@@ -203,7 +208,7 @@ def test_text_reward_with_the_wrong_number_of_scores_says_so(char_tokenizer, ret
 
 @pytest.fixture(scope="module")
 def tiny_lm(char_tokenizer):
-  cfg = runner.tiny_model_config(ml_collections.ConfigDict(
+  cfg = build_lib.tiny_model_config(ml_collections.ConfigDict(
       dict(TINY, vocab_size=len(char_tokenizer))))
   cfg = cfg.replace(bos_token_id=None, eos_token_id=STOP, pad_token_id=PAD)
   return LoadedModel(cfg, init_params(CausalLM(cfg), jax.random.key(3)),
@@ -217,7 +222,7 @@ def _eval_records(n: int) -> list[dict]:
 def _encode(tok):
   # raw text: the prompts end on different characters, so a random model's greedy completions
   # differ (through the chat template they would all end on "a:")
-  return lambda records: data.encode_prompts(tok, records, 16, chat_template=False)
+  return lambda records: encoding.encode_prompts(tok, records, 16, chat_template=False)
 
 
 SAMPLING = SamplingConfig(max_new_tokens=5, stop_ids=(STOP,), pad_id=PAD, temperature=0.7,
@@ -304,7 +309,7 @@ def _text_task_config(policy, tmp_path) -> ml_collections.ConfigDict:
       data__max_prompt_len=20,  # "u:What is 2 + 3?\na:" is 19 characters: 2-digit ones are cut
       reward__kind="text", reward__fn="text_reward_fn:reward",
       eval__metrics=ml_collections.ConfigDict(
-          {"accuracy": "ppojax.arith:accuracy", "length": "text_reward_fn:length"}),
+          {"accuracy": "ppojax.tasks.arith:accuracy", "length": "text_reward_fn:length"}),
       eval__batch_size=3, eval__group_by="digits",  # 4 held-out records: batches of 3 + 1
       sampling__max_new_tokens=4, sampling__stop_ids=[STOP], sampling__pad_id=PAD,
       optim__actor__lr=1e-3, optim__critic__lr=1e-3)
@@ -312,7 +317,7 @@ def _text_task_config(policy, tmp_path) -> ml_collections.ConfigDict:
 
 def test_a_text_task_runs_end_to_end(policy_dir, char_tokenizer, tmp_path, capsys):
   config = _text_task_config(policy_dir, tmp_path)
-  runner.validate(config)
+  build_lib.validate(config)
   text_reward_fn.CALLS.clear()
   result = runner.run(config, str(tmp_path / "run"))
   assert set(result.evals) == {"before", "after"}
@@ -368,7 +373,7 @@ def test_tiny_policy_takes_a_tokenizer_for_text_tasks(policy_dir, char_tokenizer
   config.model.policy = "tiny"
   config.model.tiny.update(TINY)
   config.model.tokenizer = str(policy_dir)  # a new field, as in configs/sft_arith.py
-  policy = runner.load_policy(config, jax.random.key(0))
+  policy = build_lib.load_policy(config, jax.random.key(0))
   assert policy.tokenizer is not None
   assert policy.cfg.vocab_size == len(char_tokenizer)
   assert policy.cfg.eos_token_id == char_tokenizer.eos_token_id

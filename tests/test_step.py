@@ -10,8 +10,15 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from ppojax import experience, runner, sharding, tasks
+from ppojax.data import batch as batch_lib
+from ppojax.infra import sharding
+from ppojax.learner import experience
 from ppojax.models import ValueModel, positions_from_mask, stack_layers, unstack_layers
+from ppojax.models import passes as passes_lib
+from ppojax.rollout import rollout as rollout_lib
+from ppojax.run import build as build_lib
+from ppojax.run import runner
+from ppojax.tasks import count
 
 _CONFIGS = pathlib.Path(__file__).parents[1] / "configs"
 
@@ -19,11 +26,11 @@ _CONFIGS = pathlib.Path(__file__).parents[1] / "configs"
 def toy_config(**changes):
   """configs/toy.py at batch 16, with "section.field" overrides."""
   overrides = {"ppo__batch_size": 16, **{k.replace(".", "__"): v for k, v in changes.items()}}
-  return runner.load_config(_CONFIGS / "toy.py", **overrides)
+  return build_lib.load_config(_CONFIGS / "toy.py", **overrides)
 
 
 def _run_steps(config, n=2, phases=False):
-  return _iterate(runner.build(config), n, phases)[:2]
+  return _iterate(build_lib.build(config), n, phases)[:2]
 
 
 def _iterate(run, n, phases=False):
@@ -65,7 +72,7 @@ def test_fused_step_equals_its_three_phases(fused_run):
 def test_unrolled_layers_train_like_scanned_ones():
   """model.scan_layers=False (one subtree per layer: the faster bf16 training layout on CPU)
   computes the same iterations as the default nn.scan from the same starting state."""
-  scanned, unrolled = (runner.build(toy_config(**{"model.scan_layers": scan}))
+  scanned, unrolled = (build_lib.build(toy_config(**{"model.scan_layers": scan}))
                        for scan in (True, False))
   per_layer = lambda tree: jax.tree.map(  # noqa: E731  every params-shaped subtree, unstacked
       lambda x: unstack_layers(x) if isinstance(x, dict) and "model" in x else x, tree,
@@ -89,15 +96,15 @@ def test_shared_prefix_trains_like_whole_rows(ppo):
   """Prompts.prefix (the tokens every row begins with, run once per batch) gives the iterations
   of the same prompts run whole: generation, scoring passes and update, in the single-pass
   step and in one with minibatches and micro-batches (the prefix stays whole in every slice)."""
-  run = runner.build(toy_config(**{"ppo.num_epochs": 1, **ppo}))
+  run = build_lib.build(toy_config(**{"ppo.num_epochs": 1, **ppo}))
   states = [jax.tree.map(jnp.copy, run.state) for _ in range(2)]  # the state is donated
   for it in range(2):
     prompts = run.source.batch(it).prompts
     tokens, mask = np.array(prompts.tokens), np.asarray(prompts.mask)
     starts = np.argmax(mask, axis=1)
-    tokens[np.arange(len(tokens)), starts + 1] = tasks.DIGIT0 + 4  # rows share [BOS, 4]
-    whole = experience.Prompts(tokens, mask)
-    shared = experience.with_prefix(whole, [tasks.BOS, tasks.DIGIT0 + 4])
+    tokens[np.arange(len(tokens)), starts + 1] = count.DIGIT0 + 4  # rows share [BOS, 4]
+    whole = batch_lib.Prompts(tokens, mask)
+    shared = batch_lib.with_prefix(whole, [count.BOS, count.DIGIT0 + 4])
     assert shared.prefix is not None and (mask.sum(1) > 2).all()
     rows = []
     for i, prompts in enumerate((whole, shared)):
@@ -111,12 +118,12 @@ def test_with_prefix_falls_back_to_whole_rows():
   """with_prefix keeps a prefix only where every row begins with it and has a token more."""
   tokens = np.array([[0, 5, 6, 7], [5, 6, 7, 8]])
   mask = tokens > 0
-  prompts = experience.Prompts(tokens, mask)
-  np.testing.assert_array_equal(experience.with_prefix(prompts, [5, 6]).prefix, [5, 6])
-  assert experience.with_prefix(prompts, [5, 6, 7]).prefix is None  # row 0: nothing after it
-  assert experience.with_prefix(prompts, [5, 7]).prefix is None  # not every row's beginning
-  assert experience.with_prefix(prompts, []).prefix is None
-  rest, rest_mask, positions = experience.without_prefix(jnp.asarray(tokens), jnp.asarray(mask), 2)
+  prompts = batch_lib.Prompts(tokens, mask)
+  np.testing.assert_array_equal(batch_lib.with_prefix(prompts, [5, 6]).prefix, [5, 6])
+  assert batch_lib.with_prefix(prompts, [5, 6, 7]).prefix is None  # row 0: nothing after it
+  assert batch_lib.with_prefix(prompts, [5, 7]).prefix is None  # not every row's beginning
+  assert batch_lib.with_prefix(prompts, []).prefix is None
+  rest, rest_mask, positions = passes_lib.without_prefix(jnp.asarray(tokens), jnp.asarray(mask), 2)
   np.testing.assert_array_equal(rest_mask, [[False, True], [True, True]])
   np.testing.assert_array_equal(np.asarray(positions)[np.asarray(rest_mask)], [2, 2, 3])
   np.testing.assert_array_equal(np.asarray(rest)[np.asarray(rest_mask)], [7, 7, 8])
@@ -129,7 +136,7 @@ def test_sampler_old_logprobs_equal_a_recompute(fused_run, temperature):
   mask), and iterations that match the default's; at T = 0.7 (the quickstart's) too, where
   sampler and forward pass must both scale the logits by 1/T."""
   t = {"sampling.temperature": temperature}
-  rec, smp = (runner.build(toy_config(**t, **{"ppo.old_logprobs": old}))
+  rec, smp = (build_lib.build(toy_config(**t, **{"ppo.old_logprobs": old}))
               for old in ("recompute", "sampler"))
   prompts = rec.source.batch(0).prompts
   r_rec, r_smp = (jax.device_get(r.step.rollout(r.state, r.frozen, prompts)) for r in (rec, smp))
@@ -159,7 +166,7 @@ def test_single_pass_update_equals_a_rollout_forward(old_logprobs, temperature):
   one = {"ppo.num_epochs": 1, "ppo.num_minibatches": 1, "ppo.old_logprobs": old_logprobs,
          "optim.actor.warmup_steps": 0, "optim.critic.warmup_steps": 0,
          "sampling.temperature": temperature}
-  single, double = (runner.build(toy_config(**one, **{"ppo.reuse_update_forward": reuse}))
+  single, double = (build_lib.build(toy_config(**one, **{"ppo.reuse_update_forward": reuse}))
                     for reuse in (True, False))
   r = single.step.rollout(single.state, single.frozen, single.source.batch(0).prompts)
   assert r.old_values is None and (r.old_logp is None) == (old_logprobs == "recompute")
@@ -188,9 +195,9 @@ def test_single_pass_update_equals_a_rollout_forward(old_logprobs, temperature):
 
 def test_python_reward_equals_the_jax_rule(fused_run):
   state, rows = fused_run
-  config = toy_config(**{"reward.kind": "python", "reward.fn": "ppojax.tasks:count_reward_numpy"})
+  config = toy_config(**{"reward.kind": "python", "reward.fn": "ppojax.tasks.count:count_reward_numpy"})
   state_py, rows_py = _run_steps(config)
-  assert runner.build(config).step.fused is None  # two compiled halves, one host round trip
+  assert build_lib.build(config).step.fused is None  # two compiled halves, one host round trip
   _assert_close(_params(state), _params(state_py))
   _assert_close(rows, rows_py)
 
@@ -217,10 +224,10 @@ def test_metrics_have_trl_names_and_sane_values(fused_run):
                          ["token_mean", "seq_mean", "seq_mean_token_sum_norm"])
 def test_gradient_accumulation_is_exact(aggregation):
   """The sum of K weighted micro-batch gradients is the minibatch gradient (ragged masks)."""
-  from ppojax import update as update_lib  # pylint: disable=import-outside-toplevel
+  from ppojax.learner import update as update_lib  # pylint: disable=import-outside-toplevel
 
   config = toy_config(**{"ppo.aggregation": aggregation})
-  r = runner.build(config)
+  r = build_lib.build(config)
   rollout = r.step.rollout(r.state, r.frozen, r.source.batch(0).prompts)
   assert len(set(np.asarray(rollout.mask).sum(1).tolist())) > 1  # ragged lengths
   ppo = r.config.ppo  # resolved: the algorithm's estimator, KL placement, ...
@@ -237,21 +244,21 @@ def test_gradient_accumulation_is_exact(aggregation):
 
 def test_bad_batch_split_is_refused():
   with pytest.raises(ValueError, match="not divisible"):
-    runner.build(toy_config(**{"ppo.num_minibatches": 3}))
+    build_lib.build(toy_config(**{"ppo.num_minibatches": 3}))
 
 
 def test_padding_after_the_stop_token_is_inert():
   """Tokens after a response's stop token change no log-prob, value or score on the mask."""
-  r = runner.build(toy_config())
+  r = build_lib.build(toy_config())
   prompts = r.source.batch(0).prompts
   responses = np.array([[5, 6, 0, 0, 0, 0], [7, 8, 9, 10, 0, 0]], np.int32)
   mask = np.array([[1, 1, 1, 0, 0, 0], [1, 1, 1, 1, 1, 0]], bool)
   garbage = np.where(mask, responses, 13)
   args = lambda resp: (prompts.tokens[:2], prompts.mask[:2], resp, mask)  # noqa: E731
   for fn, params, module in (
-      (experience.response_logits, r.state.actor, r.models.policy),
-      (experience.response_values, r.state.critic, r.models.critic),
-      (experience.model_scores, r.state.critic, r.models.critic)):
+      (passes_lib.response_logits, r.state.actor, r.models.policy),
+      (passes_lib.response_values, r.state.critic, r.models.critic),
+      (passes_lib.model_scores, r.state.critic, r.models.critic)):
     clean, dirty = (np.asarray(fn(module, params, *args(x))) for x in (responses, garbage))
     if clean.ndim > 1:
       clean, dirty = clean[mask], dirty[mask]
@@ -261,7 +268,7 @@ def test_padding_after_the_stop_token_is_inert():
 def test_values_and_scores_read_the_right_positions():
   """V(s_t) is the critic's output before response token t; the score is read at the last
   response token — checked against a forward pass over the concatenated sequence."""
-  r = runner.build(toy_config())
+  r = build_lib.build(toy_config())
   prompts = r.source.batch(0).prompts
   p, rows = prompts.tokens[:3], slice(0, 3)
   responses = np.array([[5, 6, 0, 0], [7, 8, 9, 0], [4, 4, 4, 4]], np.int32)
@@ -272,11 +279,11 @@ def test_values_and_scores_read_the_right_positions():
                                  positions_from_mask(jnp.asarray(full_mask)),
                                  jnp.asarray(full_mask))
   out = np.asarray(out)
-  values = np.asarray(experience.response_values(
+  values = np.asarray(passes_lib.response_values(
       r.models.critic, r.state.critic, p, prompts.mask[rows], responses, mask))
   plen = p.shape[1]
   np.testing.assert_allclose(values[mask], out[:, plen - 1:-1][mask], rtol=1e-6)
-  scores = np.asarray(experience.model_scores(
+  scores = np.asarray(passes_lib.model_scores(
       r.models.critic, r.state.critic, p, prompts.mask[rows], responses, mask))
   last = plen + mask.sum(1) - 1
   np.testing.assert_allclose(scores, out[np.arange(3), last], rtol=1e-6)
@@ -288,39 +295,39 @@ def test_reward_model_and_critic_initialised_from_it(tmp_path):
   from ppojax.models import LoadedModel, save_model  # pylint: disable=import-outside-toplevel
 
   config = toy_config()
-  cfg = runner.tiny_model_config(config.model.tiny)
+  cfg = build_lib.tiny_model_config(config.model.tiny)
   tokens = jnp.zeros((1, 2), jnp.int32)
   params = ValueModel(cfg).init(jax.random.key(7), tokens, positions_from_mask(tokens >= 0),
                                 tokens >= 0)["params"]
   save_model(tmp_path / "rm", LoadedModel(cfg, jax.device_get(params), None, "value"))
   config = toy_config(**{"reward.kind": "model", "model.reward": str(tmp_path / "rm")})
-  r = runner.build(config)
+  r = build_lib.build(config)
   _assert_close(r.state.critic, r.frozen.reward)
   state, metrics, rollout, scores = runner.iteration(r, r.state, r.source.batch(0).prompts)
   args = (rollout.prompts, rollout.prompt_mask, rollout.responses, rollout.mask)
   assert rollout.prefix is not None  # every count prompt begins with BOS
-  want = experience.model_scores(r.models.reward, r.frozen.reward, *args, rollout.prefix)
+  want = passes_lib.model_scores(r.models.reward, r.frozen.reward, *args, rollout.prefix)
   np.testing.assert_allclose(np.asarray(scores), np.asarray(want), rtol=1e-6)
-  whole = experience.model_scores(r.models.reward, r.frozen.reward, *args)  # prefix per row
+  whole = passes_lib.model_scores(r.models.reward, r.frozen.reward, *args)  # prefix per row
   np.testing.assert_allclose(np.asarray(scores), np.asarray(whole), rtol=1e-5, atol=1e-6)
   assert np.isfinite(metrics["loss/value_avg"]) and int(state.step) == 1
   with pytest.raises(ValueError, match="critic_init='reward'"):
-    runner.build(toy_config(**{"model.critic_init": "reward"}))
+    build_lib.build(toy_config(**{"model.critic_init": "reward"}))
 
 
 def test_count_rule_in_jnp_and_numpy_agree():
-  prompts = tasks.count_prompts(0, 0, 64, 6)
+  prompts = count.count_prompts(0, 0, 64, 6)
   rng = np.random.default_rng(0)
-  want = tasks._expected_digits(prompts.tokens, np)  # pylint: disable=protected-access
+  want = count._expected_digits(prompts.tokens, np)  # pylint: disable=protected-access
   responses = np.where(rng.random((64, 3)) < 0.5, want, rng.integers(0, 12, (64, 3)))
   responses = np.concatenate([responses, rng.integers(0, 2, (64, 3))], 1).astype(np.int32)
   mask = np.ones_like(responses, bool)
-  jax_scores = np.asarray(tasks.count_reward(prompts.tokens, prompts.mask, responses, mask))
-  np_scores = tasks.count_reward_numpy(experience.Rollout(
+  jax_scores = np.asarray(count.count_reward(prompts.tokens, prompts.mask, responses, mask))
+  np_scores = count.count_reward_numpy(rollout_lib.Rollout(
       prompts.tokens, prompts.mask, responses, mask, None, None, None, None))
   np.testing.assert_array_equal(jax_scores, np_scores)
   perfect = np.concatenate([want, np.zeros((64, 3), np.int32)], 1)
-  assert np.all(tasks.count_reward(prompts.tokens, prompts.mask, perfect, mask) == 1.25)
+  assert np.all(count.count_reward(prompts.tokens, prompts.mask, perfect, mask) == 1.25)
 
 
 def test_sharded_step_equals_single_device(run_on_8_cpu_devices, fused_run, tmp_path):
@@ -335,10 +342,10 @@ def test_sharded_step_equals_single_device(run_on_8_cpu_devices, fused_run, tmp_
       sys.path.insert(0, {str(pathlib.Path(__file__).parent)!r})
       import jax, numpy as np
       from test_step import toy_config, _run_steps, _assert_close, _params
-      from ppojax import runner
+      from ppojax.run import runner
       assert jax.device_count() == 8
       config = toy_config(**{{"mesh.shape": (2, 2, 2)}})
-      specs = {{str(s.spec) for s in jax.tree.leaves(runner.build(config).state_shardings)}}
+      specs = {{str(s.spec) for s in jax.tree.leaves(build_lib.build(config).state_shardings)}}
       assert any("tensor" in s for s in specs) and any("fsdp" in s for s in specs), specs
       state, rows = _run_steps(config, n=1)
       one = np.load({str(tmp_path / "one.npz")!r})

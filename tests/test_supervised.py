@@ -19,9 +19,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ppojax import data, losses, ops, reporting, runner, sft, supervised, train_rm
-from ppojax.experience import model_scores
+from ppojax.core import losses, ops
+from ppojax.data import records as records_lib
 from ppojax.models import CausalLM, load_model, positions_from_mask
+from ppojax.models.passes import model_scores
+from ppojax.run import build as build_lib
+from ppojax.run import reporting
+from ppojax.supervised import common, sft, train_rm
 
 ROOT = pathlib.Path(__file__).parents[1]
 TEMPLATE = ("{% for m in messages %}{{ m['role'][0] }}:{{ m['content'] }}\n{% endfor %}"
@@ -72,7 +76,7 @@ def sft_records(seed: int, n: int) -> list[dict]:
           for w in (_word(rng) for _ in range(n))]
 
 
-DEFAULTS = """from ppojax.config import supervised_defaults
+DEFAULTS = """from ppojax.run.config import supervised_defaults
 def get_config():
   c = supervised_defaults()
 {extra}  return c
@@ -84,12 +88,12 @@ def _config(name: str | None, tokenizer_dir, tmp_path, records, n_train=64, n_ev
   """A config file of configs/ (``name``), or with ``name`` None a file of ``supervised_defaults()``
   plus the lines ``extra``, on ``records`` written to tmp_path, with the tiny model."""
   train, held_out = tmp_path / "train.jsonl", tmp_path / "eval.jsonl"
-  data.write_jsonl(records(0, n_train), train)
-  data.write_jsonl(records(1, n_eval), held_out)
+  records_lib.write_jsonl(records(0, n_train), train)
+  records_lib.write_jsonl(records(1, n_eval), held_out)
   path = ROOT / "configs" / name if name else tmp_path / "defaults.py"
   if not name:
     path.write_text(DEFAULTS.format(extra=extra))
-  return runner.load_config(
+  return build_lib.load_config(
       path, model__tokenizer=str(tokenizer_dir), data__train=str(train),
       data__eval=str(held_out), **{**TINY, **overrides})
 
@@ -151,9 +155,9 @@ def test_evaluation_counts_every_held_out_row_exactly_once():
   arrays = {"x": 2.0 ** np.arange(7, dtype=np.float32), "y": np.arange(7, dtype=np.float32)}
   eval_fn = lambda params, b: {"x": (b["x"], jnp.ones_like(b["x"])),  # noqa: E731
                                "y": (b["y"], jnp.ones_like(b["y"]))}
-  stats = supervised.evaluate(eval_fn, None, arrays, batch_size=3)
+  stats = common.evaluate(eval_fn, None, arrays, batch_size=3)
   assert stats == {"x": pytest.approx(127 / 7, rel=1e-6), "y": 3.0, "rows": 7.0}
-  assert [list(i) for i, _ in supervised.eval_batches(7, 3)] == [[0, 1, 2], [3, 4, 5], [6, 0, 0]]
+  assert [list(i) for i, _ in common.eval_batches(7, 3)] == [[0, 1, 2], [3, 4, 5], [6, 0, 0]]
 
 
 def test_gradient_accumulation_equals_the_full_batch():
@@ -162,11 +166,11 @@ def test_gradient_accumulation_equals_the_full_batch():
   batch = {"c": rng.normal(size=(8, 3)).astype(np.float32),
            "r": rng.normal(size=(8, 3)).astype(np.float32)}
   loss_fn = lambda w, b: losses.bradley_terry_loss(b["c"] @ w, b["r"] @ w)  # noqa: E731
-  tx, _ = supervised.optimizer(runner.load_config(ROOT / "configs" / "rm_arith.py").optim, 10)
+  tx, _ = common.optimizer(build_lib.load_config(ROOT / "configs" / "rm_arith.py").optim, 10)
   outs = []
   for k in (1, 2):
     w = jnp.asarray([0.5, -0.2, 0.1])
-    outs.append(supervised.make_train_step(loss_fn, tx, k)(w, tx.init(w), batch))
+    outs.append(common.make_train_step(loss_fn, tx, k)(w, tx.init(w), batch))
   np.testing.assert_allclose(outs[0][0], outs[1][0], rtol=1e-6)
   for name in ("loss", "accuracy", "margin", "grad_norm"):
     np.testing.assert_allclose(outs[0][2][name], outs[1][2][name], rtol=1e-5)
@@ -174,7 +178,7 @@ def test_gradient_accumulation_equals_the_full_batch():
 
 def _sft_batch(module, params, train, lengths):
   """8 training rows whose response masks hold ``lengths`` tokens (a prefix of each row)."""
-  batch = supervised.take(train, np.arange(8))
+  batch = common.take(train, np.arange(8))
   width = batch["response"].shape[1]
   batch["response_mask"] = np.arange(width)[None] < np.minimum(lengths, width)[:, None]
   return batch
@@ -185,17 +189,17 @@ def test_sft_gradient_accumulation_is_exact_with_unequal_token_counts(tokenizer_
   the loss of the whole batch (jax.grad of sft_loss, a plain-JAX reference), read off one SGD
   step of rate 1, for every aggregation; micro-batches weighted equally, as before, are off."""
   config = _config(None, tokenizer_dir, tmp_path, sft_records, model__tiny__num_layers=1)
-  model = supervised.build_model(config)
+  model = common.build_model(config)
   train, _, _ = sft.load_examples(config, model.tokenizer)
   module, params = model.module, model.params
-  batch = supervised.take(train, np.arange(8))  # micro-batches of rows [0, 1], [2, 3], ...
+  batch = common.take(train, np.arange(8))  # micro-batches of rows [0, 1], [2, 3], ...
   lengths = np.array([99, 99, 99, 7, 1, 0, 2, 1])  # tokens: 2R, R + 7, 1, 3
   batch["response_mask"] = np.arange(batch["response"].shape[1])[None] < lengths[:, None]
   tx = optax.sgd(1.0)
 
   def step(loss_fn, units):  # (the gradient, metrics) of one accumulated step
     own = jax.tree.map(jnp.array, params)  # the step donates its inputs
-    new, _, metrics = supervised.make_train_step(loss_fn, tx, 4, units)(own, tx.init(own), batch)
+    new, _, metrics = common.make_train_step(loss_fn, tx, 4, units)(own, tx.init(own), batch)
     return jax.tree.map(lambda a, b: a - b, params, new), metrics
 
   for aggregation in ops.AGGREGATIONS[:3]:  # seq_mean is seq_mean_token_mean's alias
@@ -205,7 +209,7 @@ def test_sft_gradient_accumulation_is_exact_with_unequal_token_counts(tokenizer_
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=2e-4, atol=1e-6), got, want)
     np.testing.assert_allclose(metrics["loss"], loss, rtol=1e-6)
     if aggregation == "token_mean":  # the old equal weights: not the gradient
-      equal, _ = step(loss_fn, supervised.rows_units)
+      equal, _ = step(loss_fn, common.rows_units)
       gap = max(float(jnp.max(jnp.abs(a - b)) / jnp.max(jnp.abs(b)))
                 for a, b in zip(jax.tree.leaves(equal), jax.tree.leaves(want)))
       assert gap > 0.05, gap
@@ -227,10 +231,10 @@ def test_sft_runs_from_the_supervised_defaults(tokenizer_dir, tmp_path):
 
 
 def test_head_learning_rate_factor_scales_only_the_score_head():
-  optim = runner.load_config(ROOT / "configs" / "rm_arith.py", optim__head_lr_factor=30.0).optim
+  optim = build_lib.load_config(ROOT / "configs" / "rm_arith.py", optim__head_lr_factor=30.0).optim
   params = {"model": {"w": jnp.ones(3)}, "score": {"kernel": jnp.ones((3, 1))}}
   grads = jax.tree.map(lambda x: -jnp.ones_like(x), params)
-  tx, _ = supervised.optimizer(optim, 10)
+  tx, _ = common.optimizer(optim, 10)
   updates, _ = tx.update(grads, tx.init(params), params)
   np.testing.assert_allclose(updates["model"]["w"], optim.lr, rtol=1e-3)  # Adam: ±lr per entry
   np.testing.assert_allclose(updates["score"]["kernel"], 30 * optim.lr, rtol=1e-3)
@@ -240,9 +244,9 @@ def test_sft_loss_counts_response_tokens_only(tokenizer_dir, tmp_path):
   """The SFT loss and its gradient equal the usual full-sequence next-token loss whose labels at
   prompt positions are ignored (-100 in transformers), whatever those labels are."""
   config = _config("sft_arith.py", tokenizer_dir, tmp_path, sft_records)
-  model = supervised.build_model(config)
+  model = common.build_model(config)
   train, _, _ = sft.load_examples(config, model.tokenizer)
-  batch = supervised.take(train, np.arange(4))
+  batch = common.take(train, np.arange(4))
   module, params = model.module, model.params
 
   def reference(params, prompt_labels, prompt_weight):
@@ -321,8 +325,8 @@ def test_sft_lowers_held_out_nll_and_the_policy_reloads(tokenizer_dir, tmp_path)
 
 
 @pytest.mark.parametrize("command,config,output,summary", [
-    ("ppojax.train_rm", "rm_arith.py", "reward_model", "held-out pairwise accuracy:"),
-    ("ppojax.sft", "sft_arith.py", "policy", "held-out response NLL:"),
+    ("ppojax.supervised.train_rm", "rm_arith.py", "reward_model", "held-out pairwise accuracy:"),
+    ("ppojax.supervised.sft", "sft_arith.py", "policy", "held-out response NLL:"),
 ])
 def test_cli_runs_on_generated_arith_data(command, config, output, summary, tokenizer_dir,
                                           tmp_path):

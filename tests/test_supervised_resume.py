@@ -1,5 +1,5 @@
-"""SFT and reward-model training checkpoint and resume as the PPO run does (ppojax/supervised.py
-``fit``, ppojax/resume.py): a run stopped in the middle, or SIGKILLed on the command line (in
+"""SFT and reward-model training checkpoint and resume as the PPO run does (ppojax/supervised/common.py
+``fit``, ppojax/run/resume.py): a run stopped in the middle, or SIGKILLed on the command line (in
 the middle of a checkpoint save after a random number of steps), resumes from its latest complete
 checkpoint and ends with the metrics.jsonl rows and the exported weights of an uninterrupted
 run, byte for byte; a corrupt latest checkpoint falls back to the one before; a rerun with
@@ -22,15 +22,23 @@ import warnings
 
 import numpy as np
 import pytest
+from test_supervised import (
+  ROOT,
+  TINY,
+  _config,
+  preference_records,
+  sft_records,
+  tokenizer_dir,  # noqa: F401  (tokenizer_dir: a fixture)
+)
 
-from ppojax import data, reporting, resume, sft, train_rm
-from ppojax.checkpoint import CheckpointWarning
-from test_supervised import (ROOT, TINY, _config, preference_records, sft_records,
-                             tokenizer_dir)  # noqa: F401  (tokenizer_dir: a fixture)
+from ppojax.data import records as records_lib
+from ppojax.run import reporting, resume
+from ppojax.run.checkpoint import CheckpointWarning
+from ppojax.supervised import sft, train_rm
 
 STAGES = {  # stage: (module, records, exported directory, command)
-    "sft": (sft, sft_records, "policy", "ppojax.sft"),
-    "rm": (train_rm, preference_records, "reward_model", "ppojax.train_rm"),
+    "sft": (sft, sft_records, "policy", "ppojax.supervised.sft"),
+    "rm": (train_rm, preference_records, "reward_model", "ppojax.supervised.train_rm"),
 }
 STEPS = 12  # 48 rows, batches of 8, 2 epochs
 SAVING = '  c.save_every = 1\n  c.keep = 2\n  c.resume_allow_changes = ""\n'
@@ -121,7 +129,7 @@ def test_a_rerun_with_another_config_or_data_is_refused_and_changes_nothing(
   other = tmp_path / "data"  # other training rows under the same config
   other.mkdir()
   config = _stage_config(stage, tokenizer_dir, other)
-  data.write_jsonl(STAGES[stage][1](7, 48), config.data.train)
+  records_lib.write_jsonl(STAGES[stage][1](7, 48), config.data.train)
   with pytest.raises(resume.ResumeError, match=r"\n  data\.train_rows: [0-9a-f]{16}… -> "
                      r"[0-9a-f]{16}… \(sha256 of the encoded training rows\)\n"):
     module.run(config, work)
@@ -143,7 +151,7 @@ def test_a_rerun_with_another_config_or_data_is_refused_and_changes_nothing(
 
 
 def _cli(stage: str, tokenizer, where: pathlib.Path, workdir: pathlib.Path, env, log):
-  """``python -m ppojax.sft`` / ``ppojax.train_rm`` with the reference's config, its output to
+  """``python -m ppojax.supervised.sft`` / ``ppojax.supervised.train_rm`` with the reference's config, its output to
   ``log``."""
   config = where / "defaults.py"  # written by _stage_config: supervised_defaults() + SAVING
   flags = {**TINY, **{k: v for k, v in RUN.items() if "__" in k},

@@ -8,9 +8,9 @@ import subprocess
 import sys
 
 import pytest
-
-from ppojax import reporting, runner
 from test_step import toy_config
+
+from ppojax.run import reporting, runner
 
 ROOT = pathlib.Path(__file__).parents[1]
 VOLATILE = ("time/", "eps", "memory/")  # wall-clock figures differ between runs

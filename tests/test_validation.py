@@ -3,38 +3,40 @@
 import ml_collections
 import pytest
 
-from ppojax import config as config_lib
-from ppojax import runner
+from ppojax.run import build as build_lib
+from ppojax.run import checks as checks_lib
+from ppojax.run import config as config_lib
+from ppojax.run import runner
 
 
 def toy(**overrides):
-  return runner.load_config("configs/toy.py", **overrides)
+  return build_lib.load_config("configs/toy.py", **overrides)
 
 
 def test_defaults_and_shipped_configs_pass():
-  config_lib.validate(config_lib.defaults(), num_devices=1)
-  config_lib.validate(toy(), num_devices=1, context_length=64)
+  checks_lib.validate(config_lib.defaults(), num_devices=1)
+  checks_lib.validate(toy(), num_devices=1, context_length=64)
 
 
 def test_unknown_option_suggests_the_nearest_name():
   c = toy()
   c.ppo.kl_coeff = 0.1  # a typo adds a new field silently in ml_collections
-  with pytest.raises(config_lib.ConfigError, match=r"unknown config option ppo\.kl_coeff; did "
+  with pytest.raises(checks_lib.ConfigError, match=r"unknown config option ppo\.kl_coeff; did "
                      r"you mean ppo\.kl_coef"):
-    config_lib.validate(c, num_devices=1)
+    checks_lib.validate(c, num_devices=1)
 
 
 def test_unknown_section_lists_the_options():
   c = toy()
   c.optimiser = ml_collections.ConfigDict({"lr": 1.0})
-  with pytest.raises(config_lib.ConfigError, match="unknown config option optimiser"):
-    config_lib.validate(c, num_devices=1)
+  with pytest.raises(checks_lib.ConfigError, match="unknown config option optimiser"):
+    checks_lib.validate(c, num_devices=1)
 
 
 def test_user_named_metrics_are_free_form():
   c = toy()
   c.eval.metrics = ml_collections.ConfigDict({"my_metric": "pkg.mod:fn"})
-  config_lib.validate(c, num_devices=1)
+  checks_lib.validate(c, num_devices=1)
 
 
 @pytest.mark.parametrize("name, value, message", [
@@ -49,14 +51,14 @@ def test_wrong_types(name, value, message):
   unlocked = c[section].to_dict()  # ConfigDict refuses some of these on assignment already
   unlocked[field] = value
   c[section] = ml_collections.ConfigDict(unlocked, type_safe=False)
-  with pytest.raises(config_lib.ConfigError, match=message):
-    config_lib.validate(c, num_devices=1)
+  with pytest.raises(checks_lib.ConfigError, match=message):
+    checks_lib.validate(c, num_devices=1)
 
 
 def test_int_for_float_is_fine():
   c = toy()
   c.optim.actor.lr = 1  # ConfigDict keeps it a float anyway; a plain int must pass too
-  config_lib.validate(c, num_devices=1)
+  checks_lib.validate(c, num_devices=1)
 
 
 @pytest.mark.parametrize("name, value, message", [
@@ -67,8 +69,8 @@ def test_int_for_float_is_fine():
 def test_unknown_choices(name, value, message):
   section, field = name.split(".")
   c = toy(**{f"{section}__{field}": value})
-  with pytest.raises(config_lib.ConfigError, match=message):
-    config_lib.validate(c, num_devices=1)
+  with pytest.raises(checks_lib.ConfigError, match=message):
+    checks_lib.validate(c, num_devices=1)
 
 
 @pytest.mark.parametrize("name, value, message", [
@@ -98,8 +100,8 @@ def test_out_of_range_values(name, value, message):
   c = toy()
   section, field = name.split(".")
   c[section][field] = value
-  with pytest.raises(config_lib.ConfigError, match=message):
-    config_lib.validate(c, num_devices=1)
+  with pytest.raises(checks_lib.ConfigError, match=message):
+    checks_lib.validate(c, num_devices=1)
 
 
 def test_in_range_edge_values_pass():
@@ -109,26 +111,26 @@ def test_in_range_edge_values_pass():
   c.ppo.vf_coef = 0.0
   c.ppo.gamma, c.ppo.lam = 1.0, 0.0
   c.ppo.score_clip = 5.0
-  config_lib.validate(c, num_devices=1)
+  checks_lib.validate(c, num_devices=1)
 
 
 def test_lora_dropout_needs_adapters():
-  with pytest.raises(config_lib.ConfigError, match=r"lora\.dropout=0\.1 drops out the LoRA "
+  with pytest.raises(checks_lib.ConfigError, match=r"lora\.dropout=0\.1 drops out the LoRA "
                      r"adapters' input, but lora\.rank=0 \(full fine-tuning\) has no adapters"):
-    config_lib.validate(toy(lora__dropout=0.1), num_devices=1)
-  config_lib.validate(toy(lora__dropout=0.1, lora__rank=4), num_devices=1)
+    checks_lib.validate(toy(lora__dropout=0.1), num_devices=1)
+  checks_lib.validate(toy(lora__dropout=0.1, lora__rank=4), num_devices=1)
 
 
 def test_adaptive_kl_needs_positive_target_and_horizon():
   c = toy(ppo__target_kl=0.0)
-  config_lib.validate(c, num_devices=1)  # not read without adaptive_kl
+  checks_lib.validate(c, num_devices=1)  # not read without adaptive_kl
   c.ppo.adaptive_kl = True
-  with pytest.raises(config_lib.ConfigError, match=r"ppo\.target_kl=0\.0 must be > 0 with "
+  with pytest.raises(checks_lib.ConfigError, match=r"ppo\.target_kl=0\.0 must be > 0 with "
                      r"ppo\.adaptive_kl"):
-    config_lib.validate(c, num_devices=1)
+    checks_lib.validate(c, num_devices=1)
   c = toy(ppo__adaptive_kl=True, ppo__kl_horizon=-1.0)
-  with pytest.raises(config_lib.ConfigError, match=r"ppo\.kl_horizon=-1\.0 must be > 0"):
-    config_lib.validate(c, num_devices=1)
+  with pytest.raises(checks_lib.ConfigError, match=r"ppo\.kl_horizon=-1\.0 must be > 0"):
+    checks_lib.validate(c, num_devices=1)
 
 
 @pytest.mark.parametrize("overrides, devices, context, message", [
@@ -144,8 +146,8 @@ def test_adaptive_kl_needs_positive_target_and_horizon():
     ({"ppo__num_epochs": 0}, 1, None, r"ppo\.num_epochs=0 must be >= 1"),
 ])
 def test_inconsistent_sizes(overrides, devices, context, message):
-  with pytest.raises(config_lib.ConfigError, match=message):
-    config_lib.validate(toy(**overrides), num_devices=devices, context_length=context)
+  with pytest.raises(checks_lib.ConfigError, match=message):
+    checks_lib.validate(toy(**overrides), num_devices=devices, context_length=context)
 
 
 def test_runner_validates_before_loading_any_model(monkeypatch):
@@ -153,13 +155,13 @@ def test_runner_validates_before_loading_any_model(monkeypatch):
   monkeypatch.setattr(runner, "load_policy", lambda *a: pytest.fail("a model was loaded"))
   c = toy()
   c.ppo.kl_coeff = 0.1
-  with pytest.raises(config_lib.ConfigError, match="kl_coeff"):
-    runner.build(c)
+  with pytest.raises(checks_lib.ConfigError, match="kl_coeff"):
+    build_lib.build(c)
 
 
 def test_context_length_of_the_tiny_model_is_checked_by_the_runner():
-  with pytest.raises(config_lib.ConfigError, match="exceeds the model's context of 64"):
-    runner.validate(toy(sampling__max_new_tokens=64))
+  with pytest.raises(checks_lib.ConfigError, match="exceeds the model's context of 64"):
+    build_lib.validate(toy(sampling__max_new_tokens=64))
 
 
 def test_every_option_can_be_overridden_on_the_command_line():
@@ -182,7 +184,7 @@ def test_every_option_can_be_overridden_on_the_command_line():
             "--config.ppo.score_clip=5", "--config.ppo.dual_clip=3")
   assert tuple(c.sampling.stop_ids) == (2, 7) and c.sampling.pad_id == 0
   assert c.ppo.score_clip == 5.0 and c.ppo.dual_clip == 3.0
-  config_lib.validate(c, num_devices=1)
+  checks_lib.validate(c, num_devices=1)
   c = parse("--config.sampling.stop_ids=2")
   assert tuple(c.sampling.stop_ids) == (2,) and c.sampling.pad_id is None
 
@@ -207,7 +209,7 @@ def _loss_inputs():
     (dict(clip_eps_high=-0.1), r"clip_eps_high=-0\.1: the upper ratio clip must be > 0"),
 ])
 def test_policy_loss_rejects_bad_options(kwargs, message):
-  from ppojax import losses  # pylint: disable=import-outside-toplevel
+  from ppojax.core import losses  # pylint: disable=import-outside-toplevel
   x, m = _loss_inputs()
   with pytest.raises(ValueError, match=message):
     losses.policy_loss(x, x, x, m, **kwargs)
@@ -216,7 +218,7 @@ def test_policy_loss_rejects_bad_options(kwargs, message):
 
 
 def test_other_losses_reject_bad_options():
-  from ppojax import losses  # pylint: disable=import-outside-toplevel
+  from ppojax.core import losses  # pylint: disable=import-outside-toplevel
   x, m = _loss_inputs()
   with pytest.raises(ValueError, match=r"clip_range=0\.0: the value clip must be > 0"):
     losses.value_loss(x, x, x, m, clip_range=0.0)
@@ -232,7 +234,7 @@ def test_loss_options_in_range_and_traced_values_pass():
   import jax  # pylint: disable=import-outside-toplevel
   import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
 
-  from ppojax import losses  # pylint: disable=import-outside-toplevel
+  from ppojax.core import losses  # pylint: disable=import-outside-toplevel
   x, m = _loss_inputs()
   losses.policy_loss(x, x, x, m, clip_eps=0.1, clip_eps_low=0.2, clip_eps_high=1.5,
                      dual_clip=3)
@@ -245,13 +247,12 @@ def test_loss_options_in_range_and_traced_values_pass():
 
 def test_aggregation_choices_are_the_ones_ops_knows():
   """config's accepted ppo.aggregation values are exactly ops.aggregate's modes (and "": the
-  algorithm's), its estimators the registry's, its KL estimators ppojax.kl's."""
-  from ppojax import advantages, algorithms, kl  # pylint: disable=import-outside-toplevel
-  from ppojax import config as config_lib, ops  # pylint: disable=import-outside-toplevel
-  assert tuple(config_lib.CHOICES["ppo.aggregation"]) == ("", *ops.AGGREGATIONS)
-  assert tuple(config_lib.CHOICES["ppo.estimator"]) == ("", *advantages.ESTIMATORS)
-  assert tuple(config_lib.CHOICES["ppo.kl_estimator"]) == ("", *kl.KL_ESTIMATORS)
-  assert tuple(config_lib.CHOICES["algorithm"]) == tuple(algorithms.ALGORITHMS)
+  algorithm's), its estimators the registry's, its KL estimators ppojax.core.kl's."""
+  from ppojax.core import advantages, algorithms, kl, ops  # pylint: disable=import-outside-toplevel
+  assert tuple(checks_lib.CHOICES["ppo.aggregation"]) == ("", *ops.AGGREGATIONS)
+  assert tuple(checks_lib.CHOICES["ppo.estimator"]) == ("", *advantages.ESTIMATORS)
+  assert tuple(checks_lib.CHOICES["ppo.kl_estimator"]) == ("", *kl.KL_ESTIMATORS)
+  assert tuple(checks_lib.CHOICES["algorithm"]) == tuple(algorithms.ALGORITHMS)
   for a in algorithms.ALGORITHMS.values():  # every default is a valid choice
     assert a.estimator in advantages.ESTIMATORS and a.aggregation in ops.AGGREGATIONS
     assert a.kl_estimator in kl.KL_ESTIMATORS and a.kl_in in algorithms.KL_PLACEMENTS

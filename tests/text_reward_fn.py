@@ -4,13 +4,13 @@ working directory there for a user's own module."""
 
 from __future__ import annotations
 
-from ppojax import arith
+from ppojax.tasks import arith
 
 CALLS: list[dict] = []  # what ``reward`` was called with, one entry per call
 
 
 def reward(prompts, completions, answer, **columns) -> list[float]:
-  """``ppojax.arith.reward``, recording its arguments."""
+  """``ppojax.tasks.arith.reward``, recording its arguments."""
   CALLS.append({"prompts": list(prompts), "completions": list(completions),
                 "answer": list(answer), "columns": sorted(columns)})
   return arith.reward(prompts, completions, answer)

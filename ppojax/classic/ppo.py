@@ -31,9 +31,9 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from ppojax import advantages as adv_lib
-from ppojax import losses, ops
 from ppojax.classic import agent, envs
+from ppojax.core import advantages as adv_lib
+from ppojax.core import losses, ops
 
 Array = jax.Array
 

@@ -21,8 +21,9 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
-from ppojax import files, reporting
 from ppojax.classic import ppo
+from ppojax.infra import files
+from ppojax.run import reporting
 
 CURVES = ("episode/return", "episode/return_min", "policy/entropy_masked", "loss/value")
 SHOWN = ("episode/return", "episode/return_min", "policy/entropy_masked")

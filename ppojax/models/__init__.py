@@ -19,10 +19,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ppojax import hostmem
+from ppojax.infra import hostmem
 from ppojax.models import hf
-from ppojax.models.config import ModelConfig
 from ppojax.models.cache import KVCache, init_cache, positions_from_mask, with_shared_prefix
+from ppojax.models.config import ModelConfig
 from ppojax.models.layout import fuse_projections, partition_rules, stack_layers, unstack_layers
 from ppojax.models.transformer import CausalLM, ValueModel
 
@@ -107,7 +107,7 @@ def init_params(module: nn.Module, key: jax.Array) -> dict:
 
 def abstract_model(cfg: ModelConfig, head: str = "lm") -> LoadedModel:
   """A model whose params are ``jax.ShapeDtypeStruct``s (``jax.eval_shape`` of the init): any
-  size, no memory, for compiling without weights (``ppojax.aot``)."""
+  size, no memory, for compiling without weights (``ppojax.run.aot``)."""
   module = ValueModel(cfg) if head == "value" else CausalLM(cfg)
   params = jax.eval_shape(lambda: init_params(module, jax.random.key(0)))
   return LoadedModel(cfg, params, None, head)

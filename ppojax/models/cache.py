@@ -12,8 +12,8 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from ppojax.infra.sharding import shard_rows
 from ppojax.models.config import ModelConfig
-from ppojax.sharding import shard_rows
 
 Array = jax.Array
 

@@ -67,7 +67,7 @@ class ModelConfig:
   # every Linear kernel stored [out, in] (PyTorch's layout; ``transpose_kernels`` converts the
   # parameters): the decode layout of ``sampling.generate`` on CPU, never a checkpoint's
   transposed_kernels: bool = False
-  # LoRA (``ppojax.lora``): each Linear named in ``lora_targets`` ("q", "k", "v", "o", "gate",
+  # LoRA (``ppojax.models.lora``): each Linear named in ``lora_targets`` ("q", "k", "v", "o", "gate",
   # "up", "down"; GPT-2's "fc", "proj") adds (α/r)·(x·A)·B, A [in, r] ("lora_a") and B [r, out]
   # ("lora_b") held in float32 beside its frozen kernel; rank 0: none (the base model)
   lora_rank: int = 0
@@ -91,7 +91,7 @@ class ModelConfig:
     if self.lora_rank and (self.fused_projections or not self.lora_targets):
       raise ValueError("LoRA (lora_rank > 0) needs lora_targets and separate projections "
                        "(fused_projections=False; merge the adapters before decoding: "
-                       "ppojax.lora.merge)")
+                       "ppojax.models.lora.merge)")
     if not 0 <= self.lora_dropout < 1 or (self.lora_dropout and not self.lora_rank):
       raise ValueError(f"lora_dropout={self.lora_dropout} must be in [0, 1), and 0 without "
                        "adapters (lora_rank = 0)")

@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from ppojax import files, hostmem
+from ppojax.infra import files, hostmem
 from ppojax.models.config import ModelConfig
 
 StateDict = dict[str, np.ndarray]

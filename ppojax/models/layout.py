@@ -82,7 +82,7 @@ def partition_rules() -> tuple[tuple[str, tuple], ...]:
   Megatron-style tensor parallelism: q/k/v, gate/up and fc split their output features over
   "tensor", o/down/proj their input features; the other matrix dimension is sharded over
   "fsdp" (ZeRO-3 style). Stacked layer parameters (``scan_layers``) carry the layer axis first,
-  never sharded. Vectors (norms, most biases) are replicated. ``ppojax.sharding`` applies
+  never sharded. Vectors (norms, most biases) are replicated. ``ppojax.infra.sharding`` applies
   these, replicating any dimension that the mesh axis does not divide.
   """
   per_layer = (

@@ -36,12 +36,17 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
+from ppojax.infra.sharding import shard_rows, vocab_parallel_logits
 from ppojax.models.cache import fills_from_start, update_cache
 from ppojax.models.config import REMAT_POLICIES, ModelConfig
-from ppojax.models.kernels import (dot_f32_accumulate, lora_dropout_matmul, lora_matmul, swiglu,
-                                   weight_matmul)
+from ppojax.models.kernels import (
+  dot_f32_accumulate,
+  lora_dropout_matmul,
+  lora_matmul,
+  swiglu,
+  weight_matmul,
+)
 from ppojax.models.rope import apply_rope, model_rope
-from ppojax.sharding import shard_rows, vocab_parallel_logits
 
 Array = jax.Array
 

@@ -1,0 +1,1 @@
+"""ppojax.data.encoding."""

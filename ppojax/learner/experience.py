@@ -1,0 +1,107 @@
+"""Rollout + scores → experience: KL-shaped token rewards and the algorithm's advantages, and the
+rollout's metrics.
+
+    rewards             = −β·KL_t (+ score on the last response token); β = 0 here when the
+                          KL goes into the loss instead
+    advantages, returns = the algorithm's estimator (GAE, GRPO, …; returns None without a
+                          critic)
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from ppojax.core import advantages as adv_lib
+from ppojax.core import kl as kl_lib
+from ppojax.core import ops, rewards
+from ppojax.rollout.rollout import Rollout
+
+Array = jax.Array
+
+
+class Experience(NamedTuple):
+  """What the update consumes: the rollout plus advantages and returns [B, R]."""
+
+  rollout: Rollout
+  advantages: Array
+  returns: Array | None  # the critic's regression target (None: no critic)
+  # β of a KL term in the loss (``ppo.kl_in = "loss"``, a scalar); None: no KL in the loss
+  kl_coef: Array | None = None
+
+
+def take_rows(exp: Experience, idx: Array) -> Experience:
+  """The rows ``idx`` of every per-row array of the experience (a shared prefix [C] belongs to
+  every row and the loss's KL coefficient to the batch: they stay whole)."""
+  prefix = exp.rollout.prefix
+  rows = jax.tree.map(lambda x: x[idx], exp._replace(
+      rollout=exp.rollout._replace(prefix=None), kl_coef=None))
+  return rows._replace(rollout=rows.rollout._replace(prefix=prefix), kl_coef=exp.kl_coef)
+
+
+def make_experience(r: Rollout, scores: Array, beta: Array, cfg, group_size: int = 1
+                    ) -> tuple[Experience, dict]:
+  """Rewards and the estimator's advantages from a rollout and its sequence scores [N].
+
+      r_t = −β_r·KL_t + 1[t = last]·s          (``rewards.shape_rewards``; β_r = β where
+                                               ``cfg.kl_in`` is "reward", else 0)
+      (A, R) = estimator(s_seq = Σ_t r_t, r_t, mask, V_old)   (``advantages.ESTIMATORS``)
+
+  A sequence estimator (GRPO, RLOO, …) reads s_seq, the token estimators (GAE, REINFORCE++)
+  r_t. With ``cfg.kl_in`` "loss" the experience carries β for the loss's KL term. Without a
+  reference (``r.ref_logp`` None) KL ≡ 0.
+
+  ``cfg`` (the resolved ``ppo`` section, ``algorithms.resolve``) supplies estimator, kl_in,
+  kl_estimator, missing_stop_penalty, score_clip, whiten_rewards, gamma, lam and
+  whiten_advantages; ``group_size``: the samples per prompt n (rows i·n … i·n + n − 1 are
+  prompt i's).
+  """
+  est = adv_lib.estimator(cfg.estimator)
+  kl_in_loss = cfg.kl_in == "loss"
+  ref_logp = r.old_logp if r.ref_logp is None else r.ref_logp
+  token_rewards, metrics = rewards.shape_rewards(
+      scores, r.old_logp, ref_logp, r.mask, 0.0 if kl_in_loss else beta, has_stop=r.has_stop,
+      kl_estimator=cfg.kl_estimator, score_clip=cfg.score_clip,
+      missing_stop_penalty=cfg.missing_stop_penalty, whiten=cfg.whiten_rewards)
+  inputs = adv_lib.AdvantageInputs(scores=jnp.sum(token_rewards, axis=1), rewards=token_rewards,
+                                   mask=r.mask, values=r.old_values)
+  adv, ret = est.fn(inputs, adv_lib.AdvantageParams(
+      gamma=cfg.gamma, lam=cfg.lam, whiten=cfg.whiten_advantages, group_size=group_size))
+  metrics = {f"objective/{k}": v for k, v in metrics.items()}
+  lengths = jnp.sum(r.mask, axis=1)
+  metrics.update({
+      # the sampled responses' mean Σ_t −log π(token) over response tokens (trl's
+      # objective/entropy also counts −1 per padding position: its INVALID_LOGPROB)
+      "objective/entropy_masked": jnp.mean(jnp.sum(-r.old_logp, axis=1)),
+      "objective/scores_raw": jnp.mean(scores.astype(jnp.float32)),
+      "val/num_stopped": jnp.sum(r.has_stop),  # responses ending on a stop token
+      "val/response_length": jnp.mean(lengths),
+      **group_metrics(rewards.adjust_scores(scores, r.has_stop, score_clip=cfg.score_clip,
+                                            missing_stop_penalty=cfg.missing_stop_penalty),
+                      kl_lib.per_token_kl(r.old_logp, ref_logp, cfg.kl_estimator), r.mask,
+                      group_size),
+  })
+  if r.old_values is not None:
+    metrics["val/values_rollout"] = ops.masked_mean(r.old_values, r.mask)
+  if r.sampler_logp is not None:  # the sampler's log-probs vs the learner's (same params)
+    metrics["rollout/logp_mismatch"] = ops.masked_mean(jnp.abs(r.old_logp - r.sampler_logp),
+                                                       r.mask)
+  kl_coef = jnp.asarray(beta, jnp.float32) if kl_in_loss and r.ref_logp is not None else None
+  return Experience(r, adv, ret, kl_coef), metrics
+
+
+def group_metrics(scores: Array, kl: Array, mask: Array, group_size: int) -> dict[str, Array]:
+  """trl GRPOTrainer's names for what it logs: ``reward`` (mean score), ``kl`` (mean per-token
+  KL over response tokens), ``completion_length`` (mean tokens); with groups (n > 1)
+  ``reward_std`` (the mean over groups of the scores' std, Bessel-corrected) and
+  ``frac_reward_zero_std`` (the share of groups whose scores are all equal: no signal)."""
+  out = {"reward": jnp.mean(scores), "kl": ops.masked_mean(kl, mask),
+         "completion_length": jnp.mean(jnp.sum(mask, axis=1).astype(jnp.float32))}
+  if group_size > 1:
+    groups = scores.reshape(-1, group_size)
+    std = jnp.std(groups, axis=1, ddof=1)
+    out.update(reward_std=jnp.mean(std), frac_reward_zero_std=jnp.mean(
+        (jnp.max(groups, axis=1) == jnp.min(groups, axis=1)).astype(jnp.float32)))
+  return out

@@ -1,0 +1,104 @@
+"""The rollout: n responses sampled per prompt, then the forward passes that score them without a
+gradient (old and reference log-probs, the critic's values), in micro-batches.
+
+    responses           = generate(policy, prompts), n per prompt      [B·n, R]
+    old_logp, ref_logp  = log π_T(response | prefix) under actor / reference (no reference: None)
+    old_values          = V(s_t), the critic at the position before each response token (no
+                          critic: None)
+"""
+
+from __future__ import annotations
+
+from typing import Callable, NamedTuple
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from ppojax.core import ops
+from ppojax.data.batch import Prompts
+from ppojax.models.passes import map_rows, response_logprobs, response_values, without_prefix
+from ppojax.rollout.sampling import SamplingConfig, generate
+
+Array = jax.Array
+
+# (prompts [B, P], prompt_mask [B, P], responses [B, R], response_mask [B, R]) → scores [B]
+RewardFn = Callable[[Array, Array, Array, Array], Array]
+
+
+class Rollout(NamedTuple):
+  """Sampled responses and the model outputs on them, all [B, R] unless noted."""
+
+  prompts: Array  # [B, P]
+  prompt_mask: Array  # [B, P]
+  responses: Array  # int32, pad_id after the first stop token
+  mask: Array  # bool response mask (the stop token included)
+  has_stop: Array  # [B] bool: ended by a stop token, not by the length limit
+  old_logp: Array | None  # log π_old(token), temperature-scaled (None: the update computes it)
+  ref_logp: Array  # log π_ref(token), same temperature
+  old_values: Array | None  # V_old(s_t) (None: the update computes it)
+  prefix: Array | None = None  # [C] the prompts' shared prefix (``Prompts.prefix``)
+  # log π_T(token) as the sampler computed it while sampling (``Generation.logprobs``: its
+  # compute dtype, its KV-cache decode), for the mismatch metric and ``ppo.tis_cap``
+  sampler_logp: Array | None = None
+
+
+def rollout(policy: nn.Module, critic: nn.Module | None, actor, ref_actor, critic_params,
+            prompts: Prompts, key: Array, sampling: SamplingConfig,
+            old_logp: str = "recompute", old_values: bool = True,
+            sampler: nn.Module | None = None, micro_batches: int = 1,
+            reference: nn.Module | None = None, sampler_params=None) -> Rollout:
+  """Sample responses from the actor (with the ``sampler`` module where given: the policy's
+  architecture at another compute dtype), then score them with actor, reference and critic,
+  those forward passes in ``micro_batches`` parts (``map_rows``). ``sampling.num_samples`` = n
+  samples per prompt: the rollout's B·n rows hold prompt i's samples at i·n … i·n + n − 1, each
+  with its prompt. Without a reference (``ref_actor`` None) ``ref_logp`` is None; without a
+  critic (``critic`` None) so are the values. ``reference``: the module applying ``ref_actor``
+  (default: ``policy``); ``sampler_params``: the sampler's params (default: ``actor``; with
+  LoRA, the merged weights of the base-model ``sampler``).
+
+  ``old_logp`` says where log π_old comes from:
+
+  * "recompute": a forward pass of the actor over prompt + response;
+  * "sampler": ``Generation.logprobs``, i.e. log softmax(logits / T) at the sampled token under
+    the same actor params (the two differ only by float rounding: the KV-cache decode sums in
+    another order than the full forward);
+  * "update": not here (``Rollout.old_logp`` is None); a single-pass update takes it from its
+    own forward pass at the same params (``update.single_pass_update``).
+
+  ``old_values=False`` leaves ``Rollout.old_values`` None for the same reason."""
+  if old_logp not in ("recompute", "sampler", "update"):
+    raise ValueError(f"old_logp must be 'recompute', 'sampler' or 'update', got {old_logp!r}")
+  sampler = policy if sampler is None else sampler
+  reference = policy if reference is None else reference
+  sampler_params = actor if sampler_params is None else sampler_params
+  if prompts.prefix is None:
+    gen = generate(sampler, sampler_params, prompts.tokens, prompts.mask, key, sampling)
+  else:
+    rest, rest_mask, _ = without_prefix(prompts.tokens, prompts.mask, prompts.prefix.shape[0])
+    gen = generate(sampler, sampler_params, rest, rest_mask, key, sampling,
+                   prefix=prompts.prefix)
+  n = sampling.num_samples
+  tokens, mask = (prompts.tokens, prompts.mask) if n == 1 else (
+      jnp.repeat(prompts.tokens, n, axis=0), jnp.repeat(prompts.mask, n, axis=0))
+  rows = (tokens, mask, gen.tokens, gen.mask)
+
+  def passes(*rows_and_prefix):
+    *args, prefix = rows_and_prefix
+    logp = lambda module, params: response_logprobs(  # noqa: E731
+        module, params, *args, sampling.temperature, prefix)
+    return {"old": logp(policy, actor) if old_logp == "recompute" else None,
+            "ref": logp(reference, ref_actor) if ref_actor is not None else None,
+            "values": response_values(critic, critic_params, *args, prefix)
+                      if old_values and critic is not None else None}
+
+  out = map_rows(passes, rows, micro_batches, prompts.prefix)
+  old = out["old"]  # None with "update"
+  if old_logp == "sampler":
+    old = gen.logprobs  # 0 off the mask, like the recomputed log-probs
+  return Rollout(
+      prompts=tokens, prompt_mask=mask, responses=gen.tokens, mask=gen.mask,
+      has_stop=ops.has_stop_token(gen.tokens, sampling.stop_ids),
+      old_logp=jax.lax.stop_gradient(old), ref_logp=jax.lax.stop_gradient(out["ref"]),
+      old_values=jax.lax.stop_gradient(out["values"]), prefix=prompts.prefix,
+      sampler_logp=jax.lax.stop_gradient(gen.logprobs))

@@ -1,0 +1,384 @@
+"""Compiled generation: one prefill, then a ``lax.while_loop`` of cached decode steps that exits as
+soon as every row has stopped. No Python runs per token; static shapes compile once per
+(batch, prompt length, max_new_tokens).
+
+    out = generate(CausalLM(cfg), params, prompts, prompt_mask, key, SamplingConfig(...))
+
+Prompts that all begin with the same tokens (a chat template's system header) can share that
+prefix's prefill: ``prefix, rest, rest_mask = split_shared_prefix(tokens, mask)`` on the host,
+then ``generate(..., rest, rest_mask, key, config, prefix=prefix)`` runs the prefix through the
+model once, for one row, and the batch's prefill over the rest only. The sample distribution is
+the same; only float rounding differs.
+
+Log-probs: ``out.logprobs`` is log π_T(token) under softmax(logits / temperature) — the
+distribution PPO's ratio uses (``ops.selective_log_softmax(logits, tokens, temperature)``
+recomputes exactly it). ``out.sampling_logprobs`` is under the distribution the token was actually
+drawn from: the temperature-scaled one after top-k / top-p / min-p truncation (and the exclusion
+of stop tokens before ``min_new_tokens``), renormalised. The two are equal when nothing is
+excluded.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import NamedTuple
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ppojax.core import ops
+from ppojax.infra.sharding import shard_rows
+from ppojax.models.cache import KVCache, init_cache, positions_from_mask, with_shared_prefix
+from ppojax.models.kernels import columns_pay_off
+from ppojax.models.layout import fuse_projections, transpose_kernels, unstack_layers
+from ppojax.models.rope import model_rope
+
+Array = jax.Array
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingConfig:
+  """How to pick tokens (hashable: a jit static)."""
+
+  max_new_tokens: int
+  stop_ids: tuple[int, ...]  # the first of these ends a response (and stays in it)
+  pad_id: int  # written after the stop token; may equal a stop id
+  temperature: float = 1.0
+  greedy: bool = False  # argmax; log-probs still at ``temperature``
+  top_k: int = 0  # keep the k most likely tokens (0: off)
+  top_p: float = 1.0  # keep the smallest set with probability ≥ top_p (1: off)
+  min_p: float = 0.0  # drop tokens with p < min_p · p_max (0: off)
+  min_new_tokens: int = 0  # stop tokens are excluded before this many new tokens
+  # samples per prompt: prompt i's n samples are rows i·n … i·n + n − 1 of the output (a
+  # group, contiguous), all decoding from one prefill of the prompt
+  num_samples: int = 1
+
+  def __post_init__(self):
+    object.__setattr__(self, "stop_ids", tuple(int(i) for i in self.stop_ids))  # hashable
+    if self.max_new_tokens < 1:
+      raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+    if not self.stop_ids:
+      raise ValueError("stop_ids is empty: give at least one stop token id (e.g. EOS)")
+    if not self.temperature > 0:  # also rejects NaN
+      raise ValueError(f"temperature must be > 0 (use greedy=True for argmax), "
+                       f"got {self.temperature}")
+    if not 0 <= self.min_new_tokens <= self.max_new_tokens:
+      raise ValueError(f"need 0 <= min_new_tokens <= max_new_tokens, got {self.min_new_tokens}")
+    if not isinstance(self.num_samples, (int, np.integer)) or self.num_samples < 1:
+      raise ValueError(f"num_samples (samples per prompt) must be an int >= 1, got "
+                       f"{self.num_samples!r}")
+    if not 0 < self.top_p <= 1 or not 0 <= self.min_p < 1 or self.top_k < 0:
+      raise ValueError(f"need 0 < top_p <= 1, 0 <= min_p < 1, top_k >= 0; got "
+                       f"top_p={self.top_p}, min_p={self.min_p}, top_k={self.top_k}")
+
+  @property
+  def truncates(self) -> bool:
+    return bool(self.top_k) or self.top_p < 1 or self.min_p > 0
+
+
+class Generation(NamedTuple):
+  tokens: Array  # [B, R] int32; pad_id after each row's first stop token
+  logprobs: Array  # [B, R] float32, log π_T(token); 0 on padding
+  sampling_logprobs: Array  # [B, R] float32, under the truncated distribution; 0 on padding
+  mask: Array  # [B, R] bool, ops.response_mask(tokens, stop_ids)
+  lengths: Array  # [B] int32, response lengths (stop token included)
+
+
+def truncate_logits(z: Array, config: SamplingConfig) -> Array:
+  """Temperature-scaled logits [B, V] with the tokens that top-k / top-p / min-p exclude set to
+  −inf (applied in that order, as Hugging Face's logits warpers)."""
+  neg_inf = jnp.finfo(z.dtype).min
+  if config.top_k:
+    kth = jax.lax.top_k(z, min(config.top_k, z.shape[-1]))[0][:, -1:]
+    z = jnp.where(z < kth, neg_inf, z)
+  if config.top_p < 1:
+    sorted_z = jnp.sort(z, axis=-1)[:, ::-1]
+    probs = jax.nn.softmax(sorted_z, axis=-1)
+    before = jnp.cumsum(probs, axis=-1) - probs  # mass strictly above each sorted token
+    keep = before < config.top_p  # always keeps the most likely token
+    threshold = jnp.min(jnp.where(keep, sorted_z, jnp.inf), axis=-1, keepdims=True)
+    z = jnp.where(z < threshold, neg_inf, z)
+  if config.min_p > 0:
+    probs = jax.nn.softmax(z, axis=-1)
+    z = jnp.where(probs < config.min_p * jnp.max(probs, axis=-1, keepdims=True), neg_inf, z)
+  return z
+
+
+def sample_token(logits: Array, key: Array, config: SamplingConfig, banned: Array | None = None):
+  """One token per row from next-token logits [B, V]: (tokens, logprobs, sampling_logprobs).
+
+  ``banned`` [V] or [B, V] excludes tokens from sampling (stop ids before ``min_new_tokens``);
+  like the truncation it changes ``sampling_logprobs`` only, never ``logprobs``.
+
+  log π(i) = z_i − m − log Σ_j exp(z_j − m) with m = max z is evaluated for the chosen tokens
+  only: one exp pass per distribution over [B, V], its weights reused for the draw.
+  """
+  z = logits.astype(jnp.float32) / config.temperature
+  z_max, weights, lse = _normaliser(z)
+  zt, zt_max, weights_t, lse_t = z, z_max, weights, lse
+  if config.truncates or banned is not None:
+    zt = z if banned is None else jnp.where(banned, jnp.finfo(z.dtype).min, z)
+    zt = truncate_logits(zt, config) if config.truncates else zt
+    zt_max, weights_t, lse_t = _normaliser(zt)
+  if config.greedy:
+    tokens = first_argmax(zt, zt_max)
+  else:
+    tokens = _inverse_cdf_sample(key, weights_t)
+  pick = lambda x: jnp.take_along_axis(x, tokens[:, None], axis=-1)[:, 0]  # noqa: E731
+  return tokens, pick(z - lse), pick(zt - lse_t)
+
+
+def _normaliser(z: Array) -> tuple[Array, Array, Array]:
+  """m = max_i z_i [B, 1], the unnormalised probabilities w = exp(z − m) [B, V] and
+  logsumexp(z) = m + log Σ w [B, 1]."""
+  z_max = jnp.max(z, axis=-1, keepdims=True)
+  weights = jnp.exp(z - z_max)
+  return z_max, weights, z_max + jnp.log(jnp.sum(weights, axis=-1, keepdims=True))
+
+
+def first_argmax(z: Array, z_max: Array) -> Array:
+  """argmax over the last axis (the first index on ties), given z_max = max(z, -1, keepdims).
+
+  A where + min reduction: XLA:CPU lowers ``jnp.argmax``'s variadic reduce to a scalar loop that
+  took 30x longer than a max over [64, 49152]."""
+  vocab = z.shape[-1]
+  index = jnp.where(z == z_max, jnp.arange(vocab, dtype=jnp.int32), vocab)
+  return jnp.minimum(jnp.min(index, axis=-1), vocab - 1).astype(jnp.int32)
+
+
+_CDF_BLOCK = 256
+
+
+def _inverse_cdf_sample(key: Array, weights: Array) -> Array:
+  """Token i with probability w_i / Σw for weights [B, V] ≥ 0 with a positive sum:
+  ``inverse_cdf`` at u ~ U[tiny, 1), one uniform per row instead of the Gumbel-max trick's one
+  per vocabulary entry (the random bits for [64, 49152] Gumbel noise cost more than the rest of
+  the step)."""
+  u = jax.random.uniform(key, (weights.shape[0], 1), minval=jnp.finfo(jnp.float32).tiny,
+                         maxval=1.0)
+  return inverse_cdf(weights, u)
+
+
+def inverse_cdf(weights: Array, u: Array) -> Array:
+  """The first token i whose CDF_i ≥ u·Σw, for weights [B, V] ≥ 0 with a positive sum and
+  u [B, 1] in (0, 1]; always a token of positive weight, whatever the rounding.
+
+  The CDF is two-level: cumulative sums of 256-token block totals pick the block (the first
+  whose block CDF reaches the target, so its total is positive), a cumulative sum inside that
+  block picks the token; a full-length ``cumsum`` cost 10x a reduction on CPU. The two levels
+  round differently, so the offset in the block is clipped to the block's first and last
+  positive weights: a rounding at either edge would otherwise land on a zero-weight token.
+  """
+  batch, vocab = weights.shape
+  blocks = -(-vocab // _CDF_BLOCK)
+  w = jnp.pad(weights, ((0, 0), (0, blocks * _CDF_BLOCK - vocab))).reshape(
+      batch, blocks, _CDF_BLOCK)
+  block_cdf = jnp.cumsum(jnp.sum(w, axis=-1), axis=-1)  # [B, blocks]
+  target = u * block_cdf[:, -1:]  # in [0, Σw] (0 only by underflow)
+  # leading blocks of total 0 are skipped even at target 0
+  block = jnp.sum((block_cdf < target) | (block_cdf <= 0), axis=-1)  # [B]
+  block = jnp.minimum(block, blocks - 1)
+  below = jnp.where(block > 0, jnp.take_along_axis(
+      block_cdf, jnp.maximum(block - 1, 0)[:, None], axis=-1)[:, 0], 0.0)
+  inner = jnp.take_along_axis(w, block[:, None, None], axis=1)[:, 0]  # [B, 256]
+  offset = jnp.sum(jnp.cumsum(inner, axis=-1) < (target - below[:, None]), axis=-1)
+  index = jnp.arange(_CDF_BLOCK, dtype=jnp.int32)
+  first = jnp.min(jnp.where(inner > 0, index, _CDF_BLOCK - 1), axis=-1)
+  last = jnp.max(jnp.where(inner > 0, index, 0), axis=-1)
+  return (block * _CDF_BLOCK + jnp.clip(offset, first, last)).astype(jnp.int32)
+
+
+def _cast_floats(params, dtype):
+  """Floating-point leaves cast to ``dtype`` (what every layer would cast them to anyway)."""
+  dtype = jnp.dtype(dtype)
+  return jax.tree.map(
+      lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, params)
+
+
+class _LoopState(NamedTuple):
+  t: Array  # index of the token the next step samples
+  cache: object
+  kv_mask: Array
+  last: Array  # [B] the token sampled at t − 1, fed to the next forward pass
+  tokens: Array
+  logp: Array
+  sampling_logp: Array
+  done: Array
+
+
+def split_shared_prefix(tokens, mask, max_prefix: int | None = None):
+  """(prefix [C], rest [B, W], rest_mask [B, W]) for left-padded host prompts [B, P]: the
+  longest run of leading real tokens that every row shares, and each row's remaining tokens,
+  still left-padded (W = the longest remainder: the last W columns of ``tokens``; the tokens
+  under ``~rest_mask`` are left as they were). Every row keeps at least one token of its own, so
+  the prefill of ``rest`` ends on each row's last prompt token. ``max_prefix`` caps C (a fixed C
+  keeps one compiled program across batches)."""
+  tokens, mask = np.asarray(tokens), np.asarray(mask, bool)
+  if tokens.ndim != 2 or tokens.shape != mask.shape:
+    raise ValueError(f"tokens and mask must both be [B, P]; got {tokens.shape}, {mask.shape}")
+  lengths = mask.sum(axis=1)
+  if not lengths.all():
+    raise ValueError(f"rows {np.flatnonzero(lengths == 0).tolist()} have no prompt token")
+  if (np.diff(mask.astype(np.int8), axis=1) < 0).any():
+    raise ValueError("prompts must be left-padded: in each row, no pad after a real token")
+  limit = int(lengths.min()) - 1
+  if max_prefix is not None:
+    limit = max(0, min(limit, max_prefix))
+  starts = tokens.shape[1] - lengths  # each row's first real token
+  heads = np.take_along_axis(tokens, starts[:, None] + np.arange(limit)[None, :], axis=1)
+  same = (heads == heads[:1]).all(axis=0)
+  shared = limit if same.all() else int(np.argmin(same))
+  width = int(lengths.max()) - shared
+  rest_mask = np.arange(width)[None, :] >= (width - (lengths - shared))[:, None]
+  return heads[0, :shared].copy(), tokens[:, tokens.shape[1] - width:].copy(), rest_mask
+
+
+def _shared_prefix_cache(apply, cfg, prefix: Array, cache: KVCache, size: int) -> KVCache:
+  """``cache`` with the keys and values of ``prefix`` [C] (positions 0 … C − 1) shared by all
+  its rows: one prefill of one row. ``size`` bounds every position the caller will use (the
+  RoPE table's length)."""
+  length = prefix.shape[0]
+  positions = jnp.arange(length, dtype=jnp.int32)[None]
+  _, prefix_cache = apply(prefix[None], positions, jnp.ones((1, length), jnp.bool_),
+                          init_cache(cfg, 1, length), 0, last_only=True,
+                          rope=model_rope(cfg, positions, size))
+  return with_shared_prefix(cache, prefix_cache)
+
+
+def decode_layout(module: nn.Module, params) -> tuple[nn.Module, dict]:
+  """(module, params) as ``generate`` decodes with them: unrolled layers (they read their
+  weights in place; a scanned decode step copies every weight out of the stacked arrays, and ran
+  2.2x slower on CPU), q/k/v and gate/up joined (``fused_projections``: the split copies the
+  weights anyway), no remat (no gradient flows through sampling), floats in the compute dtype,
+  and on CPU the kernels stored [out, in] (``transposed_kernels``: a decode step's few rows
+  then take ``columns_matmul``: its matmuls ran 2x faster on a 2-core AVX2 Zen 3).
+
+  ``generate`` applies it on every call, which copies every weight (0.2–0.3 s for SmolLM2-135M on
+  this CPU). Call it once and pass its result to reuse one set of params across calls
+  (evaluation, serving, benchmarks); on params already in this layout it copies nothing."""
+  cfg = module.cfg
+  transposed = columns_pay_off()
+  if cfg.transposed_kernels and not cfg.fused_projections:  # fuse in the [in, out] layout
+    params, cfg = transpose_kernels(params), cfg.replace(transposed_kernels=False)
+  if cfg.scan_layers:
+    params = unstack_layers(params)
+  if not cfg.fused_projections:
+    params = fuse_projections(params)
+  if cfg.transposed_kernels != transposed:
+    params = transpose_kernels(params)
+  module = module.clone(cfg=cfg.replace(scan_layers=False, remat=False, fused_projections=True,
+                                        transposed_kernels=transposed))
+  return module, _cast_floats(params, module.cfg.compute_dtype)
+
+
+def _repeat_rows(tree, n: int, heads: int | None = None):
+  """Every [B, ...] array of ``tree`` with each row repeated n times, [B·n, ...] (row i's copies
+  at i·n … i·n + n − 1), the rows over the mesh's batch axes and dimension ``heads`` (a KV
+  cache's) over "tensor" (``sharding.shard_rows``)."""
+  return jax.tree.map(lambda x: shard_rows(jnp.repeat(x, n, axis=0), tensor_dim=heads), tree)
+
+
+@functools.partial(jax.jit, static_argnames=("module", "config"))
+def generate(module: nn.Module, params, prompts: Array, prompt_mask: Array, key: Array,
+             config: SamplingConfig, prefix: Array | None = None) -> Generation:
+  """Sample up to ``config.max_new_tokens`` tokens after left-padded ``prompts`` [B, P]:
+  ``config.num_samples`` = n samples of each, [B·n, R], prompt i's in rows i·n … i·n + n − 1.
+
+  Args:
+    module: a ``CausalLM`` (its ``cfg`` sizes the KV cache). Decoding always runs in
+      ``decode_layout`` (unrolled layers, fused projections), converted here on every call
+      unless ``module`` and ``params`` already are.
+    params: its parameters (may be sharded; the batch too).
+    prompts, prompt_mask: [B, P], left-padded (real tokens at the end of each row; at least one
+      per row).
+    key: PRNG key; the same key gives the same sample. Step t draws with ``fold_in(key, t)``.
+    prefix: [C] tokens that precede every row's prompt (see ``split_shared_prefix``): each row
+      is then the sequence prefix + prompt. The prefix's keys and values are computed once, for
+      one row, kept once for the batch (``KVCache.prefix_k``), and every decode step scores
+      them with one matmul over all rows. Not for models with sliding attention windows.
+
+  The prefill's logits give token 0; each loop step feeds token t − 1 and samples token t, so
+  the last token costs no forward pass. With n > 1 the prefill runs once per prompt; its cache
+  rows and last logits are then repeated n times (``_repeat_rows``) and the n samples of a
+  prompt differ from their first token on (each row draws its own noise).
+  """
+  n = config.num_samples
+  prompt_rows, prompt_len = prompts.shape
+  batch = prompt_rows * n
+  length = config.max_new_tokens
+  if prefix is not None and prefix.ndim != 1:
+    raise ValueError(f"prefix must be one row of token ids [C], got shape {prefix.shape}")
+  shared = 0 if prefix is None else prefix.shape[0]
+  prompt_mask = prompt_mask.astype(jnp.bool_)
+  module, params = decode_layout(module, params)
+  apply = functools.partial(module.apply, {"params": params})
+
+  # the last token is sampled but never fed back: P + R − 1 cache slots
+  slots = prompt_len + length - 1
+  kv_mask = jnp.zeros((prompt_rows, slots), jnp.bool_).at[:, :prompt_len].set(prompt_mask)
+  cache = init_cache(module.cfg, prompt_rows, slots)
+  if shared:
+    cache = _shared_prefix_cache(apply, module.cfg, prefix.astype(jnp.int32), cache,
+                                 shared + slots)
+  # RoPE from a table of the cache's positions (every position here is below C + ``slots``)
+  prompt_positions = shared + positions_from_mask(prompt_mask)
+  logits, cache = apply(prompts, prompt_positions, kv_mask, cache, 0, last_only=True,
+                        rope=model_rope(module.cfg, prompt_positions, shared + slots))
+  first_position = shared + jnp.sum(prompt_mask, axis=1, dtype=jnp.int32)  # first new token
+  if n > 1:  # each prompt's prefill serves its n samples
+    logits, kv_mask, first_position = _repeat_rows((logits, kv_mask, first_position), n)
+    cache = cache._replace(k=_repeat_rows(cache.k, n, heads=1),
+                           v=_repeat_rows(cache.v, n, heads=1))
+  stop_ids = jnp.asarray(config.stop_ids, jnp.int32)
+  is_stop_id = jnp.isin(jnp.arange(logits.shape[-1]), stop_ids)  # [V]
+
+  def pick(t, logits, s: _LoopState) -> _LoopState:
+    """Sample token t from next-token logits [B, V] and record it (pad_id, log-probs 0 in rows
+    already stopped)."""
+    banned = None
+    if config.min_new_tokens:  # as Hugging Face's MinNewTokensLengthLogitsProcessor
+      banned = (t < config.min_new_tokens) & is_stop_id
+    tok, logp, slogp = sample_token(logits, jax.random.fold_in(key, t), config, banned)
+    tok = jnp.where(s.done, config.pad_id, tok)
+    logp, slogp = jnp.where(s.done, 0.0, logp), jnp.where(s.done, 0.0, slogp)
+    write = lambda buf, x: jax.lax.dynamic_update_slice(buf, x[:, None], (0, t))  # noqa: E731
+    return s._replace(
+        t=t + 1, last=tok, tokens=write(s.tokens, tok), logp=write(s.logp, logp),
+        sampling_logp=write(s.sampling_logp, slogp),
+        done=s.done | jnp.any(tok[:, None] == stop_ids, axis=-1))
+
+  # RoPE of every decode step, once, outside the loop: in the loop body they would be gathered
+  # again inside each layer's fusions
+  decode_positions = first_position[:, None] + jnp.arange(max(length - 1, 1), dtype=jnp.int32)
+  decode_rope = model_rope(module.cfg, decode_positions, shared + slots)
+
+  def body(s: _LoopState) -> _LoopState:
+    """Feed token t − 1 (slot P + t − 1), then sample token t."""
+    slot = prompt_len + s.t - 1
+    kv_mask = jax.lax.dynamic_update_slice(s.kv_mask, jnp.ones((batch, 1), jnp.bool_), (0, slot))
+    rope = jax.tree.map(lambda x: jax.lax.dynamic_slice_in_dim(x, s.t - 1, 1, axis=1),
+                        decode_rope)
+    logits, cache = apply(s.last[:, None], decode_positions[:, s.t - 1, None], kv_mask,
+                          s.cache, slot, rope=rope)
+    return pick(s.t, logits[:, -1], s._replace(cache=cache, kv_mask=kv_mask))
+
+  def cond(s: _LoopState) -> Array:
+    return (s.t < length) & ~jnp.all(s.done)
+
+  zeros = jnp.zeros((batch, length), jnp.float32)
+  state = _LoopState(
+      t=jnp.zeros((), jnp.int32), cache=cache, kv_mask=kv_mask,
+      last=jnp.zeros((batch,), jnp.int32),
+      tokens=jnp.full((batch, length), config.pad_id, jnp.int32), logp=zeros,
+      sampling_logp=zeros, done=jnp.zeros((batch,), jnp.bool_))
+  state = pick(state.t, logits[:, -1], state)  # token 0, from the prefill
+  state = jax.lax.while_loop(cond, body, state)
+
+  mask = ops.response_mask(state.tokens, config.stop_ids)
+  return Generation(
+      tokens=state.tokens, logprobs=jnp.where(mask, state.logp, 0.0),
+      sampling_logprobs=jnp.where(mask, state.sampling_logp, 0.0), mask=mask,
+      lengths=jnp.sum(mask, axis=1, dtype=jnp.int32))

@@ -1,0 +1,285 @@
+"""Compile the PPO step for a TPU topology that is not here, and say whether it fits.
+
+    python -m ppojax.run.aot --config configs/scale.py:qwen2_5_0_5b --topology v5e:2x4 \\
+        [--config.section.field=value ...]
+
+The step is the one a training run compiles: ``build_lib.build(config, devices=..., abstract=True)``
+builds the same models, optimizers, partition rules and ``make_ppo_step`` as ``build_lib.build``
+does for a run, with parameters and optimizer states as ``jax.ShapeDtypeStruct``s (no weights
+are read) placed on a mesh over the topology's devices (``jax.experimental.topologies``, which
+needs libtpu: ``pip install -e ".[tpu]"``). The fused iteration is then lowered and compiled for
+those devices on this machine, and the compiled program's ``memory_analysis()`` gives the bytes
+each device needs:
+
+    per device = arguments + outputs + temporaries − aliased (outputs written over donated inputs)
+
+``fits`` compares that with the chip's HBM per device (``HBM_GIB``). The last line printed is one
+JSON object with every figure.
+"""
+
+from __future__ import annotations
+
+import os
+
+# A deviceless compile needs no accelerator here: JAX's own backend stays the CPU (without this,
+# an installed libtpu probes for a TPU on import and prints warnings when it finds none).
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# No TPU is used, so several processes may load libtpu at once (it locks /tmp/libtpu_lockfile).
+os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+
+import json  # noqa: E402
+import math  # noqa: E402
+import re  # noqa: E402
+import sys  # noqa: E402
+import time  # noqa: E402
+from typing import Any, NamedTuple  # noqa: E402
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+from ppojax.data.batch import Prompts  # noqa: E402
+from ppojax.infra import flops
+from ppojax.infra import sharding as sharding_lib  # noqa: E402
+from ppojax.learner import update as update_lib
+from ppojax.run import build as build_lib
+from ppojax.run import checks as checks_lib
+
+TPU_INSTALL = 'pip install -e ".[tpu]"  (jax[tpu]: the libtpu that matches the installed jax)'
+
+# Per chip: HBM in GiB and peak dense bfloat16 TFLOP/s (Google Cloud TPU documentation). A
+# chip whose cores are separate JAX devices (v4 here) splits both. v5e: the 15.75 GiB that
+# XLA:TPU itself reports as available (its out-of-memory message), not the nominal 16.
+CHIPS = {
+    "TPU v4": (32, 275.0),
+    "TPU v5 lite": (15.75, 197.0),  # v5e
+    "TPU v5": (95, 459.0),  # v5p
+    "TPU v6 lite": (32, 918.0),  # v6e (Trillium)
+}
+
+
+class AotError(RuntimeError):
+  """The topology cannot be had here (unknown name, no libtpu) or the config has no fused step."""
+
+
+def topology_devices(name: str) -> list:
+  """The devices of a TPU topology such as "v5e:2x4", without the TPUs (libtpu compiles)."""
+  from jax.experimental import topologies  # pylint: disable=import-outside-toplevel
+  try:
+    import libtpu  # noqa: F401  pylint: disable=import-outside-toplevel,unused-import
+  except ImportError as e:
+    raise AotError(f"compiling for TPU topology {name!r} needs libtpu, which is not installed: "
+                   f"{TPU_INSTALL}") from e
+  try:
+    return list(topologies.get_topology_desc(platform="tpu", topology_name=name).devices)
+  except Exception as e:  # libtpu raises plain RuntimeErrors / XlaRuntimeErrors
+    raise AotError(f"libtpu could not describe the TPU topology {name!r} ({type(e).__name__}: "
+                   f"{str(e).splitlines()[0] if str(e) else ''}); topology names look like "
+                   "v5e:2x2, v5e:2x4, v5e:4x4, v4:2x2x2, v5p:2x2x1, v5p:2x2x2, v6e:2x4") from e
+
+
+def chip_of(devices) -> dict[str, Any]:
+  """HBM bytes and peak bf16 FLOP/s per device, from the device kind and the cores per chip."""
+  kind = devices[0].device_kind
+  cores = len({getattr(d, "core_on_chip", 0) for d in devices})
+  if kind not in CHIPS:
+    return {"kind": kind, "cores_per_chip": cores, "hbm_bytes": None, "peak_flops": None}
+  hbm_gib, tflops = CHIPS[kind]
+  return {"kind": kind, "cores_per_chip": cores, "hbm_bytes": int(hbm_gib * 2**30 / cores),
+          "peak_flops": tflops * 1e12 / cores}
+
+
+class Compiled(NamedTuple):
+  compiled: Any  # jax.stages.Compiled, or None when the compiler ran out of HBM
+  run: build_lib.Run
+  seconds: float
+  # when out of HBM: what the compiler's message named (``OutOfMemory``)
+  out_of_memory: OutOfMemory | None = None
+
+
+class OutOfMemory(NamedTuple):
+  """What XLA:TPU's out-of-memory error names, in bytes: the program's temporaries, the
+  device's HBM, and (second message only) the total it would have used."""
+
+  temp: int
+  hbm: int
+  used: int | None = None
+
+
+# XLA:TPU's two out-of-memory messages: temporaries and HBM from either, the total from one
+_OOM_TEMPS = re.compile(r"HLO temporaries \(([\d.]+)([KMGT])\) exceeds available HBM "
+                        r"\(([\d.]+)([KMGT])\)")
+_OOM_USED = re.compile(r"Used ([\d.]+)([KMGT]) of ([\d.]+)([KMGT]) hbm")
+_OOM_TEMP = re.compile(r"HLO temp\s+([\d.]+)([KMGT])")
+
+
+def parse_out_of_memory(message: str) -> OutOfMemory | None:
+  """What XLA:TPU's out-of-memory error names (``OutOfMemory``), or None if it is not one:
+  "... HLO temporaries (18.04G) exceeds available HBM (15.75G)" (temporaries alone too big) or
+  "Ran out of memory in memory space hbm. Used 15.84G of 15.75G hbm. ... HLO temp 5.26G ..."
+  (arguments and program together)."""
+  found = _OOM_TEMPS.search(message)
+  if found:
+    return OutOfMemory(_bytes(*found.group(1, 2)), _bytes(*found.group(3, 4)))
+  used, temp = _OOM_USED.search(message), _OOM_TEMP.search(message)
+  if used and temp:
+    return OutOfMemory(_bytes(*temp.group(1, 2)), _bytes(*used.group(3, 4)),
+                       _bytes(*used.group(1, 2)))
+  return None
+
+
+def _bytes(number: str, unit: str) -> int:
+  return int(float(number) * 1024 ** "KMGT".index(unit) * 1024)
+
+
+def abstract_prompts(config, mesh) -> Prompts:
+  """The shapes of a batch of prompts, [B, P], placed over the mesh's batch axes."""
+  b, p = config.ppo.batch_size, checks_lib.prompt_length(config)
+  rows = sharding_lib.batch_sharding(mesh)
+  return Prompts(jax.ShapeDtypeStruct((b, p), jnp.int32, sharding=rows),
+                 jax.ShapeDtypeStruct((b, p), jnp.bool_, sharding=rows))
+
+
+def compile_step(config, devices) -> Compiled:
+  """The fused PPO iteration of ``config``, built abstractly on ``devices`` and compiled."""
+  if config.reward.kind not in ("model", "jax"):
+    raise AotError(f"reward.kind={config.reward.kind!r} runs on the host between two compiled "
+                   "halves; compile the fused step with reward.kind='model' (a reward model of "
+                   "the same shapes) or 'jax'")
+  run = build_lib.build(config, devices=devices, abstract=True)
+  t0 = time.perf_counter()
+  lowered = run.step.fused.lower(run.state, run.frozen, abstract_prompts(config, run.mesh))
+  try:
+    compiled = lowered.compile()
+  except jax.errors.JaxRuntimeError as e:
+    out_of_memory = parse_out_of_memory(str(e))
+    if out_of_memory is None:
+      raise
+    return Compiled(None, run, time.perf_counter() - t0, out_of_memory)
+  return Compiled(compiled, run, time.perf_counter() - t0)
+
+
+def _param_bytes(trees) -> tuple[int, int, int]:
+  """(parameters, bytes in all, bytes on one device) of ShapeDtypeStructs with shardings (the
+  partition rules split evenly, so every device holds one shard of each leaf)."""
+  leaves = jax.tree.leaves(trees)
+  count = sum(math.prod(x.shape) for x in leaves)
+  total = sum(math.prod(x.shape) * x.dtype.itemsize for x in leaves)
+  device = sum(math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize for x in leaves)
+  return count, total, device
+
+
+def iteration_flops(run) -> float:
+  """Model FLOPs of one iteration (``ppojax.infra.flops``; XLA's ``cost_analysis`` counts a loop's
+  body once, so it cannot give them for a scanned, decoding step)."""
+  config = run.config
+  one_pass = update_lib.single_pass(config.ppo, config.lora.dropout)
+  parts = flops.model_flops(
+      run.policy.cfg, config.ppo.batch_size, checks_lib.prompt_length(config),
+      config.sampling.max_new_tokens, old_logp_fwd=not one_pass and
+      config.ppo.old_logprobs == "recompute", critic_fwd=not one_pass,
+      epochs=config.ppo.num_epochs, samples=config.sampling.num_samples_per_prompt,
+      critic=run.models.critic is not None, reference=run.frozen.ref_actor is not None,
+      reward_model=run.models.reward is not None)
+  return sum(parts.values())
+
+
+def report(config, topology: str, result: Compiled) -> dict[str, Any]:
+  """The figures of one deviceless compile (the JSON line of the CLI)."""
+  run, devices = result.run, list(result.run.mesh.devices.flat)
+  chip = chip_of(devices)
+  models = (run.state.actor, run.state.critic, run.state.base, run.frozen.ref_actor,
+            run.frozen.reward)  # base: LoRA's frozen base (None otherwise)
+  _, total_bytes, device_bytes = _param_bytes(models)
+  count = lambda tree: int(sum(np.prod(x.shape) for x in jax.tree.leaves(tree)))  # noqa: E731
+  trained = count(run.state.actor)  # with LoRA: the adapters
+  params = trained + count(run.state.base)  # the policy's own: the frozen base's too
+  if result.out_of_memory is None:
+    mem = result.compiled.memory_analysis()
+    sizes = (mem.argument_size_in_bytes, mem.output_size_in_bytes, mem.temp_size_in_bytes,
+             mem.alias_size_in_bytes)
+    hbm = chip["hbm_bytes"]
+    per_device = sizes[0] + sizes[1] + sizes[2] - sizes[3]
+  else:  # the compiler stopped: arguments from the shapes, temporaries from its message
+    oom = result.out_of_memory
+    hbm = oom.hbm
+    sizes = (_param_bytes((run.state, run.frozen))[2], None, oom.temp, None)
+    # the compiler's own total where its message names one
+    per_device = oom.used if oom.used is not None else sizes[0] + oom.temp
+  total_flops = iteration_flops(run)
+  seconds_40 = None if not chip["peak_flops"] else (
+      total_flops / (0.4 * chip["peak_flops"] * len(devices)))
+  return {
+      "topology": topology, "device_kind": chip["kind"], "devices": len(devices),
+      "mesh": dict(run.mesh.shape), "model": str(config.model.policy), "params": params,
+      "trained_params": trained,
+      "batch": config.ppo.batch_size, "prompt_len": checks_lib.prompt_length(config),
+      "response_len": config.sampling.max_new_tokens, "dtype": config.model.dtype,
+      "remat": bool(config.model.remat), "compile_seconds": round(result.seconds, 1),
+      "argument_bytes": sizes[0], "output_bytes": sizes[1], "temp_bytes": sizes[2],
+      "alias_bytes": sizes[3], "per_device_bytes": per_device, "hbm_bytes_per_device": hbm,
+      # a program the compiler refused does not fit, whatever the estimate below says
+      "fits": None if hbm is None else (result.out_of_memory is None and per_device <= hbm),
+      # out of memory: the compiler stopped; per_device_bytes is then the total it named, or
+      # where it named only its temporaries, the state's shards plus those (outputs and
+      # aliasing unknown)
+      "compiler_out_of_memory": result.out_of_memory is not None,
+      "param_bytes_total": total_bytes, "param_bytes_per_device": device_bytes,
+      "param_shard_ratio": round(device_bytes / (total_bytes / len(devices)), 3),
+      "flops_per_iteration": total_flops,
+      "seconds_per_iteration_at_40pct": None if seconds_40 is None else round(seconds_40, 2),
+  }
+
+
+def _trained(r: dict[str, Any]) -> str:
+  """", 0.04B of them trained" where only part of the policy trains (LoRA)."""
+  trained = r.get("trained_params", r["params"])
+  return "" if trained == r["params"] else f", {trained / 1e9:.2f}B of them trained"
+
+
+def format_report(r: dict[str, Any]) -> str:
+  gib = lambda b: "?" if b is None else f"{b / 2**30:.2f} GiB"  # noqa: E731
+  verdict = {True: "fits", False: "DOES NOT FIT", None: "unknown HBM"}[r["fits"]]
+  lines = [
+      f"{r['model']} ({r['params'] / 1e9:.2f}B params{_trained(r)}), {r['batch']} x "
+      f"({r['prompt_len']} + {r['response_len']}) tokens, {r['dtype']}{', remat' if r['remat'] else ''}",
+      f"{r['topology']}: {r['devices']} x {r['device_kind']}, mesh {r['mesh']}, "
+      f"compiled in {r['compile_seconds']:.0f} s",
+      f"  per device  {gib(r['per_device_bytes'])} of {gib(r['hbm_bytes_per_device'])}: {verdict}",
+      f"    arguments {gib(r['argument_bytes'])}, outputs {gib(r['output_bytes'])}, "
+      f"temporaries {gib(r['temp_bytes'])}, aliased {gib(r['alias_bytes'])}",
+      f"  parameters (every model) {gib(r['param_bytes_total'])} in all, "
+      f"{gib(r['param_bytes_per_device'])} on a device ({r['param_shard_ratio']:.2f} x "
+      f"total/devices)",
+  ]
+  if r["flops_per_iteration"]:
+    at40 = r["seconds_per_iteration_at_40pct"]
+    lines.append(f"  {r['flops_per_iteration'] / 1e12:.1f} TFLOP per iteration"
+                 + (f": {at40:.2f} s at 40% of the chips' bf16 peak" if at40 else ""))
+  return "\n".join(lines)
+
+
+def main(argv) -> None:
+  from absl import flags  # pylint: disable=import-outside-toplevel
+  if len(argv) > 1:
+    raise SystemExit(f"unexpected arguments: {argv[1:]}")
+  config = flags.FLAGS.config
+  try:
+    devices = topology_devices(flags.FLAGS.topology)
+    result = compile_step(config, devices)
+  except AotError as e:
+    print(f"ppojax.run.aot: {e}", file=sys.stderr)
+    raise SystemExit(2) from e
+  r = report(config, flags.FLAGS.topology, result)
+  print(format_report(r), flush=True)
+  print(json.dumps(r), flush=True)
+
+
+if __name__ == "__main__":
+  from absl import app, flags  # noqa: E402
+  from ml_collections import config_flags  # noqa: E402
+
+  config_flags.DEFINE_config_file("config", None, "Training config file.")
+  flags.DEFINE_string("topology", "v5e:2x4", "TPU topology, e.g. v5e:2x4, v4:2x2x2, v5p:2x2x1.")
+  flags.mark_flag_as_required("config")
+  app.run(main)

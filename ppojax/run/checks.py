@@ -1,0 +1,283 @@
+"""The checks of a run's config, before any model is loaded or anything compiles: option names
+(with the nearest valid ones suggested) and types against ``ppojax.run.config.defaults()``, choices,
+ranges, sizes that must fit together (batch vs minibatches × micro-batches × data-parallel
+devices, the mesh vs the devices, prompt + response vs the model's context), the algorithm's
+resolved choices, the packages an option needs and the task's own options. ``validate`` runs
+them all and raises ``ConfigError`` with one clear message.
+
+Also the sizes a config implies (``rollout_rows``, ``prompt_length``). Every name here is
+re-exported by ``ppojax.run.config`` (``config_lib.validate``, ``config_lib.ConfigError``, ...).
+"""
+
+from __future__ import annotations
+
+import difflib
+import importlib.util
+
+import ml_collections
+import numpy as np
+
+from ppojax.core import advantages, algorithms, kl, ops
+
+# sections whose keys are the user's names
+FREE_FORM = ("eval.metrics", "eval.baselines", "data.rg.options")
+CHOICES = {
+    "algorithm": tuple(algorithms.ALGORITHMS),
+    "ppo.estimator": ("", *advantages.ESTIMATORS),
+    "ppo.kl_in": ("", *algorithms.KL_PLACEMENTS),
+    "reward.kind": ("jax", "python", "text", "model"),
+    "model.critic_init": ("auto", "reward", "policy"),
+    "data.task": ("count", "arith", "file", "reasoning_gym"),
+    "data.truncate": ("left", "error"),
+    "ppo.aggregation": ("", *ops.AGGREGATIONS),
+    "ppo.old_logprobs": ("recompute", "sampler"),
+    "ppo.kl_estimator": ("", *kl.KL_ESTIMATORS),
+    "model.dtype": ("float32", "bfloat16", "float16"),
+    "model.remat_policy": ("nothing", "dots", "dots_no_batch"),
+    "model.frozen_dtype": ("", "float32", "bfloat16", "float16"),
+    "sampling.dtype": ("", "float32", "bfloat16", "float16"),
+    "lora.base_dtype": ("", "float32", "bfloat16", "float16"),
+    "optim.state_dtype": ("float32", "bfloat16"),
+    "optim.actor.decay": ("constant", "linear", "cosine"),
+    "optim.critic.decay": ("constant", "linear", "cosine"),
+}
+
+
+class ConfigError(ValueError):
+  """A config that cannot run; the message names the option and what to do."""
+
+
+def check_names_and_types(config: ml_collections.ConfigDict,
+                          reference: ml_collections.ConfigDict | None = None,
+                          prefix: str = "") -> None:
+  """Every option exists in ``defaults()`` (else the nearest names are suggested) and has the
+  default's type (an int where a float is expected is fine; None defaults take anything)."""
+  if reference is None:
+    # here, not at the top: ppojax.run.config imports this module
+    from ppojax.run.config import defaults  # pylint: disable=import-outside-toplevel
+    reference = defaults()
+  for key in config.keys():
+    name = prefix + key
+    if key not in reference:
+      near = difflib.get_close_matches(key, list(reference.keys()), n=3, cutoff=0.6)
+      hint = f"; did you mean {' or '.join(prefix + n for n in near)}?" if near else (
+          f"; the options of {prefix[:-1] or 'the config'} are: {', '.join(reference.keys())}")
+      raise ConfigError(f"unknown config option {name}{hint}")
+    value, default = config[key], reference[key]
+    if isinstance(default, ml_collections.ConfigDict):
+      if not isinstance(value, ml_collections.ConfigDict):
+        raise ConfigError(f"config option {name} must be a section (ConfigDict), got "
+                          f"{type(value).__name__}")
+      if name not in FREE_FORM:
+        check_names_and_types(value, default, name + ".")
+    elif default is not None and value is not None and not _same_kind(value, default):
+      raise ConfigError(f"config option {name}={value!r} has type {type(value).__name__}; "
+                        f"expected {type(default).__name__} (like the default {default!r})")
+
+
+def _same_kind(value, default) -> bool:
+  if isinstance(default, bool) or isinstance(value, bool):
+    return isinstance(value, bool) and isinstance(default, bool)
+  if isinstance(default, float):
+    return isinstance(value, (int, float))
+  if isinstance(default, (list, tuple)):
+    return isinstance(value, (list, tuple))
+  return isinstance(value, type(default))
+
+
+def check_choices(config: ml_collections.ConfigDict) -> None:
+  for name, allowed in CHOICES.items():
+    node = config
+    for part in name.split("."):
+      node = node[part]
+    if node not in allowed:
+      raise ConfigError(f"{name}={node!r} is not one of {', '.join(map(repr, allowed))}")
+
+
+def check_sizes(config: ml_collections.ConfigDict, num_devices: int,
+                context_length: int | None = None) -> None:
+  """Sizes that must fit: minibatches and micro-batches in the batch, the batch over the
+  data-parallel devices, the mesh over the devices, prompt + response in the model's context."""
+  ppo = config.ppo
+  for name in ("batch_size", "num_minibatches", "grad_accum", "num_epochs"):
+    if ppo[name] < 1:
+      raise ConfigError(f"ppo.{name}={ppo[name]} must be >= 1")
+  n = config.sampling.get("num_samples_per_prompt", 1)
+  if n < 1:
+    raise ConfigError(f"sampling.num_samples_per_prompt={n} must be >= 1")
+  rows = rollout_rows(config)
+  batch = (f"ppo.batch_size={ppo.batch_size}" if n == 1 else
+           f"ppo.batch_size × sampling.num_samples_per_prompt = {ppo.batch_size} × {n} = {rows}")
+  per_step = ppo.num_minibatches * ppo.grad_accum
+  if rows % per_step:
+    raise ConfigError(
+        f"{batch} is not divisible by ppo.num_minibatches × "
+        f"ppo.grad_accum = {ppo.num_minibatches} × {ppo.grad_accum}; change one of them")
+  k = ppo.get("forward_micro_batches", 0)
+  if k < 0 or (k and rows % k):
+    raise ConfigError(f"ppo.forward_micro_batches={k} must be 0 (automatic) or a divisor of "
+                      f"{batch}")
+  if ppo.get("tis_cap") is not None and ppo.tis_cap <= 0:
+    raise ConfigError(f"ppo.tis_cap={ppo.tis_cap} must be > 0 (about 2 is usual), or None")
+  shape = list(config.mesh.shape)
+  if len(shape) != 3 or shape.count(-1) > 1 or any(s == 0 or s < -1 for s in shape):
+    raise ConfigError(f"mesh.shape={tuple(shape)}: give three sizes (data, fsdp, tensor), "
+                      "positive or one -1 for the remaining devices")
+  known = int(np.prod([s for s in shape if s != -1]))
+  if (-1 in shape and num_devices % known) or (-1 not in shape and known != num_devices):
+    raise ConfigError(f"mesh.shape={tuple(shape)} does not fit the {num_devices} devices "
+                      f"present; e.g. --config.mesh.shape='(-1, 1, 1)'")
+  if -1 in shape:
+    shape[shape.index(-1)] = num_devices // known
+  data_parallel = shape[0] * shape[1]
+  if rows % (ppo.num_minibatches * data_parallel):
+    raise ConfigError(
+        f"{batch} is not divisible by ppo.num_minibatches × "
+        f"data-parallel devices = {ppo.num_minibatches} × {data_parallel} (mesh data × fsdp = "
+        f"{shape[0]} × {shape[1]}): every minibatch must split evenly over the devices")
+  if k and rows % (k * data_parallel):
+    raise ConfigError(
+        f"ppo.forward_micro_batches={k}: {rows // k} rows per part do not split over "
+        f"the {data_parallel} data-parallel devices; choose a k with {rows} rows divisible by "
+        f"k × {data_parallel}")
+  if config.sampling.max_new_tokens < 1:
+    raise ConfigError(f"sampling.max_new_tokens={config.sampling.max_new_tokens} must be >= 1")
+  length = prompt_length(config) + config.sampling.max_new_tokens
+  if context_length is not None and length > context_length:
+    raise ConfigError(
+        f"prompt + response = {prompt_length(config)} + {config.sampling.max_new_tokens} = "
+        f"{length} tokens exceeds the model's context of {context_length}; lower "
+        "data.max_prompt_len or sampling.max_new_tokens")
+
+
+# (option, test, what it must be and what to do); None passes where the option allows it
+RANGES = (
+    ("ppo.clip_eps", lambda v: 0 < v < 1,
+     "must be in (0, 1): the policy ratio is clipped to [1 − ε, 1 + ε] (0.2 is usual)"),
+    ("ppo.dual_clip", lambda v: v is None or v > 1,
+     "must be > 1 (dual-clip PPO, Ye et al. 2020; 3 is usual) or None to turn it off: with "
+     "c <= 1 the cap −c·A undercuts the clipped loss and silently zeroes the gradient of every "
+     "token with a negative advantage"),
+    ("ppo.value_clip", lambda v: v is None or v > 0,
+     "must be > 0 (0.2 is usual), or None for an unclipped value loss"),
+    ("ppo.vf_coef", lambda v: v >= 0, "must be >= 0 (the value loss's weight; 0.1 is trl's)"),
+    ("ppo.ent_coef", lambda v: v >= 0,
+     "must be >= 0 (the entropy bonus's weight; 0: none): a negative one penalises entropy"),
+    ("ppo.kl_coef", lambda v: v >= 0,
+     "must be >= 0 (β of the KL penalty; 0: none): a negative one rewards drifting from the "
+     "reference policy"),
+    ("ppo.gamma", lambda v: 0 <= v <= 1, "must be in [0, 1] (the discount; 1 is usual for LMs)"),
+    ("ppo.lam", lambda v: 0 <= v <= 1, "must be in [0, 1] (GAE's λ; 0.95 is usual)"),
+    ("ppo.score_clip", lambda v: v is None or v > 0,
+     "must be > 0 (scores are clipped to [−c, c]), or None"),
+    ("ppo.missing_stop_penalty", lambda v: v >= 0,
+     "must be >= 0: it is subtracted from the score of a response without a stop token (a "
+     "negative one would reward running into the length limit)"),
+    ("eval.every", lambda v: isinstance(v, int) and v >= 0,
+     "must be an integer >= 0: evaluate on the held-out prompts after every N-th iteration "
+     "(0: only before the first and after the last)"),
+    ("lora.rank", lambda v: isinstance(v, int) and v >= 0,
+     "must be an integer >= 0: the rank of the LoRA adapters (0: full fine-tuning; 8-64 is "
+     "usual)"),
+    ("lora.alpha", lambda v: v > 0, "must be > 0 (the adapters are scaled by alpha / rank)"),
+    ("lora.dropout", lambda v: 0 <= v < 1,
+     "must be in [0, 1): the probability of dropping each entry of the adapters' input in the "
+     "update (0: none, peft's default; 0.05-0.1 is usual)"),
+    ("optim.max_grad_norm", lambda v: v > 0, "must be > 0 (gradients are clipped to this "
+     "global norm; 1.0 is usual)"),
+)
+
+
+def check_ranges(config: ml_collections.ConfigDict) -> None:
+  """Numbers in their ranges (``RANGES``): the loss options, discounts, KL coefficients;
+  ``ppo.target_kl`` and ``ppo.kl_horizon`` > 0 with ``ppo.adaptive_kl``."""
+  for name, ok, requirement in RANGES:
+    node = config
+    for part in name.split("."):
+      node = node[part]
+    try:
+      good = ok(node)  # NaN fails every test too
+    except TypeError:  # None where a number is needed
+      good = False
+    if not good:
+      raise ConfigError(f"{name}={node!r} {requirement}")
+  ppo = config.ppo
+  if ppo.adaptive_kl:
+    for name in ("target_kl", "kl_horizon"):
+      if not ppo[name] > 0:
+        raise ConfigError(f"ppo.{name}={ppo[name]!r} must be > 0 with ppo.adaptive_kl (the "
+                          "controller's target KL per sequence and its horizon in samples)")
+
+
+def check_packages(config: ml_collections.ConfigDict) -> None:
+  """Options that need a package outside ppojax's core dependencies: the package is installed."""
+  if config.get("wandb_project") and importlib.util.find_spec("wandb") is None:
+    raise ConfigError(f"wandb_project={config.wandb_project!r} needs the wandb package, which is "
+                      "not installed: pip install 'ppojax[wandb]' (or pip install wandb), or "
+                      "leave wandb_project empty")
+  if (config.get("data", {}).get("task") == "reasoning_gym"  # supervised configs have none
+      and importlib.util.find_spec("reasoning_gym") is None):
+    raise ConfigError('data.task="reasoning_gym" needs the reasoning-gym package, which is not '
+                      'installed: pip install -e ".[reasoning]" (in the ppojax checkout)')
+
+
+def check_tasks(config: ml_collections.ConfigDict) -> None:
+  """The task's own options (``reasoning.check_config``: data.rg makes a dataset) and the
+  baselines' (``baselines.check_config``), before any model loads."""
+  from ppojax.run import baselines
+  from ppojax.tasks import reasoning
+  try:
+    reasoning.check_config(config)
+    baselines.check_config(config)
+  except ValueError as e:
+    raise ConfigError(str(e)) from None
+
+
+def rollout_rows(config) -> int:
+  """Responses per iteration: ppo.batch_size prompts × sampling.num_samples_per_prompt."""
+  return config.ppo.batch_size * config.sampling.get("num_samples_per_prompt", 1)
+
+
+def check_algorithm(config: ml_collections.ConfigDict) -> None:
+  """The algorithm's resolved choices fit together: a group estimator has groups to compare;
+  LoRA's targets are layers of the model."""
+  if config.lora.critic and not (config.lora.rank and config.model.critic_init == "policy"):
+    raise ConfigError(
+        "lora.critic=True puts the critic's adapters on the policy's frozen base: it needs "
+        f"lora.rank > 0 (got {config.lora.rank}) and model.critic_init='policy' (got "
+        f"{config.model.critic_init!r}); a critic initialised from a reward model has another "
+        "base")
+  if config.lora.dropout and not config.lora.rank:
+    raise ConfigError(
+        f"lora.dropout={config.lora.dropout} drops out the LoRA adapters' input, but "
+        "lora.rank=0 (full fine-tuning) has no adapters: set lora.rank > 0 or lora.dropout=0")
+  if config.lora.rank:
+    from ppojax.models import lora  # pylint: disable=import-outside-toplevel
+    try:
+      lora.targets(config.lora.targets)
+    except ValueError as e:
+      raise ConfigError(f"lora.targets={config.lora.targets!r}: {e}") from None
+  ppo = algorithms.resolve(config).ppo
+  n = config.sampling.get("num_samples_per_prompt", 1)
+  if ppo.estimator in ("grpo", "dr_grpo", "rloo") and n < 2:
+    raise ConfigError(
+        f"ppo.estimator={ppo.estimator!r} (algorithm {config.algorithm!r}) compares the samples "
+        f"of a prompt, but sampling.num_samples_per_prompt={n}: every advantage would be 0. "
+        "Set --config.sampling.num_samples_per_prompt=4 (or more), or another estimator")
+
+
+def prompt_length(config) -> int:
+  """Prompt tokens per row: the compiled step's static P."""
+  return config.data.prompt_len if config.data.task == "count" else config.data.max_prompt_len
+
+
+def validate(config: ml_collections.ConfigDict, num_devices: int,
+             context_length: int | None = None) -> None:
+  """All checks that need no model weights; raises ``ConfigError`` with one clear message."""
+  check_names_and_types(config)
+  check_choices(config)
+  check_ranges(config)
+  check_algorithm(config)
+  check_sizes(config, num_devices, context_length)
+  check_packages(config)
+  check_tasks(config)

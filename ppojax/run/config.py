@@ -1,0 +1,275 @@
+"""The full set of run options with their defaults: every config file starts from ``defaults()``
+and changes what its job needs (``configs/*.py``), so every option is documented once, here.
+
+    from ppojax.run.config import defaults
+    def get_config():
+      c = defaults()
+      c.model.policy = "smollm2"
+      return c
+
+``supervised_defaults()`` holds the supervised stages' options. The checks of a config
+(``validate``, ``ConfigError``, ...) live in ``ppojax.run.checks`` and are re-exported here.
+"""
+
+from __future__ import annotations
+
+import ml_collections
+from ml_collections import config_dict
+
+# The checks (ppojax/run/checks.py), re-exported: config_lib.validate, config_lib.ConfigError,
+# config_lib.check_sizes, config_lib.prompt_length, config_lib.rollout_rows, ...
+
+
+def defaults() -> ml_collections.ConfigDict:
+  c = ml_collections.ConfigDict()
+  c.seed = 0
+  # ppo, grpo, dr_grpo, rloo or reinforce_pp (ppojax/core/algorithms.py): the defaults of
+  # ppo.estimator, ppo.kl_in, ppo.aggregation and ppo.kl_estimator (each left "" below)
+  c.algorithm = "ppo"
+  c.num_iterations = 100
+  c.log_every = 1
+  c.sample_every = 10  # print a table of sample generations (0: never)
+  c.num_samples = 4
+  c.save_every = 50  # checkpoint every N iterations (and at the end), with --workdir
+  c.keep = 2  # checkpoints kept (>= 2: a corrupt latest one falls back to the one before)
+  # Rerunning a workdir resumes only the run its checkpoint comes from: a changed seed, batch,
+  # model, data, ... stops with an error listing the fields (ppojax/run/resume.py; how long to
+  # train, logging, evaluation and memory options may change). To accept such changes
+  # deliberately, name them here, comma-separated: "seed,ppo.batch_size" ("ppo": a section).
+  c.resume_allow_changes = ""
+  c.phase_timing = False  # True: run sampling / scoring / update as three timed calls
+  c.wandb_project = ""  # log to Weights & Biases too (needs `pip install 'ppojax[wandb]'`)
+  c.distributed = False  # jax.distributed.initialize() first (multi-host TPU / GPU / CPU)
+  # where the cluster is not auto-detected (SLURM, Open MPI, TPU and k8s are): the coordinator
+  # "host:port", the number of processes and this one's index (""/0/-1: auto-detect)
+  c.coordinator_address = ""
+  c.num_processes = 0
+  c.process_id = -1
+
+  c.model = ml_collections.ConfigDict()
+  c.model.policy = "smollm2"  # "tiny", "smollm2", a GGUF file, a Hugging Face directory or hub id
+  c.model.tokenizer = ""  # replaces the policy's tokenizer (needed for "tiny" on a text task)
+  c.model.reward = ""  # reward model checkpoint, with reward.kind = "model"
+  c.model.critic_init = "auto"  # "reward" (the RLHF recipe), "policy"; auto: reward if any
+  c.model.dtype = "float32"  # compute dtype ("bfloat16" on accelerators)
+  c.model.remat = False
+  # with remat: what each layer keeps for the backward pass ("nothing": recompute all of it;
+  # "dots": keep matmul outputs; "dots_no_batch": keep weight-matmul outputs only)
+  c.model.remat_policy = "nothing"
+  # the reference policy and the reward model (which never train) stored in this dtype
+  # ("": as the trained models, float32; "bfloat16": half their memory, and with bfloat16
+  # compute the same numbers up to the float32 value head's rounding)
+  c.model.frozen_dtype = ""
+  # layers as one nn.scan (one compiled layer body, faster compile) or unrolled (False: no
+  # stacked per-layer weights and activations to slice and update; longer compile)
+  c.model.scan_layers = True
+  c.model.tiny = ml_collections.ConfigDict(dict(  # model.policy = "tiny": a random-init model
+      vocab_size=16, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
+      num_kv_heads=2, max_position_embeddings=64))
+
+  # LoRA (ppojax/models/lora.py): the policy is its frozen base plus trained low-rank adapters; the
+  # reference is the base itself (no second copy), only the adapters get optimizer state and
+  # go into checkpoints, and the run exports the merged model and the adapters in peft's layout
+  c.lora = ml_collections.ConfigDict()
+  c.lora.rank = 0  # r (0: full fine-tuning)
+  c.lora.alpha = 16.0  # the adapters' output is scaled by alpha / rank
+  # dropout p on the adapters' input, y = x·W + (α/r)·(dropout_p(x)·A)·B (peft's lora_dropout),
+  # in the policy update only (and a LoRA critic's): sampling, old and reference log-probs and
+  # evaluation run without. 0: none (the update's forward then also gives the old log-probs
+  # and values where ppo.reuse_update_forward allows; with p > 0 the rollout computes them)
+  c.lora.dropout = 0.0
+  c.lora.targets = "all-linear"  # layers: q,k,v,o,gate,up,down (or peft's q_proj, ...)
+  c.lora.base_dtype = ""  # the frozen base's dtype ("bfloat16": half its memory; "": float32)
+  # the critic as its own adapters + value head on the policy's frozen base (model.critic_init
+  # "policy"): the whole PPO run then holds one copy of the base weights
+  c.lora.critic = False
+
+  c.data = ml_collections.ConfigDict()
+  # "count" (toy tokens), "arith" (ppojax/tasks/arith.py), "file" (data.path), "reasoning_gym"
+  # (a reasoning-gym generator, data.rg: ppojax/tasks/reasoning.py; pip install -e ".[reasoning]")
+  c.data.task = "arith"
+  c.data.path = ""  # task "file": JSONL / JSON / datasets directory / parquet of prompts
+  c.data.eval_path = ""  # task "file": held-out prompts (evaluated before and after training)
+  c.data.field = "prompt"  # the prompt column (a string or a list of chat messages)
+  c.data.prompt_len = 6  # task "count": tokens per prompt
+  c.data.max_prompt_len = 128  # tokens; longer prompts are cut from the left and counted
+  c.data.truncate = "left"  # or "error": a too-long prompt stops the run
+  c.data.chat_template = True  # render prompts with the tokenizer's chat template
+  c.data.system = ""  # a system message for every prompt ("" : the template's default)
+  c.data.shared_prefix = True  # run the tokens every prompt begins with (the chat template's
+  # header) once per batch, not once per row: the same numbers, about 30% fewer FLOPs for
+  # SmolLM2's 24-token header on 44-token prompts
+  c.data.eval_per_digits = 64  # task "arith": held-out problems per digit count
+  # task "reasoning_gym": reasoning_gym.create_dataset(dataset, seed=..., size=..., **options);
+  # the held-out set is the dataset of eval_seed and eval_size (repeats dropped), and training
+  # batches skip its questions (ppojax/tasks/reasoning.py)
+  c.data.rg = ml_collections.ConfigDict()
+  c.data.rg.dataset = ""  # e.g. "chain_sum", "basic_arithmetic", "gsm_symbolic"
+  c.data.rg.options = ml_collections.ConfigDict()  # the dataset's config fields
+  c.data.rg.eval_seed = 10_000
+  c.data.rg.eval_size = 128  # generated held-out questions (0: no held-out evaluation)
+  # the answer in a completion: its last <answer> tag, else its "last_line" (any answer type)
+  # or its "last_number" (numeric answers); scored by the dataset's own score_answer
+  c.data.rg.extract = "last_line"
+
+  c.reward = ml_collections.ConfigDict()
+  # "jax": a jnp rule (prompts, prompt_mask, responses, mask) -> [B], traced into the step;
+  # "python": a host function of the rollout's NumPy arrays; "text": a trl-style function
+  # fn(prompts, completions, **columns) -> list[float] of decoded text; "model": model.reward
+  c.reward.kind = "text"
+  c.reward.fn = "ppojax.tasks.arith:reward"
+
+  c.eval = ml_collections.ConfigDict()  # greedy held-out evaluation (tasks with held-out data)
+  c.eval.batch_size = 64
+  c.eval.max_new_tokens = 0  # 0: sampling.max_new_tokens
+  c.eval.group_by = ""  # a record column to report metrics per value of (e.g. "digits")
+  c.eval.metrics = ml_collections.ConfigDict({"score": "ppojax.tasks.arith:reward"})  # name: fn
+  c.eval.monitor = False  # also score every iteration's sampled responses ("monitor/NAME")
+  c.eval.every = 0  # also evaluate after every N-th iteration (0: only before and after)
+  # Baselines: before training, the untrained policy is also evaluated with each of these
+  # instructions appended to every held-out prompt ("PROMPT INSTRUCTION"; for chat messages,
+  # to the last user message), as eval.json phase "before_NAME" and metrics "eval_NAME/..."
+  # e.g. {"instructed": "Reply with just the number."}
+  c.eval.baselines = ml_collections.ConfigDict()
+
+  c.sampling = ml_collections.ConfigDict()
+  c.sampling.max_new_tokens = 64
+  c.sampling.temperature = 1.0
+  c.sampling.top_k = 0
+  c.sampling.top_p = 1.0
+  c.sampling.min_new_tokens = 0  # stop tokens are banned before this many tokens
+  # responses sampled per prompt (a group, one prefill): ppo.batch_size prompts give
+  # batch_size × n responses per iteration; the group estimators (grpo, dr_grpo, rloo) need n >= 2
+  c.sampling.num_samples_per_prompt = 1
+  # the sampler's compute dtype ("": model.dtype), e.g. "bfloat16" sampling for a float32
+  # learner: "rollout/logp_mismatch" reports the log-prob gap, ppo.tis_cap corrects for it
+  c.sampling.dtype = ""
+  # tuples and placeholders so that --config.sampling.stop_ids="(2, 3)" etc. parse
+  c.sampling.stop_ids = ()  # empty: the model's eos_token_id
+  # None: the model's pad id (may equal the stop id)
+  c.sampling.pad_id = config_dict.placeholder(int)
+
+  c.ppo = ml_collections.ConfigDict()
+  c.ppo.batch_size = 64  # prompts per iteration (× sampling.num_samples_per_prompt responses)
+  # "" below: the algorithm's (ppojax/core/algorithms.py)
+  # the advantage estimator (ppojax/core/advantages.py ESTIMATORS): gae (with a critic), grpo,
+  # dr_grpo, rloo, reinforce_pp (no critic: none is allocated)
+  c.ppo.estimator = ""
+  c.ppo.kl_in = ""  # the KL penalty β·KL as a reward ("reward", PPO) or a loss term ("loss", GRPO)
+  c.ppo.num_epochs = 1
+  c.ppo.num_minibatches = 1
+  c.ppo.grad_accum = 1  # micro-batches per minibatch (gradients summed exactly)
+  # parts the rollout's forward passes (old / reference log-probs, values, reward model) run
+  # in, one after the other: less memory, the same numbers (0: the update's micro-batches per
+  # batch, num_minibatches × grad_accum, so both phases hold the same rows at a time)
+  c.ppo.forward_micro_batches = 0
+  # Truncated importance sampling (losses.truncated_is_weight): each token's policy term
+  # weighted by min(π_old/π_sampler, tis_cap), for a sampler whose log-probs differ from the
+  # learner's (sampling.dtype); None: off
+  c.ppo.tis_cap = config_dict.placeholder(float)
+  c.ppo.gamma = 1.0
+  c.ppo.lam = 0.95
+  c.ppo.clip_eps = 0.2
+  c.ppo.dual_clip = config_dict.placeholder(float)
+  c.ppo.value_clip = 0.2
+  c.ppo.vf_coef = 0.1
+  c.ppo.ent_coef = 0.0
+  c.ppo.kl_coef = 0.05  # β; 0 (and no adaptive_kl): no KL, and no reference model is held
+  c.ppo.kl_estimator = ""  # k1 (kl), k2 (mse), k3, abs, clamp (ppojax/core/kl.py)
+  c.ppo.adaptive_kl = False
+  c.ppo.target_kl = 6.0
+  c.ppo.kl_horizon = 10000.0
+  c.ppo.score_clip = config_dict.placeholder(float)
+  c.ppo.missing_stop_penalty = 0.0
+  c.ppo.whiten_rewards = False
+  c.ppo.whiten_advantages = True
+  # How token losses become one loss (ops.aggregate), "" the algorithm's: "token_mean" (over
+  # all response tokens), "seq_mean_token_mean" (= "seq_mean": each sequence's token mean, then
+  # the mean over sequences; GRPO's original) or "seq_mean_token_sum_norm" (token sums over the
+  # constant sampling.max_new_tokens, then the mean over sequences; Dr. GRPO)
+  c.ppo.aggregation = ""
+  # Where log π_old(token) comes from: "recompute" (a forward pass of the actor over prompt +
+  # response after sampling) or "sampler" (the log-probs generate() computed while sampling:
+  # the same params and temperature, as trl's PPOTrainer does; one policy forward pass fewer
+  # per iteration, equal to "recompute" up to float rounding of the KV-cache decode)
+  c.ppo.old_logprobs = "recompute"
+  # With 1 epoch × 1 minibatch × 1 micro-batch the update's one gradient step runs at the
+  # rollout's params, so its forward pass gives the old values (and, with "recompute", the old
+  # log-probs) that a rollout forward would: take them from there (one critic forward and one
+  # policy forward pass fewer per iteration; the same iteration up to float rounding). False:
+  # always run the rollout's forward passes. No effect with more epochs, minibatches or
+  # micro-batches.
+  c.ppo.reuse_update_forward = True
+  # An iteration whose scores, advantages, losses or gradient norms hold a NaN or Inf is
+  # skipped (no update; counted in skipped/nonfinite); after this many in a row the run saves
+  # its last good state and stops with runner.NonFiniteError (0: never stop, only skip)
+  c.ppo.max_bad_steps = 3
+
+  c.optim = ml_collections.ConfigDict()
+  c.optim.max_grad_norm = 1.0
+  c.optim.state_dtype = "float32"  # Adam's moments ("bfloat16": 4 bytes per parameter, not 8)
+  c.optim.actor = ml_collections.ConfigDict(dict(
+      lr=3e-6, warmup_steps=0, decay="linear", end_factor=0.0, weight_decay=0.0))
+  c.optim.critic = ml_collections.ConfigDict(dict(
+      lr=3e-6, warmup_steps=0, decay="linear", end_factor=0.0, weight_decay=0.0))
+
+  c.mesh = ml_collections.ConfigDict()
+  c.mesh.shape = (-1, 1, 1)  # (data, fsdp, tensor); -1: all remaining devices
+  return c
+
+
+def supervised_defaults() -> ml_collections.ConfigDict:
+  """The options of the supervised stages (``ppojax.supervised.sft``, ``ppojax.supervised.train_rm``) with defaults;
+  ``configs/sft_arith.py`` and ``configs/rm_arith.py`` start from it."""
+  c = ml_collections.ConfigDict()
+  c.seed = 0  # model init (tiny), data generation and batch order
+  c.wandb_project = ""  # log to Weights & Biases too (needs `pip install 'ppojax[wandb]'`)
+  c.save_every = 50  # checkpoint every N steps (and at the end), with --workdir
+  c.keep = 2  # checkpoints kept (>= 2: a corrupt latest one falls back to the one before)
+  c.resume_allow_changes = ""  # as in defaults(): fields a resumed run may change deliberately
+
+  c.model = ml_collections.ConfigDict()
+  # "smollm2", a GGUF file, a Hugging Face directory or hub id (for a reward model a policy
+  # checkpoint gets a zero score head, a reward checkpoint keeps its head), or "tiny" (random
+  # init from model.tiny).
+  c.model.init = "smollm2"
+  c.model.tokenizer = ""  # where the tokenizer comes from (HF dir, GGUF); needed with "tiny"
+  c.model.dtype = "float32"  # compute dtype ("bfloat16" on accelerators)
+  c.model.remat = False  # rematerialise layer activations in the backward pass
+  c.model.scan_layers = True  # one nn.scan over the layers; False: unrolled (longer compile)
+  c.model.tiny = ml_collections.ConfigDict(dict(  # vocab_size: the tokenizer's
+      hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2,
+      max_position_embeddings=128))
+
+  c.data = ml_collections.ConfigDict()
+  # "arith" (generated), a JSONL/JSON/parquet file or a datasets save_to_disk directory with
+  # "prompt" and "response" fields (SFT) or "prompt", "chosen" and "rejected" (reward model).
+  c.data.train = "arith"
+  c.data.eval = "arith"  # held-out data, same kinds of source
+  c.data.train_split = "train"  # the split of a DatasetDict directory (and of "arith")
+  c.data.eval_split = "test"
+  c.data.train_size = 256  # examples (pairs) generated for "arith"; for files the first N (0: all)
+  c.data.eval_size = 128
+  c.data.chat_template = True  # render prompts with the tokenizer's chat template
+  c.data.system = ""  # system prompt ("": none, i.e. the template's default)
+  c.data.max_prompt_len = 64  # tokens; padded length = the longest prompt, at most this
+  c.data.max_response_len = 24  # tokens, the EOS included; longer responses are cut
+  c.data.truncate = "left"  # too-long prompts: "left" keeps their end, "error" raises
+
+  c.train = ml_collections.ConfigDict()
+  c.train.num_epochs = 1.0  # optimizer steps = ceil(num_epochs * train rows / batch_size)
+  c.train.batch_size = 16  # examples (pairs: 2 * batch_size sequences in one forward pass)
+  c.train.grad_accum = 1  # micro-batches per step (weighted by their share of the loss: exact)
+  c.train.aggregation = "token_mean"  # SFT: ops.AGGREGATIONS over response tokens
+  c.train.eval_batch_size = 32
+  c.train.eval_every = 0  # evaluate every N steps (0: only before and after; -1: each epoch)
+  c.train.log_every = 1
+
+  c.optim = ml_collections.ConfigDict()
+  c.optim.lr = 2e-5
+  c.optim.warmup_steps = 0
+  c.optim.decay = "cosine"  # "constant", "linear" or "cosine"
+  c.optim.end_factor = 0.1  # final lr = end_factor * lr
+  c.optim.weight_decay = 0.0
+  c.optim.max_grad_norm = 1.0
+  return c

@@ -1,0 +1,1 @@
+"""ppojax.supervised.common."""

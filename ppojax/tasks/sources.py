@@ -1,0 +1,143 @@
+"""Where a run's prompts come from, and how host-side text rewards see them.
+
+``make_source(config, tokenizer)`` turns the ``data`` config section into a ``Source``: a pure
+function from the data position (the iteration number) to a batch of left-padded prompts and
+their records, so a resumed run gets exactly the batches the interrupted one would have got.
+With ``data.shared_prefix`` (default) the prompts carry the tokens every one of them begins
+with (the chat template's header: ``encoding.template_prefix``; BOS for the count task) as
+``Prompts.prefix``, so the step runs them once per batch instead of once per row.
+
+    data.task = "count"    the toy token task of ppojax/tasks/count.py (no tokenizer)
+    data.task = "arith"    small-number arithmetic (ppojax/tasks/arith.py) through the chat template
+    data.task = "file"     prompts from data.path: JSONL, JSON, a ``datasets`` directory, parquet
+    data.task = "reasoning_gym"   a reasoning-gym generator, data.rg (ppojax/tasks/reasoning.py)
+
+A *text reward* is a trl-style function ``fn(prompts, completions, **columns) -> scores``: it gets
+the prompt texts, the decoded completions and every other column of the batch's records as
+keyword lists (e.g. ``answer``).
+"""
+
+from __future__ import annotations
+
+from typing import Callable, NamedTuple
+
+import numpy as np
+
+from ppojax.data import encoding
+from ppojax.data import records as records_lib
+from ppojax.data.batch import Prompts, with_prefix
+from ppojax.tasks import arith, count, reasoning
+
+
+class Batch(NamedTuple):
+  prompts: Prompts  # host arrays [B, P]
+  records: list[dict] | None  # one per row (None for token tasks)
+  truncated: int  # prompts cut from the left to fit data.max_prompt_len
+
+
+class Source(NamedTuple):
+  batch: Callable[[int], Batch]  # data position → batch
+  decode: Callable[[np.ndarray, np.ndarray], str]  # (tokens, mask) → text
+  eval_records: list[dict] | None  # held-out prompts for evaluation, if the task has any
+  encode: Callable[[list[dict]], encoding.Encoded] | None  # records → left-padded prompts
+  prefix: list[int] | None = None  # the prompts' shared prefix (None: data.shared_prefix off)
+
+
+def make_source(config, tokenizer, shared_prefix: bool | None = None) -> Source:
+  """``shared_prefix`` overrides ``data.shared_prefix``."""
+  d, batch_size = config.data, config.ppo.batch_size
+  if shared_prefix is None:
+    shared_prefix = d.get("shared_prefix", True)
+  share = lambda prompts, prefix: (  # noqa: E731
+      with_prefix(prompts, prefix) if shared_prefix else prompts)
+  if d.task == "count":
+    prefix = [count.BOS]
+    return Source(lambda pos: Batch(share(count.count_prompts(config.seed, pos, batch_size,
+                                                              d.prompt_len), prefix), None, 0),
+                  count.decode_count, None, None, prefix if shared_prefix else None)
+  if d.task not in ("arith", "file", "reasoning_gym"):
+    raise ValueError(f"data.task={d.task!r} is not known; choose count, arith, file or "
+                     "reasoning_gym")
+  if tokenizer is None:
+    raise ValueError(f"data.task={d.task!r} needs a tokenizer, and model.policy="
+                     f"{config.model.policy!r} ships none: set model.tokenizer")
+  encode = prompt_encoder(config, tokenizer)
+  prefix = (encoding.template_prefix(tokenizer, system=d.system or None,
+                                  chat_template=d.chat_template) if shared_prefix else None)
+  if d.task == "arith":
+    pick = lambda pos: arith.problems((config.seed, pos), batch_size, "train")  # noqa: E731
+    held_out = arith.eval_problems(d.eval_per_digits) if d.eval_per_digits else None
+  elif d.task == "reasoning_gym":
+    pick, held_out = reasoning_gym_task(config)
+  else:
+    records = records_lib.read_records(d.path, required=(d.field,))
+    pick = lambda pos: [records[i] for i in encoding.batch_indices(  # noqa: E731
+        len(records), batch_size, config.seed, pos)]
+    held_out = (records_lib.read_records(d.eval_path, required=(d.field,)) if d.get("eval_path")
+                else None)
+
+  def batch(pos: int) -> Batch:
+    records = pick(pos)
+    enc = encode(records)
+    return Batch(share(Prompts(enc.tokens, enc.mask), prefix), records,
+                 int(enc.truncated.sum()))
+
+  return Source(batch, lambda t, m: decode_text(tokenizer, t, m), held_out, encode, prefix)
+
+
+def prompt_encoder(config, tokenizer, max_len: int | None = None
+                   ) -> Callable[[list[dict]], encoding.Encoded]:
+  """records → left-padded prompts [N, max_len] (default ``data.max_prompt_len``) through the
+  config's chat template, system prompt and truncation rule."""
+  d = config.data
+  length = max_len or d.max_prompt_len
+
+  def encode(records: list[dict]) -> encoding.Encoded:
+    return encoding.encode_prompts(tokenizer, records, length, field=d.field,
+                               system=d.system or None, chat_template=d.chat_template,
+                               truncate=d.truncate)
+
+  return encode
+
+
+def reasoning_gym_task(config) -> tuple[Callable[[int], list[dict]], list[dict] | None]:
+  """(data position → the batch's records, the held-out records) of ``data.rg``: the held-out
+  questions never appear in a training batch (ppojax/tasks/reasoning.py)."""
+  rg = config.data.rg
+  options = rg.options.to_dict()
+  held_out = (reasoning.held_out(rg.dataset, options, rg.eval_seed, rg.eval_size, rg.extract)
+              if rg.eval_size else [])
+  exclude = frozenset(r["prompt"] for r in held_out)
+  pick = lambda pos: reasoning.train_records(  # noqa: E731
+      rg.dataset, options, config.seed, pos, config.ppo.batch_size, exclude, rg.extract)
+  return pick, held_out or None
+
+
+def decode_text(tokenizer, tokens: np.ndarray, mask: np.ndarray) -> str:
+  """The text of the masked tokens, special tokens dropped."""
+  return tokenizer.decode(np.asarray(tokens)[np.asarray(mask, bool)].tolist(),
+                          skip_special_tokens=True)
+
+
+def text_reward(fn: Callable, tokenizer, field: str = "prompt"
+                ) -> Callable[[np.ndarray, np.ndarray, list[dict]], np.ndarray]:
+  """``(responses, mask, records) → scores [B]`` from a trl-style text reward ``fn``."""
+
+  def score(responses: np.ndarray, mask: np.ndarray, records: list[dict]) -> np.ndarray:
+    completions = [decode_text(tokenizer, t, m) for t, m in zip(responses, mask)]
+    return call_text_fn(fn, records, completions, field).astype(np.float32)
+
+  return score
+
+
+def call_text_fn(fn: Callable, records: list[dict], completions: list[str],
+                 field: str = "prompt") -> np.ndarray:
+  """``fn(prompts=..., completions=..., **columns)`` as float64 [N]: the prompts are the
+  records' ``field``, every other column arrives as a keyword list (trl's convention)."""
+  prompts = [r[field] for r in records]
+  columns = {k: [r.get(k) for r in records] for k in records[0] if k != field}
+  values = np.asarray(fn(prompts=prompts, completions=completions, **columns), np.float64)
+  if values.shape != (len(records),):
+    raise ValueError(f"{getattr(fn, '__name__', fn)} returned shape {values.shape} for "
+                     f"{len(records)} completions; return one float per completion")
+  return values
