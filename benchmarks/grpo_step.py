@@ -109,9 +109,9 @@ def make_config(args):
   c.sampling.max_new_tokens = args.response_length
   c.sampling.min_new_tokens = args.response_length  # exactly R tokens: stop ids banned before
   c.sampling.num_samples_per_prompt = args.samples
-  c.ppo.batch_size = args.prompts
-  c.ppo.kl_coef = args.kl_coef
-  c.ppo.num_epochs = c.ppo.num_minibatches = c.ppo.grad_accum = 1
+  c.rl.batch_size = args.prompts
+  c.rl.kl_coef = args.kl_coef
+  c.rl.num_epochs = c.rl.num_minibatches = c.rl.grad_accum = 1
   c.optim.actor.update(lr=args.lr, warmup_steps=0, decay="constant")
   return c
 
@@ -153,8 +153,8 @@ def ppo_quickstart_rss() -> dict:
   jax.block_until_ready(state)
   return {"peak_rss_mb": hostmem.peak_rss_mb(),
           "first_iteration_seconds": time.perf_counter() - t0,
-          "batch": config.ppo.batch_size, "response_length": config.sampling.max_new_tokens,
-          "num_minibatches": config.ppo.num_minibatches}
+          "batch": config.rl.batch_size, "response_length": config.sampling.max_new_tokens,
+          "num_minibatches": config.rl.num_minibatches}
 
 
 def versions() -> dict:
@@ -234,10 +234,10 @@ def main():
   t0 = time.perf_counter()
   run = build_lib.build(config)
   build_s = time.perf_counter() - t0
-  ppo = run.config.ppo  # resolved: the algorithm's fields filled in
+  rl = run.config.rl  # resolved: the algorithm's fields filled in
   print(f"ppojax: {jax.devices()[0].device_kind}, {os.cpu_count()} CPUs, jax {jax.__version__}; "
-        f"{b} prompts × {n} samples × {r_len} tokens; estimator {ppo.estimator}, KL in the "
-        f"{ppo.kl_in} ({ppo.kl_estimator}, β = {ppo.kl_coef}), aggregation {ppo.aggregation}; "
+        f"{b} prompts × {n} samples × {r_len} tokens; estimator {rl.estimator}, KL in the "
+        f"{rl.kl_in} ({rl.kl_estimator}, β = {rl.kl_coef}), aggregation {rl.aggregation}; "
         f"shared prefix {0 if prompts.prefix is None else len(prompts.prefix)} tokens; build "
         f"{build_s:.1f} s; huge_pages={hostmem.huge_pages_active()}", flush=True)
 
@@ -303,8 +303,8 @@ def main():
           "samples_per_prompt": n, "prompt_length": PROMPT_LENGTH,
           "shared_prefix_tokens": 0 if prompts.prefix is None else len(prompts.prefix),
           "response_length": r_len, "temperature": args.temperature, "kl_coef": args.kl_coef,
-          "lr": args.lr, "estimator": ppo.estimator, "kl_in": ppo.kl_in,
-          "kl_estimator": ppo.kl_estimator, "aggregation": ppo.aggregation,
+          "lr": args.lr, "estimator": rl.estimator, "kl_in": rl.kl_in,
+          "kl_estimator": rl.kl_estimator, "aggregation": rl.aggregation,
           "epochs": 1, "minibatches": 1, "grad_accum": 1, "reward": "ppojax.tasks.arith:reward",
           "iterations": args.iterations, "warmup": args.warmup},
       "trl": trl, "tunix": tunix, "ppo_quickstart": quickstart}))

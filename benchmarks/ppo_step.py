@@ -69,11 +69,11 @@ head (d·V = 28 M of SmolLM2's 135 M matmul parameters) adds 0.17 TFLOP where pp
 prefill's last slot, the decode steps, the R response positions of five policy passes): 3.05
 TFLOP; on every position, as a plain Hugging Face forward, it would be 3.28 TFLOP.
 
-The rollout terms are what ``--no-reuse-update-forward`` runs (``ppo.reuse_update_forward =
+The rollout terms are what ``--no-reuse-update-forward`` runs (``rl.reuse_update_forward =
 False``). By default the benchmark's 1 epoch × 1 minibatch update is a single pass
 (``step.single_pass``): its own forward gives the old values and the old log-probs, and the
 rollout runs neither the critic nor the policy forward (1·policy + 1·value fewer: 2.49 TFLOP).
-With --old-logprobs sampler (``ppo.old_logprobs = "sampler"``) log π_old comes from the
+With --old-logprobs sampler (``rl.old_logprobs = "sampler"``) log π_old comes from the
 sampler, as in trl's PPOTrainer, so the rollout has no policy forward either way (two-pass:
 2.76 TFLOP; single-pass: 2.49).
 
@@ -165,12 +165,12 @@ def make_config(args, reward_dir: str):
   c.sampling.min_new_tokens = args.response_length  # exactly R tokens: stop ids banned before
   c.sampling.stop_ids = []  # the model's eos
   c.sampling.pad_id = None
-  c.ppo.batch_size = args.batch
-  c.ppo.num_epochs = 1
-  c.ppo.num_minibatches = 1
-  c.ppo.grad_accum = 1
-  c.ppo.old_logprobs = args.old_logprobs
-  c.ppo.reuse_update_forward = args.reuse_update_forward
+  c.rl.batch_size = args.batch
+  c.rl.num_epochs = 1
+  c.rl.num_minibatches = 1
+  c.rl.grad_accum = 1
+  c.rl.old_logprobs = args.old_logprobs
+  c.rl.reuse_update_forward = args.reuse_update_forward
   if args.lora:  # adapters on every linear layer; the critic too, on the same frozen base
     c.lora.update(rank=args.lora, alpha=args.lora_alpha, targets="all-linear", critic=True)
     c.model.critic_init = "policy"  # the same backbone as the reward model's (its zero head)
@@ -311,9 +311,9 @@ def main():
   parser.add_argument("--remat", action="store_true")
   parser.add_argument("--unrolled", action="store_true", help="model.scan_layers=False")
   parser.add_argument("--old-logprobs", default="recompute", choices=["recompute", "sampler"],
-                      help="ppo.old_logprobs (sampler: no policy forward for log π_old)")
+                      help="rl.old_logprobs (sampler: no policy forward for log π_old)")
   parser.add_argument("--reuse-update-forward", action=argparse.BooleanOptionalAction,
-                      default=True, help="ppo.reuse_update_forward (default): the single-pass "
+                      default=True, help="rl.reuse_update_forward (default): the single-pass "
                       "update gives the old values and log-probs; --no-…: rollout forwards")
   parser.add_argument("--shared-prefix", action=argparse.BooleanOptionalAction, default=True,
                       help="data.shared_prefix (default): the chat template's header runs once "
@@ -372,7 +372,7 @@ def main():
       tunix_peaks = [matmul_peak(jnp.float32, args.matmul_size)]
       print(f"tunix: {args.iterations} iterations after one warm-up ...", flush=True)
       tunix = run_tunix(python, policy_dir, reward_dir, peer_tokens, r_len, args.iterations,
-                        c0.ppo.kl_coef, c0.sampling.temperature)
+                        c0.rl.kl_coef, c0.sampling.temperature)
       tunix_peaks.append(matmul_peak(jnp.float32, args.matmul_size))
       tunix["matmul_peak_samples"] = tunix_peaks
       print(f"tunix {tunix['tunix']} (jax {tunix['jax']}, flax {tunix['flax']}): "
@@ -454,7 +454,7 @@ def main():
   checkpoint_mb = sum(x.nbytes for x in jax.tree.leaves(state._replace(base=None))) / 2**20
 
   recompute = args.old_logprobs == "recompute"
-  single = update_lib.single_pass(config.ppo)  # the benchmark's 1 × 1 × 1 update
+  single = update_lib.single_pass(config.rl)  # the benchmark's 1 × 1 × 1 update
   runs = {"old_logp_fwd": recompute and not single, "critic_fwd": not single}
   lora = bool(args.lora)  # no weight gradients in the update
   flops = model_flops(cfg, b, args.prompt_length, r_len, **runs, shared=shared, lora=lora)

@@ -105,7 +105,7 @@ def run_pipeline(args, out: pathlib.Path) -> None:
     stage(out, f"ppo_kl{kl}", workdir / "policy", [
         "ppojax.train", "--config", "configs/rlhf_arith.py", "--workdir", str(workdir),
         f"--config.model.policy={sft / 'policy'}", f"--config.model.reward={rm / 'reward_model'}",
-        f"--config.ppo.kl_coef={kl}", f"--config.num_iterations={args.iterations}",
+        f"--config.rl.kl_coef={kl}", f"--config.num_iterations={args.iterations}",
         f"--config.eval.every={args.eval_every}", f"--config.save_every={args.save_every}"])
 
   with concurrent.futures.ThreadPoolExecutor(args.parallel) as pool:

@@ -26,14 +26,14 @@ MODELS = ("qwen2_5_0_5b", "qwen2_5_1_5b", "llama3_2_1b", "llama3_2_3b", "qwen2_5
 TOPOLOGIES = ("v5e:2x2", "v5e:2x4", "v5e:4x4", "v4:2x2x2", "v5p:2x2x2")
 # GRPO on the same 64 rows: 16 prompts x 4 samples, no critic (reference and reward model kept).
 GRPO = ("--config.algorithm=grpo", "--config.sampling.num_samples_per_prompt=4",
-        "--config.ppo.batch_size=16")
+        "--config.rl.batch_size=16")
 GRPO_ROWS = (("qwen2_5_0_5b", "v5e:2x4", GRPO), ("llama3_1_8b", "v5e:4x4", GRPO),
              ("qwen2_5_7b", "v5e:4x4", GRPO))
 # LoRA (rank 16 on every linear layer of policy and critic, both on the one frozen base that is
 # also the reference; reward model kept) where full PPO does not fit: Llama-3.1-8B on 8 chips.
 LORA = ("--config.lora.rank=16", "--config.lora.critic=True", "--config.model.critic_init=policy")
 LORA_ROWS = (("llama3_1_8b", "v5e:2x4", LORA),
-             ("llama3_1_8b", "v5e:2x4", LORA + ("--config.ppo.grad_accum=2",)),
+             ("llama3_1_8b", "v5e:2x4", LORA + ("--config.rl.grad_accum=2",)),
              ("llama3_1_8b", "v5e:2x4", LORA + ("--config.lora.base_dtype=bfloat16",)))
 # The rows beyond the model x topology grid: the goals' topologies, the batch splits whose
 # temporaries should fall (issue 24), and the critic-free step where PPO's does not fit.
@@ -41,9 +41,9 @@ EXTRA = (
     ("qwen2_5_7b", "v5p:2x2x1", ()),
     ("llama3_1_8b", "v5e:4x8", ()),
     ("qwen2_5_7b", "v5e:4x8", ()),
-    ("qwen2_5_0_5b", "v5e:2x4", ("--config.ppo.grad_accum=2",)),
-    ("qwen2_5_0_5b", "v5e:2x4", ("--config.ppo.grad_accum=4",)),
-    ("qwen2_5_0_5b", "v5e:2x4", ("--config.ppo.num_minibatches=4",)),
+    ("qwen2_5_0_5b", "v5e:2x4", ("--config.rl.grad_accum=2",)),
+    ("qwen2_5_0_5b", "v5e:2x4", ("--config.rl.grad_accum=4",)),
+    ("qwen2_5_0_5b", "v5e:2x4", ("--config.rl.num_minibatches=4",)),
     ("llama3_1_8b", "v5e:4x4", ("--config.optim.state_dtype=float32",)),
 ) + GRPO_ROWS + LORA_ROWS
 # Issue 24's goals (PPO with critic, reward model and reference) and the GRPO rows: --goals.

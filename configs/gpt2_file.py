@@ -62,10 +62,10 @@ def get_config() -> ml_collections.ConfigDict:
   c.sampling.stop_ids = [50256, 198, 628]  # <|endoftext|>, "\n", "\n\n"
   c.sampling.pad_id = 50256
 
-  c.ppo.batch_size = 64
-  c.ppo.num_epochs = 2
-  c.ppo.num_minibatches = 2
-  c.ppo.kl_coef = 0.05
+  c.rl.batch_size = 64
+  c.rl.num_epochs = 2
+  c.rl.num_minibatches = 2
+  c.rl.kl_coef = 0.05
 
   c.optim.actor.update(lr=5e-6, warmup_steps=5, decay="constant")
   c.optim.critic.update(lr=2e-5, warmup_steps=5, decay="constant")

@@ -20,6 +20,6 @@ def get_config(algorithm: str = "grpo") -> ml_collections.ConfigDict:
   c = quickstart["get_config"]()  # task, model, reward, evaluation, sampling, lr: the same
   c.algorithm = algorithm  # estimator, KL placement, aggregation: ppojax/core/algorithms.py
   c.sampling.num_samples_per_prompt = 4
-  c.ppo.batch_size = 8  # prompts: 8 × 4 = 32 responses per iteration, as the quickstart's 32
-  c.ppo.kl_coef = 0.04  # GRPO's β (DeepSeekMath); in the loss for grpo / dr_grpo
+  c.rl.batch_size = 8  # prompts: 8 × 4 = 32 responses per iteration, as the quickstart's 32
+  c.rl.kl_coef = 0.04  # GRPO's β (DeepSeekMath); in the loss for grpo / dr_grpo
   return c

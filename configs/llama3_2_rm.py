@@ -60,14 +60,14 @@ def get_config() -> ml_collections.ConfigDict:
   c.sampling.stop_ids = [128009, 128001, 128008]  # <|eot_id|>, <|end_of_text|>, <|eom_id|>
   c.sampling.pad_id = 128009  # the tokenizer has no pad token; masks decide what counts
 
-  c.ppo.batch_size = 64
-  c.ppo.num_epochs = 2
-  c.ppo.num_minibatches = 4
-  c.ppo.grad_accum = 2  # 8 sequences of up to 384 tokens per micro-batch
-  c.ppo.kl_coef = 0.05
-  c.ppo.missing_stop_penalty = 1.0  # a response cut off without <|eot_id|> loses 1
-  c.ppo.score_clip = 10.0
-  c.ppo.vf_coef = 0.1
+  c.rl.batch_size = 64
+  c.rl.num_epochs = 2
+  c.rl.num_minibatches = 4
+  c.rl.grad_accum = 2  # 8 sequences of up to 384 tokens per micro-batch
+  c.rl.kl_coef = 0.05
+  c.rl.missing_stop_penalty = 1.0  # a response cut off without <|eot_id|> loses 1
+  c.rl.score_clip = 10.0
+  c.rl.vf_coef = 0.1
 
   c.optim.actor.update(lr=1e-6, warmup_steps=10, decay="linear", end_factor=0.1)
   c.optim.critic.update(lr=5e-6, warmup_steps=10, decay="linear", end_factor=0.1)

@@ -40,10 +40,10 @@ def get_config() -> ml_collections.ConfigDict:
   c.sampling.max_new_tokens = 32
   c.sampling.temperature = 0.7
 
-  c.ppo.batch_size = 32
-  c.ppo.num_epochs = 1
-  c.ppo.num_minibatches = 4
-  c.ppo.kl_coef = 0.02
+  c.rl.batch_size = 32
+  c.rl.num_epochs = 1
+  c.rl.num_minibatches = 4
+  c.rl.kl_coef = 0.02
 
   c.optim.actor.update(lr=5e-6, warmup_steps=4, decay="constant")
   c.optim.critic.update(lr=2e-5, warmup_steps=4, decay="constant")

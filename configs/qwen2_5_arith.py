@@ -51,11 +51,11 @@ def get_config() -> ml_collections.ConfigDict:
   c.sampling.stop_ids = [151645, 151643]  # <|im_end|> (end of turn), <|endoftext|>
   c.sampling.pad_id = 151643  # the tokenizer's pad token (<|endoftext|>)
 
-  c.ppo.batch_size = 128
-  c.ppo.num_epochs = 2
-  c.ppo.num_minibatches = 4  # 32 responses per update
-  c.ppo.kl_coef = 0.02
-  c.ppo.missing_stop_penalty = 0.5  # cut off by max_new_tokens without <|im_end|>
+  c.rl.batch_size = 128
+  c.rl.num_epochs = 2
+  c.rl.num_minibatches = 4  # 32 responses per update
+  c.rl.kl_coef = 0.02
+  c.rl.missing_stop_penalty = 0.5  # cut off by max_new_tokens without <|im_end|>
 
   c.optim.actor.update(lr=1e-6, warmup_steps=10, decay="constant")
   c.optim.critic.update(lr=1e-5, warmup_steps=10, decay="constant")

@@ -43,10 +43,10 @@ def get_config() -> ml_collections.ConfigDict:
   c.sampling.max_new_tokens = 24
   c.sampling.temperature = 0.7
 
-  c.ppo.batch_size = 32
-  c.ppo.num_epochs = 2
-  c.ppo.num_minibatches = 2
-  c.ppo.kl_coef = 0.05
+  c.rl.batch_size = 32
+  c.rl.num_epochs = 2
+  c.rl.num_minibatches = 2
+  c.rl.kl_coef = 0.05
 
   c.optim.actor.update(lr=3e-6, warmup_steps=4, decay="constant")
   c.optim.critic.update(lr=1e-5, warmup_steps=4, decay="constant")

@@ -49,12 +49,12 @@ def get_config(model: str = "qwen2_5_0_5b") -> ml_collections.ConfigDict:
   c.sampling.max_new_tokens = 256
   c.sampling.temperature = 1.0
 
-  c.ppo.batch_size = 64
-  c.ppo.num_epochs = 1
-  c.ppo.num_minibatches = 1
+  c.rl.batch_size = 64
+  c.rl.num_epochs = 1
+  c.rl.num_minibatches = 1
   c.mesh.shape = (1, -1, 1)  # all devices on the fsdp axis
   if model == "tiny":
     c.model.tiny.update(vocab_size=512, max_position_embeddings=1024)
-    c.data.max_prompt_len, c.sampling.max_new_tokens, c.ppo.batch_size = 32, 16, 16
+    c.data.max_prompt_len, c.sampling.max_new_tokens, c.rl.batch_size = 32, 16, 16
     c.sampling.stop_ids, c.sampling.pad_id = (0,), 0
   return c

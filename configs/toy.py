@@ -1,7 +1,7 @@
 """A tiny random-init transformer learns the *count* task (ppojax/tasks/count.py) by PPO with a rule
 reward, on CPU in about a minute (score ~0.07 → ~0.6). The CLI's test job.
 
-    python -m ppojax.train --config configs/toy.py --workdir /tmp/toy [--config.ppo.kl_coef=0.1]
+    python -m ppojax.train --config configs/toy.py --workdir /tmp/toy [--config.rl.kl_coef=0.1]
 """
 
 import ml_collections
@@ -25,10 +25,10 @@ def get_config() -> ml_collections.ConfigDict:
   c.sampling.stop_ids = [0]
   c.sampling.pad_id = 0  # == the stop id, as in many real tokenizers
 
-  c.ppo.batch_size = 128
-  c.ppo.num_epochs = 2
-  c.ppo.num_minibatches = 2
-  c.ppo.kl_coef = 0.01
+  c.rl.batch_size = 128
+  c.rl.num_epochs = 2
+  c.rl.num_minibatches = 2
+  c.rl.kl_coef = 0.01
 
   c.optim.actor.update(lr=1e-2, warmup_steps=5, decay="cosine", end_factor=0.1)
   c.optim.critic.update(lr=1e-2, warmup_steps=5, decay="cosine", end_factor=0.1)

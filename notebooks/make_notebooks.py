@@ -124,7 +124,7 @@ del policy  # build_lib.build loads its own copy'''),
 ## Config and build
 
 `build_lib.load_config` reads a config file's `get_config()`; keyword overrides use `__` for
-nesting (`ppo__kl_coef=0.1` is the CLI's `--config.ppo.kl_coef=0.1`). `build_lib.build` loads the
+nesting (`rl__kl_coef=0.1` is the CLI's `--config.rl.kl_coef=0.1`). `build_lib.build` loads the
 policy (and a critic initialised from it), shards the train state over the mesh and builds the
 compiled PPO step.'''),
       code('''\
@@ -145,14 +145,14 @@ def find_config(name):
 
 
 if SMALL:
-  overrides = dict(num_iterations=2, ppo__batch_size=8, ppo__num_minibatches=2,
+  overrides = dict(num_iterations=2, rl__batch_size=8, rl__num_minibatches=2,
                    sampling__max_new_tokens=8, eval__batch_size=8)
   n_eval = 8
 else:
   overrides = {}  # configs/quickstart.py as it is: 20 iterations of 32 prompts
   n_eval = None  # all 112 held-out problems
 config = build_lib.load_config(find_config("quickstart.py"), **overrides)
-print({k: config.ppo[k] for k in ("batch_size", "num_minibatches", "kl_coef")},
+print({k: config.rl[k] for k in ("batch_size", "num_minibatches", "kl_coef")},
       "iterations:", config.num_iterations, "new tokens:", config.sampling.max_new_tokens)
 
 t0 = time.perf_counter()

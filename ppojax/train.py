@@ -1,7 +1,7 @@
 """Command line: ``python -m ppojax.train --config configs/NAME.py [--workdir DIR]``.
 
 Config files are ml_collections files with ``get_config()``; override any field with
-``--config.section.field=value`` (e.g. ``--config.ppo.kl_coef=0.1``). The resolved config is
+``--config.section.field=value`` (e.g. ``--config.rl.kl_coef=0.1``). The resolved config is
 printed first. With ``--workdir`` the run resumes from the latest complete checkpoint there (a
 rerun with another seed, batch, model or data is refused, naming the fields and the override
 ``--config.resume_allow_changes=...``: ppojax/run/resume.py) and writes config.json (the resolved

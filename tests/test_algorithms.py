@@ -5,6 +5,7 @@ resume, export). Their math against the float64 reference: tests/test_iteration_
 
 from __future__ import annotations
 
+import dataclasses
 import pathlib
 
 import jax
@@ -13,11 +14,11 @@ import numpy as np
 import pytest
 
 from ppojax.core import algorithms
-from ppojax.learner import experience
 from ppojax.learner import step as step_lib
 from ppojax.learner import update as update_lib
 from ppojax.models import CausalLM, init_params
 from ppojax.models import passes as passes_lib
+from ppojax.rollout import rollout as rollout_lib
 from ppojax.rollout.sampling import SamplingConfig, generate
 from ppojax.run import build as build_lib
 from ppojax.run import checks as checks_lib
@@ -28,7 +29,7 @@ _TOY = pathlib.Path(__file__).parents[1] / "configs" / "toy.py"
 
 def toy(algorithm: str = "ppo", **changes):
   """configs/toy.py with ``algorithm``: 4 prompts × 4 samples, 2 × 2 minibatches."""
-  overrides = {"algorithm": algorithm, "ppo__batch_size": 4,
+  overrides = {"algorithm": algorithm, "rl__batch_size": 4,
                "sampling__num_samples_per_prompt": 4, "num_iterations": 2, "sample_every": 0,
                **changes}
   return build_lib.load_config(_TOY, **overrides)
@@ -63,13 +64,13 @@ def test_group_sampling_decodes_each_prompt_n_times_from_one_prefill():
 
 def test_algorithm_defaults_fill_only_what_is_unset():
   grpo = algorithms.resolve(toy("grpo"))
-  assert (grpo.ppo.estimator, grpo.ppo.kl_in, grpo.ppo.aggregation, grpo.ppo.kl_estimator) == (
+  assert (grpo.rl.estimator, grpo.rl.kl_in, grpo.rl.aggregation, grpo.rl.kl_estimator) == (
       "grpo", "loss", "seq_mean_token_mean", "k3")
-  mine = algorithms.resolve(toy("grpo", ppo__aggregation="token_mean", ppo__kl_in="reward"))
-  assert (mine.ppo.aggregation, mine.ppo.kl_in, mine.ppo.estimator) == (
+  mine = algorithms.resolve(toy("grpo", rl__aggregation="token_mean", rl__kl_in="reward"))
+  assert (mine.rl.aggregation, mine.rl.kl_in, mine.rl.estimator) == (
       "token_mean", "reward", "grpo")
   assert algorithms.resolve(grpo).to_dict() == grpo.to_dict()  # idempotent
-  assert toy("grpo").ppo.estimator == ""  # the input is not changed
+  assert toy("grpo").rl.estimator == ""  # the input is not changed
   with pytest.raises(ValueError, match="unknown algorithm 'gpro'"):
     algorithms.algorithm("gpro")
 
@@ -80,11 +81,12 @@ def test_config_errors_name_the_fix():
   with pytest.raises(checks_lib.ConfigError, match="algorithm='gpro' is not one of"):
     build_lib.validate(toy("gpro"))
   with pytest.raises(checks_lib.ConfigError, match="4 × 3 = 12 is not divisible"):
-    build_lib.validate(toy("grpo", sampling__num_samples_per_prompt=3, ppo__num_minibatches=8))
+    build_lib.validate(toy("grpo", sampling__num_samples_per_prompt=3, rl__num_minibatches=8))
   build_lib.validate(toy("reinforce_pp", sampling__num_samples_per_prompt=1))  # no groups needed
-  with pytest.raises(ValueError, match="unset: pass the ppo section of"):
-    run = build_lib.build(toy("grpo"))
-    step_lib.make_ppo_step(run.models, None, None, None, run.sampling, toy("grpo").ppo)
+  with pytest.raises(ValueError, match="estimator needs a critic"):
+    run = build_lib.build(toy("ppo"))
+    step_lib.make_step(dataclasses.replace(run.models, critic=None), run.algorithm, None, None,
+                       None, run.sampling, run.config.rl)
 
 
 def _forbid(monkeypatch, module, name):
@@ -99,9 +101,9 @@ def test_critic_free_step_holds_and_runs_no_critic(monkeypatch, algorithm, split
   """No critic parameters or optimizer state, no value forward pass (the value functions are
   booby-trapped while the step traces), still one compiled function; trl's GRPO metric
   names."""
-  for module in (experience, update_lib):
+  for module in (rollout_lib, update_lib):
     _forbid(monkeypatch, module, "response_values")
-  changes = {} if split == "two_pass" else {"ppo__num_epochs": 1, "ppo__num_minibatches": 1}
+  changes = {} if split == "two_pass" else {"rl__num_epochs": 1, "rl__num_minibatches": 1}
   run = build_lib.build(toy(algorithm, **changes))
   assert run.models.critic is None
   assert run.state.critic is None and run.state.critic_opt is None
@@ -123,18 +125,18 @@ def _param_bytes(state) -> int:
 
 @pytest.mark.parametrize("algorithm", ["ppo", "grpo"])
 def test_no_reference_is_held_or_run_without_a_kl_penalty(monkeypatch, algorithm):
-  run = build_lib.build(toy(algorithm, ppo__kl_coef=0.0))
+  run = build_lib.build(toy(algorithm, rl__kl_coef=0.0))
   assert run.frozen.ref_actor is None
   calls = []
   real = passes_lib.response_logprobs
-  monkeypatch.setattr(experience, "response_logprobs",
+  monkeypatch.setattr(rollout_lib, "response_logprobs",
                       lambda module, params, *a, **k: calls.append(params) or real(
                           module, params, *a, **k))
   _, metrics, r, _ = runner.iteration(run, run.state, run.source.batch(0).prompts,
                                       phase_timing=True)
   assert r.ref_logp is None and metrics["objective/kl"] == 0.0 and metrics["kl"] == 0.0
   assert all(p is not None for p in calls)  # the reference (None) never scored anything
-  with_ref = build_lib.build(toy(algorithm, ppo__kl_coef=0.0, ppo__adaptive_kl=True))
+  with_ref = build_lib.build(toy(algorithm, rl__kl_coef=0.0, rl__adaptive_kl=True))
   assert with_ref.frozen.ref_actor is not None  # an adaptive β may grow from 0
 
 

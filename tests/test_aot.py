@@ -124,7 +124,7 @@ def test_tiny_step_compiles_for_a_tpu_topology_and_shards_its_parameters():
 def test_critic_free_step_compiles_deviceless_without_critic_memory_or_flops():
   """GRPO on the same rows (4 prompts × 4 samples = 16): no critic or critic optimizer state
   among the arguments, no critic FLOPs, the prefill over 4 prompts."""
-  grpo_overrides = {"algorithm": "grpo", "ppo__batch_size": 4,
+  grpo_overrides = {"algorithm": "grpo", "rl__batch_size": 4,
                     "sampling__num_samples_per_prompt": 4}
   out = _compile_deviceless(ppo={}, grpo=grpo_overrides)
   ppo, grpo = out["ppo"]["report"], out["grpo"]["report"]

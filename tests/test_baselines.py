@@ -100,7 +100,7 @@ def _config(policy, iterations: int) -> ml_collections.ConfigDict:
                                               "length": "text_reward_fn:length"})
   c.eval.baselines = ml_collections.ConfigDict(BASELINES)
   c.sampling.update(max_new_tokens=4)
-  c.ppo.batch_size = 4
+  c.rl.batch_size = 4
   return c
 
 

@@ -37,7 +37,7 @@ ROOT = pathlib.Path(__file__).parents[1]
 TINY = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
             num_key_value_heads=1, head_dim=8, max_position_embeddings=256)
 # the run's sizes: one iteration of 8 prompts, 6 new tokens; every other option is the config's
-SMALL = dict(num_iterations=1, save_every=1, sample_every=1, ppo__batch_size=8,
+SMALL = dict(num_iterations=1, save_every=1, sample_every=1, rl__batch_size=8,
              sampling__max_new_tokens=6, eval__batch_size=4)
 
 

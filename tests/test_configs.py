@@ -96,8 +96,8 @@ def test_ppo_config_validates_and_its_functions_import(path):
   if "accuracy" in config.eval.metrics:  # an evaluation table: the untrained model instructed
     assert config.eval.baselines, f"{path.name}: set eval.baselines (docs/learning.md)"
   # every field can be overridden as on the command line, e.g. a local model directory
-  local = build_lib.load_config(path, model__policy="/models/mine", ppo__batch_size=16)
-  assert local.model.policy == "/models/mine" and local.ppo.batch_size == 16
+  local = build_lib.load_config(path, model__policy="/models/mine", rl__batch_size=16)
+  assert local.model.policy == "/models/mine" and local.rl.batch_size == 16
 
 
 @pytest.mark.parametrize("name, policy, reward, task", [

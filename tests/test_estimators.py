@@ -168,7 +168,7 @@ def test_registry_entries_equal_their_functions():
     if ret is not None:
       close(got_ret, ret, rtol=1e-6, atol=1e-6, err_msg=name)
     assert est.needs_critic == (name == "gae")
-    assert est.token_rewards == (name in ("gae", "reinforce_pp"))
+    assert est.needs_groups == (name in ("grpo", "dr_grpo", "rloo"))
 
 
 def test_registry_critic_free_entries_need_no_values_and_gae_says_so():

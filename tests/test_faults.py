@@ -6,7 +6,7 @@
   models    truncated, corrupt, incomplete or mismatched safetensors and GGUF files: the error
             names the file and the tensor (and the shapes)
   numerics  an iteration with NaN/Inf is skipped (parameters, optimizer states, KL controller and
-            step unchanged, the key advanced) and counted; ``ppo.max_bad_steps`` in a row stop the
+            step unchanged, the key advanced) and counted; ``rl.max_bad_steps`` in a row stop the
             run with ``NonFiniteError`` after saving a checkpoint that restores and resumes
   signals   SIGTERM / SIGINT stop the CLI after the current iteration with a checkpoint and exit 0;
             a second signal aborts at once; the handlers are restored after ``runner.run``
@@ -49,7 +49,7 @@ N = 24  # iterations of the CLI runs (ten kills must land before a run reaches N
 # faster step let the run finish after 9 kills in CI)
 CLI = [sys.executable, "-m", "ppojax.train", "--config", str(ROOT / "configs" / "toy.py"),
        f"--config.num_iterations={N}", "--config.save_every=1", "--config.keep=2",
-       "--config.ppo.batch_size=16", "--config.log_every=1", "--config.sample_every=0"]
+       "--config.rl.batch_size=16", "--config.log_every=1", "--config.sample_every=0"]
 TMP = ".orbax-checkpoint-tmp"
 
 
@@ -108,7 +108,7 @@ def no_compiling(monkeypatch):
     if event == "/jax/core/compile/backend_compile_duration":
       compiled.append(event)
 
-  monkeypatch.setattr(runner.step_lib, "make_ppo_step",
+  monkeypatch.setattr(build_lib.step_lib, "make_step",
                       lambda *a, **k: pytest.fail("the PPO step was built"))
   _, _ = jax.random.split(jax.random.key(0))  # what build does first, compiled once per process
   jax.monitoring.register_event_duration_secs_listener(listener)
@@ -340,7 +340,7 @@ def test_a_nonfinite_step_changes_nothing_but_the_key(single_pass):
   """The fused step (a jnp reward that returns Inf): parameters, optimizer states, KL state and
   step stay; the key moves on; the metrics say what was non-finite. Both with minibatches (a
   select after the update) and in the single-pass update (a cond around the optimizer step)."""
-  one = {"ppo.num_epochs": 1, "ppo.num_minibatches": 1} if single_pass else {}
+  one = {"rl.num_epochs": 1, "rl.num_minibatches": 1} if single_pass else {}
   r = build_lib.build(toy_config(**{"reward.fn": "test_faults:nan_rule", **one}))
   before = jax.device_get(r.state)
   state, metrics, _, _ = runner.iteration(r, r.state, r.source.batch(0).prompts)
@@ -355,11 +355,11 @@ def test_a_nonfinite_step_changes_nothing_but_the_key(single_pass):
 def test_nonfinite_iterations_are_skipped_counted_and_n_in_a_row_stop_the_run(tmp_path):
   """NaN scores at iterations 2-3 (skipped, the run goes on) and 5-7 (three in a row: the run
   saves its last good state, which restores, and stops)."""
-  config = _flaky_config({1, 2, 4, 5, 6}, num_iterations=8, **{"ppo.max_bad_steps": 3})
+  config = _flaky_config({1, 2, 4, 5, 6}, num_iterations=8, **{"rl.max_bad_steps": 3})
   previous = signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)
   with pytest.raises(runner.NonFiniteError, match=(
       r"3 PPO iterations in a row \(5 to 7\) had non-finite scores, advantages, loss, grad_norm "
-      r"and were skipped \(ppo\.max_bad_steps=3\); the last good state is saved as checkpoint 7 "
+      r"and were skipped \(rl\.max_bad_steps=3\); the last good state is saved as checkpoint 7 "
       rf"in {tmp_path / 'checkpoints'}")):
     runner.run(config, str(tmp_path))
   assert (signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)) == previous

@@ -224,7 +224,7 @@ def test_each_step_function_compiles_once_apart_from_its_first_call(monkeypatch)
     if name == "/jax/core/compile/backend_compile_duration":
       events.append("compile")
 
-  r = build_lib.build(build_lib.load_config(ROOT / "configs" / "toy.py", ppo__batch_size=4,
+  r = build_lib.build(build_lib.load_config(ROOT / "configs" / "toy.py", rl__batch_size=4,
                                       num_iterations=3))
   assert r.policy.params is None  # the state holds the weights, the run no second copy
   prompts, state = r.source.batch(0).prompts, r.state

@@ -48,11 +48,11 @@ SPLITS = {"two_pass": (2, 2, 2), "single_pass": (1, 1, 1)}
 def _config(split: str, temperature: float, algorithm: str = "ppo"):
   e, m, k = SPLITS[split]
   grouped = {} if algorithm == "ppo" else {
-      "algorithm": algorithm, "ppo__batch_size": 4, "sampling__num_samples_per_prompt": 4}
+      "algorithm": algorithm, "rl__batch_size": 4, "sampling__num_samples_per_prompt": 4}
   return algorithms.resolve(build_lib.load_config(
-      _TOY, **{"ppo__batch_size": 16, "ppo__num_epochs": e, "ppo__num_minibatches": m,
-               "ppo__grad_accum": k, "ppo__clip_eps": 0.05, "ppo__value_clip": 0.05,
-               "ppo__kl_coef": 0.2, "ppo__ent_coef": 0.01, "sampling__temperature": temperature,
+      _TOY, **{"rl__batch_size": 16, "rl__num_epochs": e, "rl__num_minibatches": m,
+               "rl__grad_accum": k, "rl__clip_eps": 0.05, "rl__value_clip": 0.05,
+               "rl__kl_coef": 0.2, "rl__ent_coef": 0.01, "sampling__temperature": temperature,
                **grouped}))
 
 
@@ -77,8 +77,8 @@ def trained(request):
 def _sgd_step(run, config):
   """The run's compiled step with SGD(LR) for both models: parameter change = −LR·gradient."""
   sgd = optax.sgd(LR)
-  return sgd, step_lib.make_ppo_step(run.models, sgd, sgd, optax.constant_schedule(LR),
-                                     run.sampling, config.ppo)
+  return sgd, step_lib.make_step(run.models, run.algorithm, sgd, sgd, optax.constant_schedule(LR),
+                                     run.sampling, config.rl)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -138,7 +138,7 @@ def _pullback(fn, model, params, rows, cotangent, static):
 def reference_iteration(run, config, state, r):
   """(metrics, actor, critic, rollout fields) of one iteration from the step's sampled
   ``r.responses``, computed by the reference."""
-  ppo, temperature = config.ppo, config.sampling.temperature
+  rl, temperature = config.rl, config.sampling.temperature
   policy, critic = run.models.policy, run.models.critic  # critic None: critic-free
   responses = np.asarray(r.responses)
   n_resp = responses.shape[1]
@@ -152,21 +152,21 @@ def reference_iteration(run, config, state, r):
       mask, np.asarray(_values(critic, state.critic, rows, n_resp), np.float64), 0.0)
   scores = count.count_reward_numpy(r).astype(np.float64)
   beta = float(state.kl.beta)
-  kl_in_loss = ppo.kl_in == "loss"
+  kl_in_loss = rl.kl_in == "loss"
   rewards, kl_metrics = ref.shape_rewards(
       scores, old_logp, ref_logp, mask, 0.0 if kl_in_loss else beta, has_stop,
-      ppo.kl_estimator, ppo.score_clip, ppo.missing_stop_penalty, ppo.whiten_rewards)
-  if ppo.estimator == "gae":
-    adv, ret = ref.gae(rewards, old_values, mask, ppo.gamma, ppo.lam,
-                       whiten=ppo.whiten_advantages)
+      rl.kl_estimator, rl.score_clip, rl.missing_stop_penalty, rl.whiten_rewards)
+  if rl.estimator == "gae":
+    adv, ret = ref.gae(rewards, old_values, mask, rl.gamma, rl.lam,
+                       whiten=rl.whiten_advantages)
   else:  # a sequence estimator on the groups of n: the sequence reward Σ_t r_t
-    group = {"grpo": ref.grpo, "dr_grpo": ref.dr_grpo, "rloo": ref.rloo}[ppo.estimator]
+    group = {"grpo": ref.grpo, "dr_grpo": ref.dr_grpo, "rloo": ref.rloo}[rl.estimator]
     adv, ret = group(rewards.sum(axis=1), mask, run.sampling.num_samples), None
-  agg = dict(aggregation=ppo.aggregation, max_len=n_resp)
+  agg = dict(aggregation=rl.aggregation, max_len=n_resp)
 
   # The update: the rows of minibatch j of epoch e are permutation_e(rows)[j·n : (j+1)·n], the
   # permutations drawn from the third key of split(state.key, 3) (step._keys).
-  e, m = ppo.num_epochs, ppo.num_minibatches
+  e, m = rl.num_epochs, rl.num_minibatches
   k_update = jax.random.split(state.key, 3)[2]
   perms = [np.asarray(jax.random.permutation(k, len(responses)))
            for k in jax.random.split(k_update, e)]
@@ -176,38 +176,38 @@ def reference_iteration(run, config, state, r):
     sub = tuple(x[idx] for x in rows)
     logp, entropy = _policy_outputs(policy, actor, sub, n_resp, temperature)
     logp, entropy = np.asarray(logp, np.float64), np.asarray(entropy, np.float64)
-    pg, pm, d_logp = ref.policy_loss(logp, old_logp[idx], adv[idx], mask[idx], ppo.clip_eps,
+    pg, pm, d_logp = ref.policy_loss(logp, old_logp[idx], adv[idx], mask[idx], rl.clip_eps,
                                      **agg)
     ent = ref.entropy_bonus(entropy, mask[idx], **agg)
-    total = pg - ppo.ent_coef * ent
+    total = pg - rl.ent_coef * ent
     metrics = {"loss/policy": pg, "policy/approxkl_masked": pm["approxkl"],
                "policy/clipfrac": pm["clipfrac"], "policy/dual_clipfrac": pm["dual_clipfrac"],
                "val/ratio_masked": pm["ratio"], "policy/entropy_masked": ent}
     if kl_in_loss:  # + β·agg(KL_t) and its gradient
-      kl_term, km, d_kl = ref.kl_loss(logp, ref_logp[idx], mask[idx], beta, ppo.kl_estimator,
+      kl_term, km, d_kl = ref.kl_loss(logp, ref_logp[idx], mask[idx], beta, rl.kl_estimator,
                                       **agg)
       total, d_logp = total + kl_term, d_logp + d_kl
       metrics.update({"loss/kl": kl_term, "policy/kl": km["kl"]})
-    d_entropy = -ppo.ent_coef * ref.aggregate_weights(mask[idx], ppo.aggregation, n_resp)
+    d_entropy = -rl.ent_coef * ref.aggregate_weights(mask[idx], rl.aggregation, n_resp)
     f32 = lambda x: jnp.asarray(x, jnp.float32)  # noqa: E731
     g_actor = _pullback(_policy_outputs.__wrapped__, policy, actor, sub,
                         (f32(d_logp), f32(d_entropy)), (n_resp, temperature))
     if critic is not None:
       values = np.asarray(_values(critic, critic_params, sub, n_resp), np.float64)
       vf, vm, d_values = ref.value_loss(values, old_values[idx], ret[idx], mask[idx],
-                                        ppo.value_clip, **agg)
-      total += ppo.vf_coef * vf
+                                        rl.value_clip, **agg)
+      total += rl.vf_coef * vf
       metrics.update({"loss/value": vf, "val/clipfrac": vm["clipfrac"], "val/error": vm["error"],
                       "val/values": vm["values"]})
       g_critic = _pullback(_values.__wrapped__, critic, critic_params, sub,
-                           f32(ppo.vf_coef * d_values), (n_resp,))
+                           f32(rl.vf_coef * d_values), (n_resp,))
       metrics["val/grad_norm"] = float(optax.tree.norm(g_critic))
       critic_params = jax.tree.map(lambda p, g: p - LR * g, critic_params, g_critic)
     metrics["loss/total"] = total
     # a variance does not add up over micro-batches: the step's val/ratio_token_var is the
     # token-weighted mean of its K micro-batches' variances (micro-batch k: rows k·n/K ...)
     ratio = np.exp(logp - old_logp[idx])
-    micro = np.array_split(np.arange(n), ppo.grad_accum)
+    micro = np.array_split(np.arange(n), rl.grad_accum)
     metrics["val/ratio_token_var"] = sum(
         mask[idx][i].sum() * ref.masked_var(ratio[i], mask[idx][i]) for i in micro
     ) / mask[idx].sum()
@@ -278,7 +278,7 @@ def test_critic_free_step_equals_the_reference_iteration(trained_grouped, split)
   want = check_iteration(run, _config(split, 0.7, algorithm), state, prompts)
   assert abs(want["objective/kl"]) > 1e-4
   assert want["reward_std"] > 0  # the groups' scores differ: the advantages are not all 0
-  if run.config.ppo.kl_in == "loss":
+  if run.config.rl.kl_in == "loss":
     assert want["loss/kl_avg"] > 1e-5
   if split == "two_pass":
     assert want["policy/clipfrac_avg"] > 0

@@ -174,7 +174,7 @@ def test_peft_export_loads_in_peft_and_gives_the_adapted_logits(tmp_path):
 def _toy(**changes):
   import pathlib  # pylint: disable=import-outside-toplevel
 
-  overrides = {"ppo__batch_size": 16, "num_iterations": 4, "save_every": 2, "log_every": 1,
+  overrides = {"rl__batch_size": 16, "num_iterations": 4, "save_every": 2, "log_every": 1,
                "sample_every": 0, **{k.replace(".", "__"): v for k, v in changes.items()}}
   return build_lib.load_config(pathlib.Path(__file__).parent.parent / "configs" / "toy.py",
                             **overrides)
@@ -182,9 +182,9 @@ def _toy(**changes):
 
 @pytest.mark.parametrize("algorithm", ["ppo", "grpo"])
 def test_a_lora_run_trains_only_adapters_with_the_base_as_reference(algorithm):
-  extra = {"sampling.num_samples_per_prompt": 4, "ppo.batch_size": 4} if algorithm != "ppo" else {}
+  extra = {"sampling.num_samples_per_prompt": 4, "rl.batch_size": 4} if algorithm != "ppo" else {}
   r = build_lib.build(_toy(**{"lora.rank": 4, "lora.targets": "q,v,down", "algorithm": algorithm,
-                           "ppo.kl_coef": 0.1, **extra}))
+                           "rl.kl_coef": 0.1, **extra}))
   state = r.state
   assert r.frozen.ref_actor is None and state.base is not None  # no copy: the base is the ref
   names = {path[-1].key for path, _ in jax.tree_util.tree_leaves_with_path(state.actor)}
@@ -193,7 +193,7 @@ def test_a_lora_run_trains_only_adapters_with_the_base_as_reference(algorithm):
   assert sum(x.size for x in opt_leaves) == 2 * lora.count(state.actor)  # Adam's two moments
   base0 = jax.tree.map(np.asarray, state.base)
   # the reference log-probs = a separately built base model's (no adapters, no LoRA path)
-  plain = build_lib.build(_toy(**{"algorithm": algorithm, "ppo.kl_coef": 0.1, **extra}))
+  plain = build_lib.build(_toy(**{"algorithm": algorithm, "rl.kl_coef": 0.1, **extra}))
   prompts = r.source.batch(0).prompts
   roll = jax.jit(r.step.rollout)(state, r.frozen, prompts)
   ref = jax.jit(plain.step.rollout)(plain.state, plain.frozen, prompts)
@@ -214,7 +214,7 @@ def test_a_lora_run_resumes_exactly_saves_small_checkpoints_and_exports(tmp_path
 
   from ppojax.models import load_model  # pylint: disable=import-outside-toplevel
   from ppojax.run import reporting, runner  # pylint: disable=import-outside-toplevel
-  config = _toy(**{"lora.rank": 4, "ppo.kl_coef": 0.1})
+  config = _toy(**{"lora.rank": 4, "rl.kl_coef": 0.1})
   whole = runner.run(config, str(tmp_path / "whole")).history
   runner.run(config, str(tmp_path / "parts"), stop_after=2)
   runner.run(config, str(tmp_path / "parts"))
@@ -224,7 +224,7 @@ def test_a_lora_run_resumes_exactly_saves_small_checkpoints_and_exports(tmp_path
   assert read("parts") == read("whole") and len(whole) == 4
   # without a critic, a checkpoint is the adapters and their Adam moments (and the small
   # rest of the state): no base, no reference
-  grpo = {"algorithm": "grpo", "sampling.num_samples_per_prompt": 4, "ppo.batch_size": 4,
+  grpo = {"algorithm": "grpo", "sampling.num_samples_per_prompt": 4, "rl.batch_size": 4,
           "num_iterations": 2}
   runner.run(_toy(**grpo), str(tmp_path / "full"))
   runner.run(_toy(**grpo, **{"lora.rank": 2}), str(tmp_path / "lora"))
@@ -247,7 +247,7 @@ def test_a_lora_run_resumes_exactly_saves_small_checkpoints_and_exports(tmp_path
 
 def test_a_lora_critic_shares_the_policy_base():
   r = build_lib.build(_toy(**{"lora.rank": 4, "lora.critic": True, "model.critic_init": "policy",
-                           "ppo.kl_coef": 0.1}))
+                           "rl.kl_coef": 0.1}))
   state = r.state
   names = {path[-1].key for path, _ in jax.tree_util.tree_leaves_with_path(state.critic)}
   assert names == {"lora_a", "lora_b", "kernel"}  # its adapters and the value head only
@@ -275,8 +275,8 @@ from ppojax.infra import sharding
 from ppojax.learner import state as state_lib
 from ppojax.run import build as build_lib
 root = pathlib.Path("ROOT")
-over = dict(ppo__batch_size=16, lora__rank=4, lora__critic=True, model__critic_init="policy",
-            ppo__kl_coef=0.1, model__tiny__hidden_size=64, lora__dropout=DROPOUT)
+over = dict(rl__batch_size=16, lora__rank=4, lora__critic=True, model__critic_init="policy",
+            rl__kl_coef=0.1, model__tiny__hidden_size=64, lora__dropout=DROPOUT)
 one = build_lib.build(build_lib.load_config(root / "configs" / "toy.py", **over))
 mesh = build_lib.build(build_lib.load_config(root / "configs" / "toy.py", mesh__shape=(2, 4, 1), **over))
 q = mesh.state.base["model"]["layers"]["attn"]["q"]["kernel"]
@@ -414,11 +414,11 @@ def test_lora_dropout_0_compiles_the_update_without_random_bits():
   from ppojax.learner import experience
   from ppojax.learner import update as update_lib  # pylint: disable=import-outside-toplevel
   r = build_lib.build(_toy(**{"lora.rank": 4, "lora.critic": True, "model.critic_init": "policy",
-                           "ppo.kl_coef": 0.1}))
-  ppo = algorithms.resolve(r.config).ppo
+                           "rl.kl_coef": 0.1}))
+  ppo = algorithms.resolve(r.config).rl
   roll = jax.eval_shape(r.step.rollout, r.state, r.frozen, r.source.batch(0).prompts)
   exp = jax.eval_shape(lambda roll: experience.make_experience(
-      roll, jnp.zeros(roll.mask.shape[0]), 0.1, ppo)[0], roll)
+      roll, jnp.zeros(roll.mask.shape[0]), 0.1, r.algorithm, ppo)[0], roll)
   dropped = dataclasses.replace(
       r.models, policy=T.CausalLM(r.models.policy.cfg.replace(lora_dropout=0.1)),
       critic=T.ValueModel(r.models.critic.cfg.replace(lora_dropout=0.1)))
@@ -428,7 +428,7 @@ def test_lora_dropout_0_compiles_the_update_without_random_bits():
   def grads_jaxpr(models, key):
     ctx = state_lib.Context(r.state.base, key)
     return str(jax.make_jaxpr(lambda p, e: update_lib._minibatch_grads(  # pylint: disable=W0212
-        p, models, e, idx, ppo, 1.0, ctx=ctx))(params, exp))
+        p, models, e, idx, r.algorithm, ppo, 1.0, ctx=ctx))(params, exp))
 
   random_ops = ("random_bits", "threefry2x32", "random_fold_in", "random_split")
   p0 = grads_jaxpr(r.models, None)
@@ -450,7 +450,7 @@ def test_lora_dropout_acts_in_the_update_only_and_is_reproducible():
   """Policy and LoRA critic: the rollout (samples, old and reference log-probs, old values) is
   bit for bit the one without dropout; the update is another, and the same for the same state."""
   runs = {p: build_lib.build(_toy(**{"lora.rank": 4, "lora.critic": True, "lora.dropout": p,
-                                  "model.critic_init": "policy", "ppo.kl_coef": 0.1}))
+                                  "model.critic_init": "policy", "rl.kl_coef": 0.1}))
           for p in (0.0, 0.3)}
   prompts = runs[0.0].source.batch(0).prompts
   rolls = {p: r.step.rollout(r.state, r.frozen, prompts) for p, r in runs.items()}
@@ -471,7 +471,7 @@ def test_a_lora_dropout_run_resumes_exactly_and_exports_its_dropout(tmp_path):
   import json  # pylint: disable=import-outside-toplevel
 
   from ppojax.run import reporting, runner  # pylint: disable=import-outside-toplevel
-  config = _toy(**{"lora.rank": 4, "lora.dropout": 0.1, "ppo.kl_coef": 0.1})
+  config = _toy(**{"lora.rank": 4, "lora.dropout": 0.1, "rl.kl_coef": 0.1})
   whole = runner.run(config, str(tmp_path / "whole")).history
   runner.run(config, str(tmp_path / "parts"), stop_after=2)
   runner.run(config, str(tmp_path / "parts"))

@@ -32,7 +32,7 @@ def _config(**rg_changes) -> ml_collections.ConfigDict:
   c.data.task = "reasoning_gym"
   c.data.rg.update(dict(dataset="chain_sum", eval_size=100, **rg_changes))
   c.data.rg.options = ml_collections.ConfigDict(ONE_DIGIT)
-  c.ppo.batch_size = 16
+  c.rl.batch_size = 16
   c.reward.fn = "ppojax.tasks.reasoning:reward"
   return c
 
@@ -185,7 +185,7 @@ def test_the_configs_validate_and_build_their_source(name, char_tokenizer):
   assert set(c.eval.baselines) == {"instructed", "rg_direct"}
   source = sources.make_source(c, char_tokenizer)
   assert 0 < len(source.eval_records) <= c.data.rg.eval_size
-  assert len(source.batch(0).records) == c.ppo.batch_size
+  assert len(source.batch(0).records) == c.rl.batch_size
 
 
 @pytest.fixture(scope="module")
@@ -203,7 +203,7 @@ def policy_dir(char_tokenizer, tmp_path_factory):
 def test_rg_chain_sum_runs_one_iteration_with_its_evaluations(policy_dir, tmp_path):
   config = build_lib.load_config(
       ROOT / "configs" / "rg_chain_sum.py", num_iterations=1, save_every=1, sample_every=1,
-      model__policy=str(policy_dir), data__max_prompt_len=80, ppo__batch_size=2,
+      model__policy=str(policy_dir), data__max_prompt_len=80, rl__batch_size=2,
       sampling__max_new_tokens=4, eval__batch_size=8, data__rg__eval_size=6)
   work = tmp_path / "run"
   result = runner.run(config, str(work))

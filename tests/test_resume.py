@@ -60,7 +60,7 @@ def rerun(finished, tmp_path) -> pathlib.Path:
 
 @pytest.mark.parametrize("change, line", [
     ({"seed": 1}, "seed: 0 -> 1"),
-    ({"ppo.batch_size": 32}, "ppo.batch_size: 16 -> 32"),
+    ({"rl.batch_size": 32}, "rl.batch_size: 16 -> 32"),
     ({"model.tiny.hidden_size": 32}, "model.tiny.hidden_size: 64 -> 32"),  # another model
     ({"data.prompt_len": 5}, "data.prompt_len: 6 -> 5"),  # other data
 ])
@@ -89,14 +89,14 @@ def test_raising_num_iterations_resumes_and_saves_the_new_fingerprint(rerun, fin
 
 
 def test_the_override_accepts_the_named_changes(rerun):
-  changed = {**RUN, "seed": 1, "ppo.kl_coef": 0.1}
+  changed = {**RUN, "seed": 1, "rl.kl_coef": 0.1}
   with pytest.raises(resume.ResumeError) as e:  # accepting only some: the others are named
     runner.run(toy_config(**changed, resume_allow_changes="seed"), str(rerun))
-  assert "ppo.kl_coef: 0.01 -> 0.1" in str(e.value) and "seed: 0" not in str(e.value)
-  assert "--config.resume_allow_changes=data.first_batch,ppo.kl_coef,seed" in str(e.value)
+  assert "rl.kl_coef: 0.01 -> 0.1" in str(e.value) and "seed: 0" not in str(e.value)
+  assert "--config.resume_allow_changes=data.first_batch,rl.kl_coef,seed" in str(e.value)
   with pytest.warns(resume.ResumeWarning, match=r"resuming from .*checkpoints/2 with changes "
                     r"accepted by resume_allow_changes: data\.first_batch: .*; "
-                    r"ppo\.kl_coef: 0\.01 -> 0\.1; seed: 0 -> 1"):
+                    r"rl\.kl_coef: 0\.01 -> 0\.1; seed: 0 -> 1"):
     result = runner.run(toy_config(**changed, resume_allow_changes="seed,data, ppo"),
                         str(rerun))  # a section ("data", "ppo") accepts all of its fields
   assert result.history == []  # resumed at iteration 2 of 2: nothing left to train
@@ -186,7 +186,7 @@ def test_a_data_file_moved_with_the_same_contents_resumes(file_run, tmp_path):
 
 
 def _fingerprint(**fields):
-  config = {"seed": 0, "num_iterations": 2, "ppo.batch_size": 16, "eval.metrics.score": "f"}
+  config = {"seed": 0, "num_iterations": 2, "rl.batch_size": 16, "eval.metrics.score": "f"}
   return {"config": {**config, **fields}, "data": {"data.first_batch": "a" * 64}}
 
 
@@ -198,15 +198,15 @@ def test_allowed_fields_change_silently_and_unknown_ones_are_warned_about():
                  _fingerprint(**{"num_iterations": 9, "eval.metrics.score": "g"}), config, "c")
   assert resume.differences(_fingerprint(), _fingerprint(seed=1)) == [("seed", 0, 1)]
   saved = _fingerprint()
-  del saved["config"]["ppo.batch_size"]
+  del saved["config"]["rl.batch_size"]
   with pytest.warns(resume.ResumeWarning, match="only the checkpoint c or only this config "
-                    r"knows \(another ppojax version\?\), not compared: ppo\.batch_size"):
+                    r"knows \(another ppojax version\?\), not compared: rl\.batch_size"):
     resume.check({"fingerprint": saved}, _fingerprint(), config, "c")
 
 
 def test_the_cli_refuses_with_the_message_and_accepts_the_override(rerun):
   command = [sys.executable, "-m", "ppojax.train", "--config", str(ROOT / "configs" / "toy.py"),
-             f"--workdir={rerun}", "--config.ppo.batch_size=16", "--config.num_iterations=2",
+             f"--workdir={rerun}", "--config.rl.batch_size=16", "--config.num_iterations=2",
              "--config.save_every=1", "--config.sample_every=0", "--config.seed=3"]
   env = dict(os.environ, JAX_PLATFORMS="cpu")
   refused = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True,

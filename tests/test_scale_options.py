@@ -5,7 +5,7 @@
                          same log-probs and scores
   optim.state_dtype      Adam's moments in bfloat16: the float32 optimizer's steps to ~1e-2
   sampling.dtype         a bfloat16 sampler for a float32 learner: the mismatch is reported, and
-                         truncated importance sampling (ppo.tis_cap) reweights the policy terms
+                         truncated importance sampling (rl.tis_cap) reweights the policy terms
                          (NumPy reference; weights ≡ 1 where the engines agree)
   remat_policy           tests/test_models.py (the same gradient under every policy)
 """
@@ -130,12 +130,12 @@ def _rollout(config, it=0):
 def test_forward_micro_batches_give_the_same_rollout_and_iterations():
   """toy: 2 minibatches → the rollout's passes run in 2 parts by default; 1 and 4 parts give the
   same log-probs and values, and the same iterations."""
-  assert step_lib.forward_micro_batches(toy_config().ppo) == 2
-  assert step_lib.forward_micro_batches(toy_config(**{"ppo.num_minibatches": 1,
-                                                      "ppo.num_epochs": 1}).ppo) == 1
+  assert step_lib.forward_micro_batches(toy_config().rl) == 2
+  assert step_lib.forward_micro_batches(toy_config(**{"rl.num_minibatches": 1,
+                                                      "rl.num_epochs": 1}).rl) == 1
   base = None
   for k in (1, 4):
-    config = toy_config(**{"ppo.forward_micro_batches": k})
+    config = toy_config(**{"rl.forward_micro_batches": k})
     run, r = _rollout(config)
     state, rows, _ = _iterate(run, 2)
     if base is None:
@@ -147,7 +147,7 @@ def test_forward_micro_batches_give_the_same_rollout_and_iterations():
     _assert_close(_params(state), _params(base[1]), rtol=1e-5, atol=1e-6)
     _assert_close(rows, base[2], rtol=1e-4, atol=1e-6)
   with pytest.raises(ValueError, match="forward_micro_batches=3"):
-    build_lib.build(toy_config(**{"ppo.forward_micro_batches": 3}))
+    build_lib.build(toy_config(**{"rl.forward_micro_batches": 3}))
 
 
 def test_bfloat16_frozen_models_score_like_float32_ones(tmp_path):
@@ -182,7 +182,7 @@ def test_bfloat16_frozen_models_score_like_float32_ones(tmp_path):
 
 def test_sampler_mismatch_is_reported_and_tis_reweights():
   """A bfloat16 sampler for the float32 learner: the rollout keeps the sampler's log-probs, the
-  metric rollout/logp_mismatch is their mean gap to the learner's, and with ppo.tis_cap the
+  metric rollout/logp_mismatch is their mean gap to the learner's, and with rl.tis_cap the
   policy terms carry min(π_old/π_sampler, cap) (where the engines agree w ≡ 1:
   test_truncated_is_weight_matches_numpy)."""
   over = {"sampling.dtype": "bfloat16"}
@@ -195,9 +195,9 @@ def test_sampler_mismatch_is_reported_and_tis_reweights():
   _, rows, _ = _iterate(plain_run, 1)
   assert rows[0]["rollout/logp_mismatch"] == pytest.approx(gap, rel=1e-4, abs=1e-7)
   assert "policy/is_weight_avg" not in rows[0]
-  _, rows_t, _ = _iterate(build_lib.build(toy_config(**over, **{"ppo.tis_cap": 2.0})), 1)
+  _, rows_t, _ = _iterate(build_lib.build(toy_config(**over, **{"rl.tis_cap": 2.0})), 1)
   assert 0.8 < rows_t[0]["policy/is_weight_avg"] < 1.2
   assert rows_t[0]["loss/policy_avg"] != pytest.approx(rows[0]["loss/policy_avg"], rel=1e-6)
   assert build_lib.build(toy_config()).models.sampler is None  # model.dtype: no second module
   with pytest.raises(ValueError, match="tis_cap"):
-    build_lib.build(toy_config(**{"ppo.tis_cap": -1.0}))
+    build_lib.build(toy_config(**{"rl.tis_cap": -1.0}))

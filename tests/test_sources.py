@@ -36,7 +36,7 @@ STOP, PAD = 1, 0  # the character tokenizer's </s> and <pad>
 def _config(**changes) -> ml_collections.ConfigDict:
   """``defaults()`` with ``section__field=value`` changes."""
   c = defaults()
-  c.ppo.batch_size = 4
+  c.rl.batch_size = 4
   for name, value in changes.items():
     *sections, field = name.split("__")
     node = c

@@ -25,7 +25,7 @@ _CONFIGS = pathlib.Path(__file__).parents[1] / "configs"
 
 def toy_config(**changes):
   """configs/toy.py at batch 16, with "section.field" overrides."""
-  overrides = {"ppo__batch_size": 16, **{k.replace(".", "__"): v for k, v in changes.items()}}
+  overrides = {"rl__batch_size": 16, **{k.replace(".", "__"): v for k, v in changes.items()}}
   return build_lib.load_config(_CONFIGS / "toy.py", **overrides)
 
 
@@ -91,12 +91,12 @@ def test_unrolled_layers_train_like_scanned_ones():
                 rtol=1e-4, atol=1e-5)
 
 
-@pytest.mark.parametrize("ppo", [{}, {"ppo.num_minibatches": 2, "ppo.grad_accum": 2}])
+@pytest.mark.parametrize("ppo", [{}, {"rl.num_minibatches": 2, "rl.grad_accum": 2}])
 def test_shared_prefix_trains_like_whole_rows(ppo):
   """Prompts.prefix (the tokens every row begins with, run once per batch) gives the iterations
   of the same prompts run whole: generation, scoring passes and update, in the single-pass
   step and in one with minibatches and micro-batches (the prefix stays whole in every slice)."""
-  run = build_lib.build(toy_config(**{"ppo.num_epochs": 1, **ppo}))
+  run = build_lib.build(toy_config(**{"rl.num_epochs": 1, **ppo}))
   states = [jax.tree.map(jnp.copy, run.state) for _ in range(2)]  # the state is donated
   for it in range(2):
     prompts = run.source.batch(it).prompts
@@ -131,12 +131,12 @@ def test_with_prefix_falls_back_to_whole_rows():
 
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 def test_sampler_old_logprobs_equal_a_recompute(fused_run, temperature):
-  """ppo.old_logprobs="sampler" takes log π_old from generate() instead of a forward pass: the
+  """rl.old_logprobs="sampler" takes log π_old from generate() instead of a forward pass: the
   same responses, old log-probs equal to the recomputed ones up to float rounding (0 off the
   mask), and iterations that match the default's; at T = 0.7 (the quickstart's) too, where
   sampler and forward pass must both scale the logits by 1/T."""
   t = {"sampling.temperature": temperature}
-  rec, smp = (build_lib.build(toy_config(**t, **{"ppo.old_logprobs": old}))
+  rec, smp = (build_lib.build(toy_config(**t, **{"rl.old_logprobs": old}))
               for old in ("recompute", "sampler"))
   prompts = rec.source.batch(0).prompts
   r_rec, r_smp = (jax.device_get(r.step.rollout(r.state, r.frozen, prompts)) for r in (rec, smp))
@@ -147,7 +147,7 @@ def test_sampler_old_logprobs_equal_a_recompute(fused_run, temperature):
   for name in ("ref_logp", "old_values"):
     np.testing.assert_array_equal(getattr(r_smp, name), getattr(r_rec, name))
   baseline = fused_run if temperature == 1.0 else _run_steps(toy_config(**t))
-  state, rows = _run_steps(toy_config(**t, **{"ppo.old_logprobs": "sampler"}))
+  state, rows = _run_steps(toy_config(**t, **{"rl.old_logprobs": "sampler"}))
   _assert_close(_params(state), _params(baseline[0]), rtol=1e-4, atol=1e-5)
   for a, b in zip(rows, baseline[1]):
     assert a.keys() == b.keys()
@@ -158,15 +158,15 @@ def test_sampler_old_logprobs_equal_a_recompute(fused_run, temperature):
                          [("recompute", 1.0), ("sampler", 1.0), ("sampler", 0.7)])
 def test_single_pass_update_equals_a_rollout_forward(old_logprobs, temperature):
   """With 1 epoch × 1 minibatch × 1 micro-batch the update takes the old values (and recomputed
-  old log-probs) from its own forward pass (ppo.reuse_update_forward): the rollout skips those
+  old log-probs) from its own forward pass (rl.reuse_update_forward): the rollout skips those
   passes, and the fused step and its three phases give the iterations of the two-pass step
   (reuse_update_forward=False), the fused step's rollout filled in as before. No warmup, so
   that every iteration moves the params and the critic's values are far from 0 by the third.
   At T = 0.7 the sampler's log-probs, the rollout's and the update's all use logits / T."""
-  one = {"ppo.num_epochs": 1, "ppo.num_minibatches": 1, "ppo.old_logprobs": old_logprobs,
+  one = {"rl.num_epochs": 1, "rl.num_minibatches": 1, "rl.old_logprobs": old_logprobs,
          "optim.actor.warmup_steps": 0, "optim.critic.warmup_steps": 0,
          "sampling.temperature": temperature}
-  single, double = (build_lib.build(toy_config(**one, **{"ppo.reuse_update_forward": reuse}))
+  single, double = (build_lib.build(toy_config(**one, **{"rl.reuse_update_forward": reuse}))
                     for reuse in (True, False))
   r = single.step.rollout(single.state, single.frozen, single.source.batch(0).prompts)
   assert r.old_values is None and (r.old_logp is None) == (old_logprobs == "recompute")
@@ -226,16 +226,17 @@ def test_gradient_accumulation_is_exact(aggregation):
   """The sum of K weighted micro-batch gradients is the minibatch gradient (ragged masks)."""
   from ppojax.learner import update as update_lib  # pylint: disable=import-outside-toplevel
 
-  config = toy_config(**{"ppo.aggregation": aggregation})
+  config = toy_config(**{"rl.aggregation": aggregation})
   r = build_lib.build(config)
   rollout = r.step.rollout(r.state, r.frozen, r.source.batch(0).prompts)
   assert len(set(np.asarray(rollout.mask).sum(1).tolist())) > 1  # ragged lengths
-  ppo = r.config.ppo  # resolved: the algorithm's estimator, KL placement, ...
-  exp, _ = experience.make_experience(rollout, r.step.score(r.frozen, rollout), 0.05, ppo)
+  ppo = r.config.rl  # resolved: the algorithm's estimator, KL placement, ...
+  exp, _ = experience.make_experience(rollout, r.step.score(r.frozen, rollout), 0.05, r.algorithm,
+                                       ppo)
   params = (r.state.actor, r.state.critic)
   order = jnp.asarray(np.random.default_rng(0).permutation(16))
   grads = lambda k: update_lib._minibatch_grads(  # noqa: E731  pylint: disable=protected-access
-      params, r.models, exp, order.reshape(k, 16 // k), ppo, 1.0)
+      params, r.models, exp, order.reshape(k, 16 // k), r.algorithm, ppo, 1.0)
   (g1, m1), (g4, m4) = grads(1), grads(4)
   _assert_close(g1, g4, rtol=1e-4, atol=1e-7)
   _assert_close(m1["loss/policy"], m4["loss/policy"], rtol=1e-5, atol=1e-7)
@@ -244,7 +245,7 @@ def test_gradient_accumulation_is_exact(aggregation):
 
 def test_bad_batch_split_is_refused():
   with pytest.raises(ValueError, match="not divisible"):
-    build_lib.build(toy_config(**{"ppo.num_minibatches": 3}))
+    build_lib.build(toy_config(**{"rl.num_minibatches": 3}))
 
 
 def test_padding_after_the_stop_token_is_inert():

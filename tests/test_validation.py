@@ -6,7 +6,6 @@ import pytest
 from ppojax.run import build as build_lib
 from ppojax.run import checks as checks_lib
 from ppojax.run import config as config_lib
-from ppojax.run import runner
 
 
 def toy(**overrides):
@@ -20,9 +19,9 @@ def test_defaults_and_shipped_configs_pass():
 
 def test_unknown_option_suggests_the_nearest_name():
   c = toy()
-  c.ppo.kl_coeff = 0.1  # a typo adds a new field silently in ml_collections
-  with pytest.raises(checks_lib.ConfigError, match=r"unknown config option ppo\.kl_coeff; did "
-                     r"you mean ppo\.kl_coef"):
+  c.rl.kl_coeff = 0.1  # a typo adds a new field silently in ml_collections
+  with pytest.raises(checks_lib.ConfigError, match=r"unknown config option rl\.kl_coeff; did "
+                     r"you mean rl\.kl_coef"):
     checks_lib.validate(c, num_devices=1)
 
 
@@ -40,9 +39,9 @@ def test_user_named_metrics_are_free_form():
 
 
 @pytest.mark.parametrize("name, value, message", [
-    ("ppo.clip_eps", "0.2", r"ppo\.clip_eps='0\.2' has type str; expected float"),
-    ("ppo.batch_size", 8.0, r"ppo\.batch_size=8\.0 has type float; expected int"),
-    ("ppo.whiten_advantages", 1, r"ppo\.whiten_advantages=1 has type int; expected bool"),
+    ("rl.clip_eps", "0.2", r"rl\.clip_eps='0\.2' has type str; expected float"),
+    ("rl.batch_size", 8.0, r"rl\.batch_size=8\.0 has type float; expected int"),
+    ("rl.whiten_advantages", 1, r"rl\.whiten_advantages=1 has type int; expected bool"),
     ("sampling.stop_ids", 2, r"sampling\.stop_ids=2 has type int; expected tuple"),
 ])
 def test_wrong_types(name, value, message):
@@ -63,7 +62,7 @@ def test_int_for_float_is_fine():
 
 @pytest.mark.parametrize("name, value, message", [
     ("reward.kind", "txt", r"reward\.kind='txt' is not one of 'jax', 'python', 'text', 'model'"),
-    ("ppo.aggregation", "mean", r"ppo\.aggregation='mean' is not one of"),
+    ("rl.aggregation", "mean", r"rl\.aggregation='mean' is not one of"),
     ("data.task", "gsm8k", r"data\.task='gsm8k' is not one of 'count', 'arith', 'file'"),
 ])
 def test_unknown_choices(name, value, message):
@@ -74,22 +73,22 @@ def test_unknown_choices(name, value, message):
 
 
 @pytest.mark.parametrize("name, value, message", [
-    ("ppo.dual_clip", 1.0, r"ppo\.dual_clip=1\.0 must be > 1 \(dual-clip PPO, Ye et al\. 2020; "
+    ("rl.dual_clip", 1.0, r"rl\.dual_clip=1\.0 must be > 1 \(dual-clip PPO, Ye et al\. 2020; "
      r"3 is usual\) or None to turn it off: .* silently zeroes the gradient of every token with a "
      r"negative advantage"),
-    ("ppo.dual_clip", 0.5, r"ppo\.dual_clip=0\.5 must be > 1"),
-    ("ppo.clip_eps", 0.0, r"ppo\.clip_eps=0\.0 must be in \(0, 1\)"),
-    ("ppo.clip_eps", 1.0, r"ppo\.clip_eps=1\.0 must be in \(0, 1\)"),
-    ("ppo.clip_eps", None, r"ppo\.clip_eps=None must be in \(0, 1\)"),
-    ("ppo.clip_eps", float("nan"), r"ppo\.clip_eps=nan must be in \(0, 1\)"),
-    ("ppo.value_clip", 0.0, r"ppo\.value_clip=0\.0 must be > 0 \(0\.2 is usual\), or None"),
-    ("ppo.vf_coef", -0.1, r"ppo\.vf_coef=-0\.1 must be >= 0"),
-    ("ppo.ent_coef", -0.01, r"ppo\.ent_coef=-0\.01 must be >= 0"),
-    ("ppo.kl_coef", -0.05, r"ppo\.kl_coef=-0\.05 must be >= 0 .* rewards drifting"),
-    ("ppo.gamma", 1.1, r"ppo\.gamma=1\.1 must be in \[0, 1\]"),
-    ("ppo.lam", -0.5, r"ppo\.lam=-0\.5 must be in \[0, 1\]"),
-    ("ppo.score_clip", 0.0, r"ppo\.score_clip=0\.0 must be > 0"),
-    ("ppo.missing_stop_penalty", -1.0, r"ppo\.missing_stop_penalty=-1\.0 must be >= 0: it is "
+    ("rl.dual_clip", 0.5, r"rl\.dual_clip=0\.5 must be > 1"),
+    ("rl.clip_eps", 0.0, r"rl\.clip_eps=0\.0 must be in \(0, 1\)"),
+    ("rl.clip_eps", 1.0, r"rl\.clip_eps=1\.0 must be in \(0, 1\)"),
+    ("rl.clip_eps", None, r"rl\.clip_eps=None must be in \(0, 1\)"),
+    ("rl.clip_eps", float("nan"), r"rl\.clip_eps=nan must be in \(0, 1\)"),
+    ("rl.value_clip", 0.0, r"rl\.value_clip=0\.0 must be > 0 \(0\.2 is usual\), or None"),
+    ("rl.vf_coef", -0.1, r"rl\.vf_coef=-0\.1 must be >= 0"),
+    ("rl.ent_coef", -0.01, r"rl\.ent_coef=-0\.01 must be >= 0"),
+    ("rl.kl_coef", -0.05, r"rl\.kl_coef=-0\.05 must be >= 0 .* rewards drifting"),
+    ("rl.gamma", 1.1, r"rl\.gamma=1\.1 must be in \[0, 1\]"),
+    ("rl.lam", -0.5, r"rl\.lam=-0\.5 must be in \[0, 1\]"),
+    ("rl.score_clip", 0.0, r"rl\.score_clip=0\.0 must be > 0"),
+    ("rl.missing_stop_penalty", -1.0, r"rl\.missing_stop_penalty=-1\.0 must be >= 0: it is "
      r"subtracted from the score"),
     ("optim.max_grad_norm", 0.0, r"optim\.max_grad_norm=0\.0 must be > 0"),
     ("lora.dropout", 1.0, r"lora\.dropout=1\.0 must be in \[0, 1\): the probability of "
@@ -106,11 +105,11 @@ def test_out_of_range_values(name, value, message):
 
 def test_in_range_edge_values_pass():
   c = toy()
-  c.ppo.dual_clip = 1.5
-  c.ppo.value_clip = None
-  c.ppo.vf_coef = 0.0
-  c.ppo.gamma, c.ppo.lam = 1.0, 0.0
-  c.ppo.score_clip = 5.0
+  c.rl.dual_clip = 1.5
+  c.rl.value_clip = None
+  c.rl.vf_coef = 0.0
+  c.rl.gamma, c.rl.lam = 1.0, 0.0
+  c.rl.score_clip = 5.0
   checks_lib.validate(c, num_devices=1)
 
 
@@ -122,28 +121,28 @@ def test_lora_dropout_needs_adapters():
 
 
 def test_adaptive_kl_needs_positive_target_and_horizon():
-  c = toy(ppo__target_kl=0.0)
+  c = toy(rl__target_kl=0.0)
   checks_lib.validate(c, num_devices=1)  # not read without adaptive_kl
-  c.ppo.adaptive_kl = True
-  with pytest.raises(checks_lib.ConfigError, match=r"ppo\.target_kl=0\.0 must be > 0 with "
-                     r"ppo\.adaptive_kl"):
+  c.rl.adaptive_kl = True
+  with pytest.raises(checks_lib.ConfigError, match=r"rl\.target_kl=0\.0 must be > 0 with "
+                     r"rl\.adaptive_kl"):
     checks_lib.validate(c, num_devices=1)
-  c = toy(ppo__adaptive_kl=True, ppo__kl_horizon=-1.0)
-  with pytest.raises(checks_lib.ConfigError, match=r"ppo\.kl_horizon=-1\.0 must be > 0"):
+  c = toy(rl__adaptive_kl=True, rl__kl_horizon=-1.0)
+  with pytest.raises(checks_lib.ConfigError, match=r"rl\.kl_horizon=-1\.0 must be > 0"):
     checks_lib.validate(c, num_devices=1)
 
 
 @pytest.mark.parametrize("overrides, devices, context, message", [
-    ({"ppo__batch_size": 31}, 1, None, r"ppo\.batch_size=31 is not divisible by "
-     r"ppo\.num_minibatches × ppo\.grad_accum = 2 × 1"),
-    ({"ppo__batch_size": 8}, 8, None, r"ppo\.batch_size=8 is not divisible by "
-     r"ppo\.num_minibatches × data-parallel devices = 2 × 8"),
+    ({"rl__batch_size": 31}, 1, None, r"rl\.batch_size=31 is not divisible by "
+     r"rl\.num_minibatches × rl\.grad_accum = 2 × 1"),
+    ({"rl__batch_size": 8}, 8, None, r"rl\.batch_size=8 is not divisible by "
+     r"rl\.num_minibatches × data-parallel devices = 2 × 8"),
     ({"mesh__shape": (2, 1, 1)}, 1, None, r"mesh\.shape=\(2, 1, 1\) does not fit the 1 devices"),
     ({"mesh__shape": (3, -1, 1)}, 8, None, r"mesh\.shape=\(3, -1, 1\) does not fit the 8"),
     ({"mesh__shape": (-1, -1, 1)}, 8, None, r"three sizes"),
     ({"sampling__max_new_tokens": 60}, 1, 64,
      r"prompt \+ response = 6 \+ 60 = 66 tokens exceeds the model's context of 64"),
-    ({"ppo__num_epochs": 0}, 1, None, r"ppo\.num_epochs=0 must be >= 1"),
+    ({"rl__num_epochs": 0}, 1, None, r"rl\.num_epochs=0 must be >= 1"),
 ])
 def test_inconsistent_sizes(overrides, devices, context, message):
   with pytest.raises(checks_lib.ConfigError, match=message):
@@ -152,9 +151,9 @@ def test_inconsistent_sizes(overrides, devices, context, message):
 
 def test_runner_validates_before_loading_any_model(monkeypatch):
   """build() fails on a bad config without touching the model loader."""
-  monkeypatch.setattr(runner, "load_policy", lambda *a: pytest.fail("a model was loaded"))
+  monkeypatch.setattr(build_lib, "load_policy", lambda *a: pytest.fail("a model was loaded"))
   c = toy()
-  c.ppo.kl_coeff = 0.1
+  c.rl.kl_coeff = 0.1
   with pytest.raises(checks_lib.ConfigError, match="kl_coeff"):
     build_lib.build(c)
 
@@ -181,9 +180,9 @@ def test_every_option_can_be_overridden_on_the_command_line():
     return fv.config
 
   c = parse("--config.sampling.stop_ids=(2, 7)", "--config.sampling.pad_id=0",
-            "--config.ppo.score_clip=5", "--config.ppo.dual_clip=3")
+            "--config.rl.score_clip=5", "--config.rl.dual_clip=3")
   assert tuple(c.sampling.stop_ids) == (2, 7) and c.sampling.pad_id == 0
-  assert c.ppo.score_clip == 5.0 and c.ppo.dual_clip == 3.0
+  assert c.rl.score_clip == 5.0 and c.rl.dual_clip == 3.0
   checks_lib.validate(c, num_devices=1)
   c = parse("--config.sampling.stop_ids=2")
   assert tuple(c.sampling.stop_ids) == (2,) and c.sampling.pad_id is None
@@ -246,12 +245,12 @@ def test_loss_options_in_range_and_traced_values_pass():
 
 
 def test_aggregation_choices_are_the_ones_ops_knows():
-  """config's accepted ppo.aggregation values are exactly ops.aggregate's modes (and "": the
+  """config's accepted rl.aggregation values are exactly ops.aggregate's modes (and "": the
   algorithm's), its estimators the registry's, its KL estimators ppojax.core.kl's."""
   from ppojax.core import advantages, algorithms, kl, ops  # pylint: disable=import-outside-toplevel
-  assert tuple(checks_lib.CHOICES["ppo.aggregation"]) == ("", *ops.AGGREGATIONS)
-  assert tuple(checks_lib.CHOICES["ppo.estimator"]) == ("", *advantages.ESTIMATORS)
-  assert tuple(checks_lib.CHOICES["ppo.kl_estimator"]) == ("", *kl.KL_ESTIMATORS)
+  assert tuple(checks_lib.CHOICES["rl.aggregation"]) == ("", *ops.AGGREGATIONS)
+  assert tuple(checks_lib.CHOICES["rl.estimator"]) == ("", *advantages.ESTIMATORS)
+  assert tuple(checks_lib.CHOICES["rl.kl_estimator"]) == ("", *kl.KL_ESTIMATORS)
   assert tuple(checks_lib.CHOICES["algorithm"]) == tuple(algorithms.ALGORITHMS)
   for a in algorithms.ALGORITHMS.values():  # every default is a valid choice
     assert a.estimator in advantages.ESTIMATORS and a.aggregation in ops.AGGREGATIONS

@@ -287,13 +287,12 @@ class AdvantageParams(NamedTuple):
 class Estimator(NamedTuple):
   """An advantage estimator as data: ``fn(inputs, params) → (advantages [N, T], returns [N, T]
   or None)``; ``needs_critic``: reads ``inputs.values`` and returns the critic's regression
-  target (no critic is allocated where False); ``token_rewards``: reads the KL-shaped token
-  rewards, so the KL penalty goes into the rewards — where False it reads only the scores and a
-  KL penalty belongs in the loss (``losses.kl_loss``)."""
+  target (no critic is allocated where False); ``needs_groups``: compares the n samples of each
+  prompt (every advantage is 0 with n = 1)."""
 
   fn: Callable[[AdvantageInputs, AdvantageParams], tuple[Array, Array | None]]
   needs_critic: bool
-  token_rewards: bool
+  needs_groups: bool
 
 
 def _gae(x: AdvantageInputs, p: AdvantageParams):
@@ -304,19 +303,19 @@ def _gae(x: AdvantageInputs, p: AdvantageParams):
 
 ESTIMATORS: dict[str, Estimator] = {
     # GAE (Schulman et al. 2016): critic V(s_t), KL shaped into the token rewards (PPO, RLHF).
-    "gae": Estimator(_gae, needs_critic=True, token_rewards=True),
+    "gae": Estimator(_gae, needs_critic=True, needs_groups=False),
     # (r − mean_g)/(std_g + eps) per group of n: no critic; KL as a k3 loss term (GRPO).
     "grpo": Estimator(lambda x, p: grpo(x.scores, x.mask, p.group_size, eps=p.eps),
-                      needs_critic=False, token_rewards=False),
+                      needs_critic=False, needs_groups=True),
     # r − mean_g: no critic; KL in the loss; aggregate with seq_mean_token_sum_norm (Dr. GRPO).
     "dr_grpo": Estimator(lambda x, p: dr_grpo(x.scores, x.mask, p.group_size),
-                         needs_critic=False, token_rewards=False),
+                         needs_critic=False, needs_groups=True),
     # r_i − mean_{j≠i} r_j: no critic; KL in the loss (or none).
     "rloo": Estimator(lambda x, p: rloo(x.scores, x.mask, p.group_size),
-                      needs_critic=False, token_rewards=False),
+                      needs_critic=False, needs_groups=True),
     # whitened discounted returns of KL-shaped token rewards: no critic, KL in the rewards.
     "reinforce_pp": Estimator(lambda x, p: reinforce_pp(x.rewards, x.mask, p.gamma),
-                              needs_critic=False, token_rewards=True),
+                              needs_critic=False, needs_groups=False),
 }
 
 

@@ -1,12 +1,7 @@
-"""The algorithms of the one step, as data: which advantage estimator, where the KL penalty goes,
-how token losses are aggregated and which per-token KL estimator is used.
+"""An RL algorithm as one record of pure functions and flags, built once from the config.
 
-    config.algorithm = "grpo"        # then, in runner.build: config = algorithms.resolve(config)
-
-Each ``ppo.*`` field of ``Algorithm`` left at "" in the config takes the algorithm's value; a
-value set in the config wins (``--config.algorithm=grpo --config.ppo.aggregation=token_mean``).
-Nothing downstream asks which algorithm runs: the step reads the resolved fields, and a critic
-exists only where the estimator needs one (``advantages.Estimator.needs_critic``).
+    algorithm = algorithms.from_config(config)    # the only place that reads its name
+    adv, ret = algorithm.estimate(inputs, params)  # the step calls it, never asks which it is
 
 | algorithm    | estimator    | KL goes into | aggregation             | KL estimator |
 |--------------|--------------|--------------|-------------------------|--------------|
@@ -16,22 +11,28 @@ exists only where the estimator needs one (``advantages.Estimator.needs_critic``
 | rloo         | rloo         | reward       | token_mean              | k1           |
 | reinforce_pp | reinforce_pp | reward       | token_mean              | k2           |
 
-KL in the reward: r_t = −β·KL_t (+ the score on the last token), and a sequence estimator reads
-the sequence reward Σ_t r_t = s − β·Σ_t KL_t (trl's RLOO). KL in the loss: the rewards are the
-scores alone and the loss adds β·agg(KL_t) (``losses.kl_loss``; GRPO). REINFORCE++'s k2
-(½·(log π − log π_ref)², Hu 2025) is OpenRLHF's default for it.
+Each of the four ``rl.*`` fields of the same names left at "" takes the algorithm's value; a value
+set in the config wins (``--config.algorithm=grpo --config.rl.aggregation=token_mean``).
+KL in the reward: r_t = −β·KL_t (+ the score on the last token); KL in the loss: the rewards are
+the scores alone and the loss adds β·agg(KL_t) (``losses.kl_loss``). Adding an estimator is one
+function and one ``advantages.ESTIMATORS`` entry; adding an algorithm is one ``ALGORITHMS`` row.
 """
 
 from __future__ import annotations
 
 import copy
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
+import jax
 import ml_collections
 
+from ppojax.core import advantages, kl
 
-class Algorithm(NamedTuple):
-  """An algorithm's defaults for the ``ppo`` section's fields of the same names."""
+Array = jax.Array
+
+
+class Defaults(NamedTuple):
+  """An algorithm's values for the ``rl`` fields of the same names (all strings)."""
 
   estimator: str  # advantages.ESTIMATORS
   kl_in: str  # "reward" or "loss"
@@ -39,18 +40,37 @@ class Algorithm(NamedTuple):
   kl_estimator: str  # kl.KL_ESTIMATORS
 
 
-ALGORITHMS: dict[str, Algorithm] = {
-    "ppo": Algorithm("gae", "reward", "token_mean", "k1"),
-    "grpo": Algorithm("grpo", "loss", "seq_mean_token_mean", "k3"),
-    "dr_grpo": Algorithm("dr_grpo", "loss", "seq_mean_token_sum_norm", "k3"),
-    "rloo": Algorithm("rloo", "reward", "token_mean", "k1"),
-    "reinforce_pp": Algorithm("reinforce_pp", "reward", "token_mean", "k2"),
+ALGORITHMS: dict[str, Defaults] = {
+    "ppo": Defaults("gae", "reward", "token_mean", "k1"),
+    "grpo": Defaults("grpo", "loss", "seq_mean_token_mean", "k3"),
+    "dr_grpo": Defaults("dr_grpo", "loss", "seq_mean_token_sum_norm", "k3"),
+    "rloo": Defaults("rloo", "reward", "token_mean", "k1"),
+    "reinforce_pp": Defaults("reinforce_pp", "reward", "token_mean", "k2"),
 }
 KL_PLACEMENTS = ("reward", "loss")
 
 
-def algorithm(name: str) -> Algorithm:
-  """The ``ALGORITHMS`` entry ``name``; a clear ``ValueError`` for any other."""
+class Algorithm(NamedTuple):
+  """What the step needs to know of its algorithm: functions to call and flags to read.
+
+  ``estimate(inputs, params) → (advantages [N, T], returns [N, T] or None)``
+  (``advantages.AdvantageInputs``/``AdvantageParams``); ``kl(logp, ref_logp) → KL_t``;
+  ``kl_in_loss``: β·KL is a loss term (else shaped into the token rewards); ``aggregation``: the
+  loss's mode (``ops.aggregate``); ``needs_critic``: the estimator reads V(s_t) and returns the
+  critic's target (no critic exists otherwise); ``needs_groups``: it compares a prompt's n
+  samples (n ≥ 2)."""
+
+  estimate: Callable[[advantages.AdvantageInputs, advantages.AdvantageParams],
+                     tuple[Array, Array | None]]
+  kl: Callable[[Array, Array], Array]
+  kl_in_loss: bool
+  aggregation: str
+  needs_critic: bool
+  needs_groups: bool
+
+
+def defaults(name: str) -> Defaults:
+  """The ``ALGORITHMS`` row ``name``; a clear ``ValueError`` for any other."""
   try:
     return ALGORITHMS[name]
   except KeyError:
@@ -59,16 +79,30 @@ def algorithm(name: str) -> Algorithm:
 
 
 def resolve(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
-  """A copy of ``config`` whose ``ppo`` fields named in ``Algorithm`` that are "" hold
-  ``config.algorithm``'s defaults (fields already set are kept). Idempotent."""
+  """A copy of ``config`` whose ``rl`` fields named in ``Defaults`` that are "" hold
+  ``config.algorithm``'s values (fields already set are kept). Idempotent."""
   config = copy.deepcopy(config)
-  defaults = algorithm(config.get("algorithm", "ppo"))
-  for field, value in defaults._asdict().items():
-    if config.ppo.get(field, "") == "":
-      config.ppo[field] = value
+  for field, value in defaults(config.get("algorithm", "ppo"))._asdict().items():
+    if config.rl.get(field, "") == "":
+      config.rl[field] = value
   return config
 
 
-def unresolved(ppo: ml_collections.ConfigDict) -> list[str]:
-  """The ``ppo`` fields still "" (``resolve`` not applied)."""
-  return [f"ppo.{f}" for f in Algorithm._fields if ppo.get(f, "") == ""]
+def make(estimator: str, kl_in: str, aggregation: str, kl_estimator: str) -> Algorithm:
+  """The record from its four choices (names as in ``Defaults``); ``ValueError`` names a bad
+  one."""
+  est = advantages.estimator(estimator)
+  if kl_in not in KL_PLACEMENTS:
+    raise ValueError(f"kl_in={kl_in!r}: choose one of {', '.join(KL_PLACEMENTS)}")
+  if kl_estimator not in kl.KL_ESTIMATORS:
+    raise ValueError(f"unknown KL estimator {kl_estimator!r}; choose one of "
+                     f"{sorted(kl.KL_ESTIMATORS)}")
+  return Algorithm(estimate=est.fn, kl=kl.KL_ESTIMATORS[kl_estimator],
+                   kl_in_loss=kl_in == "loss", aggregation=aggregation,
+                   needs_critic=est.needs_critic, needs_groups=est.needs_groups)
+
+
+def from_config(config: ml_collections.ConfigDict) -> Algorithm:
+  """The run's algorithm: ``config.algorithm``'s defaults, overridden by the ``rl`` fields set."""
+  rl = resolve(config).rl
+  return make(rl.estimator, rl.kl_in, rl.aggregation, rl.kl_estimator)

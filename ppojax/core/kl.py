@@ -63,8 +63,12 @@ KL_ESTIMATORS: dict[str, Callable[[Array, Array], Array]] = {
 }
 
 
-def per_token_kl(logp: Array, ref_logp: Array, estimator: str = "k1") -> Array:
-  """Per-token KL estimate by name: one of ``KL_ESTIMATORS`` (k1|kl, k2|mse, k3, abs, clamp)."""
+def per_token_kl(logp: Array, ref_logp: Array,
+                 estimator: str | Callable[[Array, Array], Array] = "k1") -> Array:
+  """Per-token KL estimate: ``estimator`` is one of ``KL_ESTIMATORS`` by name (k1|kl, k2|mse,
+  k3, abs, clamp) or such a function itself (``algorithms.Algorithm.kl``)."""
+  if callable(estimator):
+    return estimator(logp, ref_logp)
   try:
     fn = KL_ESTIMATORS[estimator]
   except KeyError:

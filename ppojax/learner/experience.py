@@ -15,8 +15,8 @@ import jax
 import jax.numpy as jnp
 
 from ppojax.core import advantages as adv_lib
-from ppojax.core import kl as kl_lib
 from ppojax.core import ops, rewards
+from ppojax.core.algorithms import Algorithm
 from ppojax.rollout.rollout import Rollout
 
 Array = jax.Array
@@ -28,7 +28,7 @@ class Experience(NamedTuple):
   rollout: Rollout
   advantages: Array
   returns: Array | None  # the critic's regression target (None: no critic)
-  # β of a KL term in the loss (``ppo.kl_in = "loss"``, a scalar); None: no KL in the loss
+  # β of a KL term in the loss (``rl.kl_in = "loss"``, a scalar); None: no KL in the loss
   kl_coef: Array | None = None
 
 
@@ -41,8 +41,8 @@ def take_rows(exp: Experience, idx: Array) -> Experience:
   return rows._replace(rollout=rows.rollout._replace(prefix=prefix), kl_coef=exp.kl_coef)
 
 
-def make_experience(r: Rollout, scores: Array, beta: Array, cfg, group_size: int = 1
-                    ) -> tuple[Experience, dict]:
+def make_experience(r: Rollout, scores: Array, beta: Array, algorithm: Algorithm, cfg,
+                    group_size: int = 1) -> tuple[Experience, dict]:
   """Rewards and the estimator's advantages from a rollout and its sequence scores [N].
 
       r_t = −β_r·KL_t + 1[t = last]·s          (``rewards.shape_rewards``; β_r = β where
@@ -58,16 +58,15 @@ def make_experience(r: Rollout, scores: Array, beta: Array, cfg, group_size: int
   whiten_advantages; ``group_size``: the samples per prompt n (rows i·n … i·n + n − 1 are
   prompt i's).
   """
-  est = adv_lib.estimator(cfg.estimator)
-  kl_in_loss = cfg.kl_in == "loss"
+  kl_in_loss = algorithm.kl_in_loss
   ref_logp = r.old_logp if r.ref_logp is None else r.ref_logp
   token_rewards, metrics = rewards.shape_rewards(
       scores, r.old_logp, ref_logp, r.mask, 0.0 if kl_in_loss else beta, has_stop=r.has_stop,
-      kl_estimator=cfg.kl_estimator, score_clip=cfg.score_clip,
+      kl_estimator=algorithm.kl, score_clip=cfg.score_clip,
       missing_stop_penalty=cfg.missing_stop_penalty, whiten=cfg.whiten_rewards)
   inputs = adv_lib.AdvantageInputs(scores=jnp.sum(token_rewards, axis=1), rewards=token_rewards,
                                    mask=r.mask, values=r.old_values)
-  adv, ret = est.fn(inputs, adv_lib.AdvantageParams(
+  adv, ret = algorithm.estimate(inputs, adv_lib.AdvantageParams(
       gamma=cfg.gamma, lam=cfg.lam, whiten=cfg.whiten_advantages, group_size=group_size))
   metrics = {f"objective/{k}": v for k, v in metrics.items()}
   lengths = jnp.sum(r.mask, axis=1)
@@ -80,7 +79,7 @@ def make_experience(r: Rollout, scores: Array, beta: Array, cfg, group_size: int
       "val/response_length": jnp.mean(lengths),
       **group_metrics(rewards.adjust_scores(scores, r.has_stop, score_clip=cfg.score_clip,
                                             missing_stop_penalty=cfg.missing_stop_penalty),
-                      kl_lib.per_token_kl(r.old_logp, ref_logp, cfg.kl_estimator), r.mask,
+                      algorithm.kl(r.old_logp, ref_logp), r.mask,
                       group_size),
   })
   if r.old_values is not None:

@@ -25,7 +25,7 @@ optimizer state and no value pass runs; without a KL penalty (β = 0) no referen
 no reference pass runs.
 
 With a JAX reward (a reward model or a jnp rule) all of it is one jit-compiled function
-(``PPOStep.fused``). A Python reward (e.g. one that parses decoded text) splits it into two
+(``Step.fused``). A Python reward (e.g. one that parses decoded text) splits it into two
 compiled halves with one host round trip: ``rollout`` → host scores → ``learn``. Both paths
 derive the same PRNG keys from ``state.key`` and give the same result.
 """
@@ -42,9 +42,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from ppojax.core import advantages as adv_lib
-from ppojax.core import algorithms
 from ppojax.core import kl as kl_lib
+from ppojax.core.algorithms import Algorithm
 from ppojax.data.batch import Prompts
 from ppojax.infra import sharding
 from ppojax.learner.experience import make_experience
@@ -105,7 +104,7 @@ def forward_micro_batches(cfg, mesh: jax.sharding.Mesh | None = None) -> int:
   return max(d for d in range(1, k + 1) if k % d == 0 and batch % (d * devices) == 0)
 
 
-class PPOStep(NamedTuple):
+class Step(NamedTuple):
   """The compiled pieces of one PPO iteration.
 
   * ``fused(state, frozen, prompts) → (state, metrics, rollout, scores)``: the whole
@@ -127,28 +126,24 @@ def _keys(state: TrainState):
   return tuple(jax.random.split(state.key, 3))
 
 
-def make_ppo_step(models: Models, actor_tx, critic_tx, actor_schedule: optax.Schedule,
-                  sampling: SamplingConfig, cfg, *, python_reward: Callable | None = None,
-                  state_shardings=None, mesh: jax.sharding.Mesh | None = None) -> PPOStep:
-  """Builds the compiled step. ``cfg`` is the ``ppo`` config section.
+def make_step(models: Models, algorithm: Algorithm, actor_tx, critic_tx,
+              actor_schedule: optax.Schedule, sampling: SamplingConfig, cfg, *,
+              python_reward: Callable | None = None, state_shardings=None,
+              mesh: jax.sharding.Mesh | None = None) -> Step:
+  """Builds the compiled step of ``algorithm`` (``algorithms.from_config``); ``cfg`` is the
+  ``rl`` config section (its numbers).
 
-  ``cfg`` must be resolved (``algorithms.resolve``: estimator, kl_in, aggregation and
-  kl_estimator set). Where the estimator needs no critic ``models.critic`` is ignored, and the
-  state must have none (``init_state(..., critic=None, ...)``).
+  Where the algorithm needs no critic ``models.critic`` is ignored, and the state must have none (``init_state(..., critic=None, ...)``).
   ``python_reward(rollout_on_host) → scores [B]`` receives the rollout as NumPy arrays;
   ``state_shardings`` (a TrainState of shardings) pins the state's layout across steps, and
   the gradients' to the parameters';
   ``mesh``: the functions are traced under it, so that the models keep every activation's rows
   on the batch axes (``sharding.shard_rows``).
   """
-  missing = algorithms.unresolved(cfg)
-  if missing:
-    raise ValueError(f"{', '.join(missing)} unset: pass the ppo section of "
-                     "ppojax.core.algorithms.resolve(config), which fills them from config.algorithm")
-  if not adv_lib.estimator(cfg.estimator).needs_critic:  # the state's critic must be None too
+  if not algorithm.needs_critic:  # the state's critic must be None too
     models = dataclasses.replace(models, critic=None)
   elif models.critic is None:
-    raise ValueError(f"ppo.estimator={cfg.estimator!r} needs a critic: give Models.critic")
+    raise ValueError("the algorithm's estimator needs a critic: give Models.critic")
   controller = kl_controller(cfg)
   group_size = sampling.num_samples
   sources = [models.reward, models.reward_fn, python_reward]
@@ -193,12 +188,12 @@ def make_ppo_step(models: Models, actor_tx, critic_tx, actor_schedule: optax.Sch
     lr = actor_schedule(_opt_count(state.actor_opt))
     if one_pass:  # params and optimizer states stepped only where all is finite (a cond)
       new, exp, exp_metrics, upd = single_pass_update(
-          models, actor_tx, critic_tx, state, r, scores, cfg, sampling.temperature,
+          models, actor_tx, critic_tx, state, r, scores, algorithm, cfg, sampling.temperature,
           grad_shardings, group_size)
     else:  # each optimizer step a cond on its own finiteness (and the experience's)
-      exp, exp_metrics = make_experience(r, scores, state.kl.beta, cfg, group_size)
+      exp, exp_metrics = make_experience(r, scores, state.kl.beta, algorithm, cfg, group_size)
       ok_before = all_finite(list(experience_checks(scores, exp).values()))
-      new, upd = update(models, actor_tx, critic_tx, state, exp, k_update, cfg,
+      new, upd = update(models, actor_tx, critic_tx, state, exp, k_update, algorithm, cfg,
                         sampling.temperature, ok_before, grad_shardings)
     ok, flags = finite_checks(scores, exp, upd)
     # A non-finite iteration leaves the KL controller and the step as they were and the
@@ -237,9 +232,9 @@ def make_ppo_step(models: Models, actor_tx, critic_tx, actor_schedule: optax.Sch
     def score(frozen, r):
       del frozen
       return jnp.asarray(np.asarray(python_reward(sharding.to_host(r)), np.float32))
-    return PPOStep(fused=None, rollout=rollout_fn, score=score, learn=learn)
+    return Step(fused=None, rollout=rollout_fn, score=score, learn=learn)
   fused_out = None if out is None else (state_shardings, None, None, None)
-  return PPOStep(fused=jax.jit(under_mesh(fused), donate_argnums=0, out_shardings=fused_out),
+  return Step(fused=jax.jit(under_mesh(fused), donate_argnums=0, out_shardings=fused_out),
                  rollout=rollout_fn,
                  score=jax.jit(under_mesh(do_score)), learn=learn)
 

@@ -24,6 +24,7 @@ import jax.numpy as jnp
 import optax
 
 from ppojax.core import losses, ops
+from ppojax.core.algorithms import Algorithm
 from ppojax.infra import sharding
 from ppojax.learner.experience import Experience, make_experience, take_rows
 from ppojax.learner.state import Context, Models, TrainState, critic_params, policy_params
@@ -85,7 +86,8 @@ def update_forward(params, models: Models, r: Rollout, temperature: float, ent_c
           critic_forward(critic, models, r, ctx))
 
 
-def _clipped_loss(logp, entropy, values, exp: Experience, cfg) -> tuple[Array, dict]:
+def _clipped_loss(logp, entropy, values, exp: Experience, algorithm: Algorithm, cfg
+                  ) -> tuple[Array, dict]:
   """The PPO loss (without a value term where ``values`` is None, with a KL term where the
   experience carries its β), each token's policy term weighted by the truncated importance
   ratio π_old/π_sampler (``losses.truncated_is_weight``) when ``cfg.tis_cap`` is set."""
@@ -97,25 +99,26 @@ def _clipped_loss(logp, entropy, values, exp: Experience, cfg) -> tuple[Array, d
   loss, metrics = losses.ppo_loss(
       logp, r.old_logp, exp.advantages, values, r.old_values, exp.returns, r.mask, entropy,
       vf_coef=cfg.vf_coef, ent_coef=cfg.ent_coef, clip_eps=cfg.clip_eps,
-      dual_clip=cfg.dual_clip, value_clip=cfg.value_clip, aggregation=cfg.aggregation,
+      clip_eps_low=cfg.get("clip_eps_low"), clip_eps_high=cfg.get("clip_eps_high"),
+      dual_clip=cfg.dual_clip, value_clip=cfg.value_clip, aggregation=algorithm.aggregation,
       max_len=r.mask.shape[1], is_weight=weight,  # seq_mean_token_sum_norm's constant: R
       ref_logp=None if exp.kl_coef is None else r.ref_logp, kl_coef=exp.kl_coef,
-      kl_estimator=cfg.kl_estimator)
+      kl_estimator=algorithm.kl)
   return loss, {**metrics, **tis}
 
 
-def ppo_loss_on(params, models: Models, exp: Experience, cfg, temperature: float,
-                ctx: Context = Context()) -> tuple[Array, dict]:
+def ppo_loss_on(params, models: Models, exp: Experience, algorithm: Algorithm, cfg,
+                temperature: float, ctx: Context = Context()) -> tuple[Array, dict]:
   """The clipped PPO loss of actor and critic on (a slice of) the experience; log-probs and
   entropy at the sampling ``temperature`` (with LoRA dropout where ``ctx`` has a key: the old
   log-probs it is compared with are the sampling policy's, without)."""
   logp, entropy, values = update_forward(params, models, exp.rollout, temperature, cfg.ent_coef,
                                          ctx)
-  return _clipped_loss(logp, entropy, values, exp, cfg)
+  return _clipped_loss(logp, entropy, values, exp, algorithm, cfg)
 
 
-def single_pass_loss(outputs, r: Rollout, scores: Array, beta: Array, cfg, group_size: int = 1
-                     ) -> tuple[Array, tuple[dict, Experience, dict]]:
+def single_pass_loss(outputs, r: Rollout, scores: Array, beta: Array, algorithm: Algorithm, cfg,
+                     group_size: int = 1) -> tuple[Array, tuple[dict, Experience, dict]]:
   """The clipped PPO loss when the update is one gradient step at the rollout's own params
   (``single_pass``), as a function of that step's forward outputs (log π_θ, H, V_θ)
   (``update_forward``): V_old(s_t) — and log π_old where ``r.old_logp`` is None — are those
@@ -130,16 +133,16 @@ def single_pass_loss(outputs, r: Rollout, scores: Array, beta: Array, cfg, group
   old_logp = r.old_logp if r.old_logp is not None else jnp.where(r.mask, logp, 0.0)
   r = r._replace(old_logp=jax.lax.stop_gradient(old_logp),  # values: 0 off the mask (or None)
                  old_values=None if values is None else jax.lax.stop_gradient(values))
-  exp, exp_metrics = make_experience(r, scores, beta, cfg, group_size)
-  loss, metrics = _clipped_loss(logp, entropy, values, exp, cfg)
+  exp, exp_metrics = make_experience(r, scores, beta, algorithm, cfg, group_size)
+  loss, metrics = _clipped_loss(logp, entropy, values, exp, algorithm, cfg)
   return loss, (metrics, exp, exp_metrics)
 
 # ---------------------------------------------------------------------------------------------
 # Minibatch gradients (K micro-batches) and optimizer steps: the scanned update
 # ---------------------------------------------------------------------------------------------
 
-def _minibatch_grads(params, models: Models, exp: Experience, idx: Array, cfg, temperature,
-                     shardings=None, ctx: Context = Context()):
+def _minibatch_grads(params, models: Models, exp: Experience, idx: Array, algorithm: Algorithm,
+                     cfg, temperature, shardings=None, ctx: Context = Context()):
   """Gradient and metrics of the minibatch ``idx`` [K, n], summed over its K micro-batches;
   the gradients laid out as ``shardings`` (the parameters'; both pairs are (actor, critic or
   None)). A dropout key in ``ctx`` is split into one per micro-batch."""
@@ -152,16 +155,17 @@ def _minibatch_grads(params, models: Models, exp: Experience, idx: Array, cfg, t
   def micro(grads, xs):
     micro_idx, key = xs
     part = take_rows(exp, micro_idx)
-    w = _micro_weight(part.rollout.mask, mb_mask, cfg.aggregation)
+    w = _micro_weight(part.rollout.mask, mb_mask, algorithm.aggregation)
     w_tokens = _micro_weight(part.rollout.mask, mb_mask, "token_mean")
-    g, metrics = grad_fn(params, models, part, cfg, temperature, ctx._replace(dropout_key=key))
+    g, metrics = grad_fn(params, models, part, algorithm, cfg, temperature,
+                         ctx._replace(dropout_key=key))
     # the aggregated quantities (losses, the entropy bonus) add up with the aggregation's
     # weights, the token means (clip fractions, ratios, approx. KL, value error) with tokens'
     metrics = {k: (w if k.startswith(AGGREGATED) else w_tokens) * v for k, v in metrics.items()}
     return jax.tree.map(jnp.add, grads, jax.tree.map(lambda x: w * x, g)), metrics
 
   if idx.shape[0] == 1:  # no accumulation buffer
-    return grad_fn(params, models, take_rows(exp, idx[0]), cfg, temperature, ctx)
+    return grad_fn(params, models, take_rows(exp, idx[0]), algorithm, cfg, temperature, ctx)
   keys = None if ctx.dropout_key is None else jax.random.split(ctx.dropout_key, idx.shape[0])
   zeros = sharding.constrain(jax.tree.map(jnp.zeros_like, params), shardings)
   grads, metrics = jax.lax.scan(micro, zeros, (idx, keys))
@@ -204,8 +208,8 @@ def _with_params(state: TrainState, params_and_opts) -> TrainState:
 
 
 def update(models: Models, actor_tx, critic_tx, state: TrainState, exp: Experience, key: Array,
-           cfg, temperature: float, ok: Array | bool = True, shardings=None
-           ) -> tuple[TrainState, dict]:
+           algorithm: Algorithm, cfg, temperature: float, ok: Array | bool = True,
+           shardings=None) -> tuple[TrainState, dict]:
   """E epochs of M shuffled minibatches, each one optimizer step on the sum of K micro-batch
   gradients; metrics are averaged over the E·M steps.
 
@@ -222,8 +226,8 @@ def update(models: Models, actor_tx, critic_tx, state: TrainState, exp: Experien
 
   def step(carry, xs):
     (actor, critic), (idx, dropout_key) = carry[:2], xs
-    grads, metrics = _minibatch_grads((actor, critic), models, exp, idx, cfg, temperature,
-                                      shardings, Context(state.base, dropout_key))
+    grads, metrics = _minibatch_grads((actor, critic), models, exp, idx, algorithm, cfg,
+                                      temperature, shardings, Context(state.base, dropout_key))
     metrics = {**metrics, **_grad_norms(grads)}
     take = ok & all_finite([v for name, v in metrics.items() if name.startswith("loss/")
                             or name.endswith("grad_norm")])
@@ -242,8 +246,8 @@ def update(models: Models, actor_tx, critic_tx, state: TrainState, exp: Experien
 
 def single_pass(cfg, lora_dropout: float = 0.0) -> bool:
   """Whether the update is one gradient step on the whole batch at the rollout's params (1
-  epoch × 1 minibatch × 1 micro-batch) and ``ppo.reuse_update_forward`` lets it take the old
-  values (and, with ``ppo.old_logprobs = "recompute"``, the old log-probs) from its own forward
+  epoch × 1 minibatch × 1 micro-batch) and ``rl.reuse_update_forward`` lets it take the old
+  values (and, with ``rl.old_logprobs = "recompute"``, the old log-probs) from its own forward
   pass instead of a rollout forward (``single_pass_loss``): one critic forward pass (and one
   policy forward pass) fewer per iteration, the same iteration up to float rounding.
 
@@ -254,8 +258,8 @@ def single_pass(cfg, lora_dropout: float = 0.0) -> bool:
 
 
 def single_pass_update(models: Models, actor_tx, critic_tx, state: TrainState, r: Rollout,
-                       scores: Array, cfg, temperature: float, shardings=None,
-                       group_size: int = 1) -> tuple[TrainState, Experience, dict, dict]:
+                       scores: Array, algorithm: Algorithm, cfg, temperature: float,
+                       shardings=None, group_size: int = 1) -> tuple[TrainState, Experience, dict, dict]:
   """The update of a ``single_pass`` config: one gradient of ``single_pass_loss`` on the whole
   batch and one optimizer step per model, the critic's after the actor's:
 
@@ -277,8 +281,8 @@ def single_pass_update(models: Models, actor_tx, critic_tx, state: TrainState, r
   if state.critic is not None:
     values, critic_vjp = jax.vjp(lambda c: critic_forward(c, models, r, ctx), state.critic)
   (d_logp, d_entropy, d_values), (metrics, exp, exp_metrics) = jax.grad(
-      single_pass_loss, has_aux=True)((logp, entropy, values), r, scores, state.kl.beta, cfg,
-                                      group_size)
+      single_pass_loss, has_aux=True)((logp, entropy, values), r, scores, state.kl.beta,
+                                      algorithm, cfg, group_size)
   ok = all_finite([*experience_checks(scores, exp).values(),
                    *(v for k, v in metrics.items() if k.startswith("loss/"))])
 

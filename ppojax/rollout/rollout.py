@@ -39,7 +39,7 @@ class Rollout(NamedTuple):
   old_values: Array | None  # V_old(s_t) (None: the update computes it)
   prefix: Array | None = None  # [C] the prompts' shared prefix (``Prompts.prefix``)
   # log π_T(token) as the sampler computed it while sampling (``Generation.logprobs``: its
-  # compute dtype, its KV-cache decode), for the mismatch metric and ``ppo.tis_cap``
+  # compute dtype, its KV-cache decode), for the mismatch metric and ``rl.tis_cap``
   sampler_logp: Array | None = None
 
 

@@ -4,7 +4,7 @@
         [--config.section.field=value ...]
 
 The step is the one a training run compiles: ``build_lib.build(config, devices=..., abstract=True)``
-builds the same models, optimizers, partition rules and ``make_ppo_step`` as ``build_lib.build``
+builds the same models, optimizers, partition rules and ``make_step`` as ``build_lib.build``
 does for a run, with parameters and optimizer states as ``jax.ShapeDtypeStruct``s (no weights
 are read) placed on a mesh over the topology's devices (``jax.experimental.topologies``, which
 needs libtpu: ``pip install -e ".[tpu]"``). The fused iteration is then lowered and compiled for
@@ -134,7 +134,7 @@ def _bytes(number: str, unit: str) -> int:
 
 def abstract_prompts(config, mesh) -> Prompts:
   """The shapes of a batch of prompts, [B, P], placed over the mesh's batch axes."""
-  b, p = config.ppo.batch_size, checks_lib.prompt_length(config)
+  b, p = config.rl.batch_size, checks_lib.prompt_length(config)
   rows = sharding_lib.batch_sharding(mesh)
   return Prompts(jax.ShapeDtypeStruct((b, p), jnp.int32, sharding=rows),
                  jax.ShapeDtypeStruct((b, p), jnp.bool_, sharding=rows))
@@ -173,12 +173,12 @@ def iteration_flops(run) -> float:
   """Model FLOPs of one iteration (``ppojax.infra.flops``; XLA's ``cost_analysis`` counts a loop's
   body once, so it cannot give them for a scanned, decoding step)."""
   config = run.config
-  one_pass = update_lib.single_pass(config.ppo, config.lora.dropout)
+  one_pass = update_lib.single_pass(config.rl, config.lora.dropout)
   parts = flops.model_flops(
-      run.policy.cfg, config.ppo.batch_size, checks_lib.prompt_length(config),
+      run.policy.cfg, config.rl.batch_size, checks_lib.prompt_length(config),
       config.sampling.max_new_tokens, old_logp_fwd=not one_pass and
-      config.ppo.old_logprobs == "recompute", critic_fwd=not one_pass,
-      epochs=config.ppo.num_epochs, samples=config.sampling.num_samples_per_prompt,
+      config.rl.old_logprobs == "recompute", critic_fwd=not one_pass,
+      epochs=config.rl.num_epochs, samples=config.sampling.num_samples_per_prompt,
       critic=run.models.critic is not None, reference=run.frozen.ref_actor is not None,
       reward_model=run.models.reward is not None)
   return sum(parts.values())
@@ -213,7 +213,7 @@ def report(config, topology: str, result: Compiled) -> dict[str, Any]:
       "topology": topology, "device_kind": chip["kind"], "devices": len(devices),
       "mesh": dict(run.mesh.shape), "model": str(config.model.policy), "params": params,
       "trained_params": trained,
-      "batch": config.ppo.batch_size, "prompt_len": checks_lib.prompt_length(config),
+      "batch": config.rl.batch_size, "prompt_len": checks_lib.prompt_length(config),
       "response_len": config.sampling.max_new_tokens, "dtype": config.model.dtype,
       "remat": bool(config.model.remat), "compile_seconds": round(result.seconds, 1),
       "argument_bytes": sizes[0], "output_bytes": sizes[1], "temp_bytes": sizes[2],

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
-from ppojax.core import advantages, algorithms
+from ppojax.core import algorithms
 from ppojax.core.optim import lr_schedule, make_optimizer
 from ppojax.data import encoding
 from ppojax.infra import sharding as sharding_lib
@@ -52,7 +52,7 @@ class Run(NamedTuple):
   models: state_lib.Models
   frozen: state_lib.Frozen
   state: state_lib.TrainState
-  step: step_lib.PPOStep
+  step: step_lib.Step
   mesh: jax.sharding.Mesh
   state_shardings: Any
   source: sources.Source  # data position → a batch of prompts (host arrays) and records
@@ -63,11 +63,12 @@ class Run(NamedTuple):
   # reward is traced into the compiled step
   host_reward: Callable[[Any, list[dict] | None], np.ndarray] | None
   sampling: SamplingConfig
+  algorithm: algorithms.Algorithm  # the record the step was built from (algorithms.from_config)
 
 
 def load_config(path: str | os.PathLike, **overrides) -> ml_collections.ConfigDict:
   """``get_config()`` of a config file, with overrides as keyword arguments whose names use
-  "__" for nesting (``ppo__kl_coef=0.1``) — the Python twin of ``--config.ppo.kl_coef=0.1``.
+  "__" for nesting (``rl__kl_coef=0.1``) — the Python twin of ``--config.rl.kl_coef=0.1``.
   ``"file.py:arg"`` calls ``get_config("arg")``, as ``--config file.py:arg`` does."""
   path, arg = str(path), None
   if not pathlib.Path(path).is_file() and ":" in path:
@@ -240,10 +241,11 @@ def build(config, *, devices=None, abstract: bool = False) -> Run:
   devices that need not be present (``ppojax.run.aot``)."""
   devices = list(jax.devices() if devices is None else devices)
   validate(config, len(devices))
-  config = algorithms.resolve(config)
-  ppo = config.ppo
-  with_critic = advantages.estimator(ppo.estimator).needs_critic
-  with_reference = step_lib.needs_reference(ppo)  # else KL ≡ 0: no reference is held
+  config = algorithms.resolve(config)  # its choices written out, for config.json and resume
+  algorithm = algorithms.from_config(config)
+  rl = config.rl
+  with_critic = algorithm.needs_critic
+  with_reference = step_lib.needs_reference(rl)  # else KL ≡ 0: no reference is held
   key = jax.random.key(config.seed)
   key, k_policy = jax.random.split(key)
   policy = load_policy(config, k_policy, abstract)
@@ -302,7 +304,7 @@ def build(config, *, devices=None, abstract: bool = False) -> Run:
     python_reward = _records_required
 
   optim = config.optim
-  updates = config.num_iterations * ppo.num_epochs * ppo.num_minibatches
+  updates = config.num_iterations * rl.num_epochs * rl.num_minibatches
   schedules = {name: lr_schedule(o.lr, updates, o.warmup_steps, o.decay, o.end_factor)
                for name, o in (("actor", optim.actor), ("critic", optim.critic))}
   txs = {name: make_optimizer(schedules[name], optim.max_grad_norm, optim[name].weight_decay,
@@ -319,7 +321,7 @@ def build(config, *, devices=None, abstract: bool = False) -> Run:
                                  key=jax.random.fold_in(k_policy, 2))
     actor_params = jax.eval_shape(adapters, base) if abstract else adapters(base)
   init = lambda actor, critic, base: step_lib.init_state(  # noqa: E731
-      key, actor, critic, txs["actor"], txs["critic"], ppo, base)
+      key, actor, critic, txs["actor"], txs["critic"], rl, base)
   critic_params = None if critic is None else critic.params
   if lora_critic:  # its own adapters and a zero value head on the policy's base
     critic_adapters = functools.partial(lora.init_adapters, cfg=policy_cfg,
@@ -350,12 +352,11 @@ def build(config, *, devices=None, abstract: bool = False) -> Run:
                                else reward_params))
 
   sampling = sampling_config(config, policy)
-  step = step_lib.make_ppo_step(models, txs["actor"], txs["critic"], schedules["actor"], sampling,
-                                ppo,
-                                python_reward=python_reward, state_shardings=state_shardings,
-                                mesh=mesh)
+  step = step_lib.make_step(models, algorithm, txs["actor"], txs["critic"], schedules["actor"],
+                            sampling, rl, python_reward=python_reward,
+                            state_shardings=state_shardings, mesh=mesh)
   return Run(config, models, frozen, state, step, mesh, state_shardings, source,
-             policy._replace(params=None), host_reward, sampling)
+             policy._replace(params=None), host_reward, sampling, algorithm)
 
 
 def _text_reward(config, policy: LoadedModel):

@@ -23,15 +23,15 @@ from ppojax.core import advantages, algorithms, kl, ops
 FREE_FORM = ("eval.metrics", "eval.baselines", "data.rg.options")
 CHOICES = {
     "algorithm": tuple(algorithms.ALGORITHMS),
-    "ppo.estimator": ("", *advantages.ESTIMATORS),
-    "ppo.kl_in": ("", *algorithms.KL_PLACEMENTS),
+    "rl.estimator": ("", *advantages.ESTIMATORS),
+    "rl.kl_in": ("", *algorithms.KL_PLACEMENTS),
     "reward.kind": ("jax", "python", "text", "model"),
     "model.critic_init": ("auto", "reward", "policy"),
     "data.task": ("count", "arith", "file", "reasoning_gym"),
     "data.truncate": ("left", "error"),
-    "ppo.aggregation": ("", *ops.AGGREGATIONS),
-    "ppo.old_logprobs": ("recompute", "sampler"),
-    "ppo.kl_estimator": ("", *kl.KL_ESTIMATORS),
+    "rl.aggregation": ("", *ops.AGGREGATIONS),
+    "rl.old_logprobs": ("recompute", "sampler"),
+    "rl.kl_estimator": ("", *kl.KL_ESTIMATORS),
     "model.dtype": ("float32", "bfloat16", "float16"),
     "model.remat_policy": ("nothing", "dots", "dots_no_batch"),
     "model.frozen_dtype": ("", "float32", "bfloat16", "float16"),
@@ -98,27 +98,27 @@ def check_sizes(config: ml_collections.ConfigDict, num_devices: int,
                 context_length: int | None = None) -> None:
   """Sizes that must fit: minibatches and micro-batches in the batch, the batch over the
   data-parallel devices, the mesh over the devices, prompt + response in the model's context."""
-  ppo = config.ppo
+  rl = config.rl
   for name in ("batch_size", "num_minibatches", "grad_accum", "num_epochs"):
-    if ppo[name] < 1:
-      raise ConfigError(f"ppo.{name}={ppo[name]} must be >= 1")
+    if rl[name] < 1:
+      raise ConfigError(f"rl.{name}={rl[name]} must be >= 1")
   n = config.sampling.get("num_samples_per_prompt", 1)
   if n < 1:
     raise ConfigError(f"sampling.num_samples_per_prompt={n} must be >= 1")
   rows = rollout_rows(config)
-  batch = (f"ppo.batch_size={ppo.batch_size}" if n == 1 else
-           f"ppo.batch_size × sampling.num_samples_per_prompt = {ppo.batch_size} × {n} = {rows}")
-  per_step = ppo.num_minibatches * ppo.grad_accum
+  batch = (f"rl.batch_size={rl.batch_size}" if n == 1 else
+           f"rl.batch_size × sampling.num_samples_per_prompt = {rl.batch_size} × {n} = {rows}")
+  per_step = rl.num_minibatches * rl.grad_accum
   if rows % per_step:
     raise ConfigError(
-        f"{batch} is not divisible by ppo.num_minibatches × "
-        f"ppo.grad_accum = {ppo.num_minibatches} × {ppo.grad_accum}; change one of them")
-  k = ppo.get("forward_micro_batches", 0)
+        f"{batch} is not divisible by rl.num_minibatches × "
+        f"rl.grad_accum = {rl.num_minibatches} × {rl.grad_accum}; change one of them")
+  k = rl.get("forward_micro_batches", 0)
   if k < 0 or (k and rows % k):
-    raise ConfigError(f"ppo.forward_micro_batches={k} must be 0 (automatic) or a divisor of "
+    raise ConfigError(f"rl.forward_micro_batches={k} must be 0 (automatic) or a divisor of "
                       f"{batch}")
-  if ppo.get("tis_cap") is not None and ppo.tis_cap <= 0:
-    raise ConfigError(f"ppo.tis_cap={ppo.tis_cap} must be > 0 (about 2 is usual), or None")
+  if rl.get("tis_cap") is not None and rl.tis_cap <= 0:
+    raise ConfigError(f"rl.tis_cap={rl.tis_cap} must be > 0 (about 2 is usual), or None")
   shape = list(config.mesh.shape)
   if len(shape) != 3 or shape.count(-1) > 1 or any(s == 0 or s < -1 for s in shape):
     raise ConfigError(f"mesh.shape={tuple(shape)}: give three sizes (data, fsdp, tensor), "
@@ -130,14 +130,14 @@ def check_sizes(config: ml_collections.ConfigDict, num_devices: int,
   if -1 in shape:
     shape[shape.index(-1)] = num_devices // known
   data_parallel = shape[0] * shape[1]
-  if rows % (ppo.num_minibatches * data_parallel):
+  if rows % (rl.num_minibatches * data_parallel):
     raise ConfigError(
-        f"{batch} is not divisible by ppo.num_minibatches × "
-        f"data-parallel devices = {ppo.num_minibatches} × {data_parallel} (mesh data × fsdp = "
+        f"{batch} is not divisible by rl.num_minibatches × "
+        f"data-parallel devices = {rl.num_minibatches} × {data_parallel} (mesh data × fsdp = "
         f"{shape[0]} × {shape[1]}): every minibatch must split evenly over the devices")
   if k and rows % (k * data_parallel):
     raise ConfigError(
-        f"ppo.forward_micro_batches={k}: {rows // k} rows per part do not split over "
+        f"rl.forward_micro_batches={k}: {rows // k} rows per part do not split over "
         f"the {data_parallel} data-parallel devices; choose a k with {rows} rows divisible by "
         f"k × {data_parallel}")
   if config.sampling.max_new_tokens < 1:
@@ -152,25 +152,25 @@ def check_sizes(config: ml_collections.ConfigDict, num_devices: int,
 
 # (option, test, what it must be and what to do); None passes where the option allows it
 RANGES = (
-    ("ppo.clip_eps", lambda v: 0 < v < 1,
+    ("rl.clip_eps", lambda v: 0 < v < 1,
      "must be in (0, 1): the policy ratio is clipped to [1 − ε, 1 + ε] (0.2 is usual)"),
-    ("ppo.dual_clip", lambda v: v is None or v > 1,
+    ("rl.dual_clip", lambda v: v is None or v > 1,
      "must be > 1 (dual-clip PPO, Ye et al. 2020; 3 is usual) or None to turn it off: with "
      "c <= 1 the cap −c·A undercuts the clipped loss and silently zeroes the gradient of every "
      "token with a negative advantage"),
-    ("ppo.value_clip", lambda v: v is None or v > 0,
+    ("rl.value_clip", lambda v: v is None or v > 0,
      "must be > 0 (0.2 is usual), or None for an unclipped value loss"),
-    ("ppo.vf_coef", lambda v: v >= 0, "must be >= 0 (the value loss's weight; 0.1 is trl's)"),
-    ("ppo.ent_coef", lambda v: v >= 0,
+    ("rl.vf_coef", lambda v: v >= 0, "must be >= 0 (the value loss's weight; 0.1 is trl's)"),
+    ("rl.ent_coef", lambda v: v >= 0,
      "must be >= 0 (the entropy bonus's weight; 0: none): a negative one penalises entropy"),
-    ("ppo.kl_coef", lambda v: v >= 0,
+    ("rl.kl_coef", lambda v: v >= 0,
      "must be >= 0 (β of the KL penalty; 0: none): a negative one rewards drifting from the "
      "reference policy"),
-    ("ppo.gamma", lambda v: 0 <= v <= 1, "must be in [0, 1] (the discount; 1 is usual for LMs)"),
-    ("ppo.lam", lambda v: 0 <= v <= 1, "must be in [0, 1] (GAE's λ; 0.95 is usual)"),
-    ("ppo.score_clip", lambda v: v is None or v > 0,
+    ("rl.gamma", lambda v: 0 <= v <= 1, "must be in [0, 1] (the discount; 1 is usual for LMs)"),
+    ("rl.lam", lambda v: 0 <= v <= 1, "must be in [0, 1] (GAE's λ; 0.95 is usual)"),
+    ("rl.score_clip", lambda v: v is None or v > 0,
      "must be > 0 (scores are clipped to [−c, c]), or None"),
-    ("ppo.missing_stop_penalty", lambda v: v >= 0,
+    ("rl.missing_stop_penalty", lambda v: v >= 0,
      "must be >= 0: it is subtracted from the score of a response without a stop token (a "
      "negative one would reward running into the length limit)"),
     ("eval.every", lambda v: isinstance(v, int) and v >= 0,
@@ -190,7 +190,7 @@ RANGES = (
 
 def check_ranges(config: ml_collections.ConfigDict) -> None:
   """Numbers in their ranges (``RANGES``): the loss options, discounts, KL coefficients;
-  ``ppo.target_kl`` and ``ppo.kl_horizon`` > 0 with ``ppo.adaptive_kl``."""
+  ``rl.target_kl`` and ``rl.kl_horizon`` > 0 with ``rl.adaptive_kl``."""
   for name, ok, requirement in RANGES:
     node = config
     for part in name.split("."):
@@ -201,11 +201,11 @@ def check_ranges(config: ml_collections.ConfigDict) -> None:
       good = False
     if not good:
       raise ConfigError(f"{name}={node!r} {requirement}")
-  ppo = config.ppo
-  if ppo.adaptive_kl:
+  rl = config.rl
+  if rl.adaptive_kl:
     for name in ("target_kl", "kl_horizon"):
-      if not ppo[name] > 0:
-        raise ConfigError(f"ppo.{name}={ppo[name]!r} must be > 0 with ppo.adaptive_kl (the "
+      if not rl[name] > 0:
+        raise ConfigError(f"rl.{name}={rl[name]!r} must be > 0 with rl.adaptive_kl (the "
                           "controller's target KL per sequence and its horizon in samples)")
 
 
@@ -234,8 +234,8 @@ def check_tasks(config: ml_collections.ConfigDict) -> None:
 
 
 def rollout_rows(config) -> int:
-  """Responses per iteration: ppo.batch_size prompts × sampling.num_samples_per_prompt."""
-  return config.ppo.batch_size * config.sampling.get("num_samples_per_prompt", 1)
+  """Responses per iteration: rl.batch_size prompts × sampling.num_samples_per_prompt."""
+  return config.rl.batch_size * config.sampling.get("num_samples_per_prompt", 1)
 
 
 def check_algorithm(config: ml_collections.ConfigDict) -> None:
@@ -257,11 +257,11 @@ def check_algorithm(config: ml_collections.ConfigDict) -> None:
       lora.targets(config.lora.targets)
     except ValueError as e:
       raise ConfigError(f"lora.targets={config.lora.targets!r}: {e}") from None
-  ppo = algorithms.resolve(config).ppo
+  rl = algorithms.resolve(config).rl
   n = config.sampling.get("num_samples_per_prompt", 1)
-  if ppo.estimator in ("grpo", "dr_grpo", "rloo") and n < 2:
+  if algorithms.from_config(config).needs_groups and n < 2:
     raise ConfigError(
-        f"ppo.estimator={ppo.estimator!r} (algorithm {config.algorithm!r}) compares the samples "
+        f"rl.estimator={rl.estimator!r} (algorithm {config.algorithm!r}) compares the samples "
         f"of a prompt, but sampling.num_samples_per_prompt={n}: every advantage would be 0. "
         "Set --config.sampling.num_samples_per_prompt=4 (or more), or another estimator")
 

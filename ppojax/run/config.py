@@ -24,7 +24,7 @@ def defaults() -> ml_collections.ConfigDict:
   c = ml_collections.ConfigDict()
   c.seed = 0
   # ppo, grpo, dr_grpo, rloo or reinforce_pp (ppojax/core/algorithms.py): the defaults of
-  # ppo.estimator, ppo.kl_in, ppo.aggregation and ppo.kl_estimator (each left "" below)
+  # rl.estimator, rl.kl_in, rl.aggregation and rl.kl_estimator (each left "" below)
   c.algorithm = "ppo"
   c.num_iterations = 100
   c.log_every = 1
@@ -35,7 +35,7 @@ def defaults() -> ml_collections.ConfigDict:
   # Rerunning a workdir resumes only the run its checkpoint comes from: a changed seed, batch,
   # model, data, ... stops with an error listing the fields (ppojax/run/resume.py; how long to
   # train, logging, evaluation and memory options may change). To accept such changes
-  # deliberately, name them here, comma-separated: "seed,ppo.batch_size" ("ppo": a section).
+  # deliberately, name them here, comma-separated: "seed,rl.batch_size" ("ppo": a section).
   c.resume_allow_changes = ""
   c.phase_timing = False  # True: run sampling / scoring / update as three timed calls
   c.wandb_project = ""  # log to Weights & Biases too (needs `pip install 'ppojax[wandb]'`)
@@ -76,7 +76,7 @@ def defaults() -> ml_collections.ConfigDict:
   # dropout p on the adapters' input, y = x·W + (α/r)·(dropout_p(x)·A)·B (peft's lora_dropout),
   # in the policy update only (and a LoRA critic's): sampling, old and reference log-probs and
   # evaluation run without. 0: none (the update's forward then also gives the old log-probs
-  # and values where ppo.reuse_update_forward allows; with p > 0 the rollout computes them)
+  # and values where rl.reuse_update_forward allows; with p > 0 the rollout computes them)
   c.lora.dropout = 0.0
   c.lora.targets = "all-linear"  # layers: q,k,v,o,gate,up,down (or peft's q_proj, ...)
   c.lora.base_dtype = ""  # the frozen base's dtype ("bfloat16": half its memory; "": float32)
@@ -138,72 +138,76 @@ def defaults() -> ml_collections.ConfigDict:
   c.sampling.top_k = 0
   c.sampling.top_p = 1.0
   c.sampling.min_new_tokens = 0  # stop tokens are banned before this many tokens
-  # responses sampled per prompt (a group, one prefill): ppo.batch_size prompts give
+  # responses sampled per prompt (a group, one prefill): rl.batch_size prompts give
   # batch_size × n responses per iteration; the group estimators (grpo, dr_grpo, rloo) need n >= 2
   c.sampling.num_samples_per_prompt = 1
   # the sampler's compute dtype ("": model.dtype), e.g. "bfloat16" sampling for a float32
-  # learner: "rollout/logp_mismatch" reports the log-prob gap, ppo.tis_cap corrects for it
+  # learner: "rollout/logp_mismatch" reports the log-prob gap, rl.tis_cap corrects for it
   c.sampling.dtype = ""
   # tuples and placeholders so that --config.sampling.stop_ids="(2, 3)" etc. parse
   c.sampling.stop_ids = ()  # empty: the model's eos_token_id
   # None: the model's pad id (may equal the stop id)
   c.sampling.pad_id = config_dict.placeholder(int)
 
-  c.ppo = ml_collections.ConfigDict()
-  c.ppo.batch_size = 64  # prompts per iteration (× sampling.num_samples_per_prompt responses)
+  c.rl = ml_collections.ConfigDict()
+  c.rl.batch_size = 64  # prompts per iteration (× sampling.num_samples_per_prompt responses)
   # "" below: the algorithm's (ppojax/core/algorithms.py)
   # the advantage estimator (ppojax/core/advantages.py ESTIMATORS): gae (with a critic), grpo,
   # dr_grpo, rloo, reinforce_pp (no critic: none is allocated)
-  c.ppo.estimator = ""
-  c.ppo.kl_in = ""  # the KL penalty β·KL as a reward ("reward", PPO) or a loss term ("loss", GRPO)
-  c.ppo.num_epochs = 1
-  c.ppo.num_minibatches = 1
-  c.ppo.grad_accum = 1  # micro-batches per minibatch (gradients summed exactly)
+  c.rl.estimator = ""
+  c.rl.kl_in = ""  # the KL penalty β·KL as a reward ("reward", PPO) or a loss term ("loss", GRPO)
+  c.rl.num_epochs = 1
+  c.rl.num_minibatches = 1
+  c.rl.grad_accum = 1  # micro-batches per minibatch (gradients summed exactly)
   # parts the rollout's forward passes (old / reference log-probs, values, reward model) run
   # in, one after the other: less memory, the same numbers (0: the update's micro-batches per
   # batch, num_minibatches × grad_accum, so both phases hold the same rows at a time)
-  c.ppo.forward_micro_batches = 0
+  c.rl.forward_micro_batches = 0
   # Truncated importance sampling (losses.truncated_is_weight): each token's policy term
   # weighted by min(π_old/π_sampler, tis_cap), for a sampler whose log-probs differ from the
   # learner's (sampling.dtype); None: off
-  c.ppo.tis_cap = config_dict.placeholder(float)
-  c.ppo.gamma = 1.0
-  c.ppo.lam = 0.95
-  c.ppo.clip_eps = 0.2
-  c.ppo.dual_clip = config_dict.placeholder(float)
-  c.ppo.value_clip = 0.2
-  c.ppo.vf_coef = 0.1
-  c.ppo.ent_coef = 0.0
-  c.ppo.kl_coef = 0.05  # β; 0 (and no adaptive_kl): no KL, and no reference model is held
-  c.ppo.kl_estimator = ""  # k1 (kl), k2 (mse), k3, abs, clamp (ppojax/core/kl.py)
-  c.ppo.adaptive_kl = False
-  c.ppo.target_kl = 6.0
-  c.ppo.kl_horizon = 10000.0
-  c.ppo.score_clip = config_dict.placeholder(float)
-  c.ppo.missing_stop_penalty = 0.0
-  c.ppo.whiten_rewards = False
-  c.ppo.whiten_advantages = True
+  c.rl.tis_cap = config_dict.placeholder(float)
+  c.rl.gamma = 1.0
+  c.rl.lam = 0.95
+  c.rl.clip_eps = 0.2
+  # asymmetric clip: the ratio is clipped to [1 − clip_eps_low, 1 + clip_eps_high] (None: clip_eps;
+  # DAPO's clip-higher is 0.2 / 0.28)
+  c.rl.clip_eps_low = config_dict.placeholder(float)
+  c.rl.clip_eps_high = config_dict.placeholder(float)
+  c.rl.dual_clip = config_dict.placeholder(float)
+  c.rl.value_clip = 0.2
+  c.rl.vf_coef = 0.1
+  c.rl.ent_coef = 0.0
+  c.rl.kl_coef = 0.05  # β; 0 (and no adaptive_kl): no KL, and no reference model is held
+  c.rl.kl_estimator = ""  # k1 (kl), k2 (mse), k3, abs, clamp (ppojax/core/kl.py)
+  c.rl.adaptive_kl = False
+  c.rl.target_kl = 6.0
+  c.rl.kl_horizon = 10000.0
+  c.rl.score_clip = config_dict.placeholder(float)
+  c.rl.missing_stop_penalty = 0.0
+  c.rl.whiten_rewards = False
+  c.rl.whiten_advantages = True
   # How token losses become one loss (ops.aggregate), "" the algorithm's: "token_mean" (over
   # all response tokens), "seq_mean_token_mean" (= "seq_mean": each sequence's token mean, then
   # the mean over sequences; GRPO's original) or "seq_mean_token_sum_norm" (token sums over the
   # constant sampling.max_new_tokens, then the mean over sequences; Dr. GRPO)
-  c.ppo.aggregation = ""
+  c.rl.aggregation = ""
   # Where log π_old(token) comes from: "recompute" (a forward pass of the actor over prompt +
   # response after sampling) or "sampler" (the log-probs generate() computed while sampling:
   # the same params and temperature, as trl's PPOTrainer does; one policy forward pass fewer
   # per iteration, equal to "recompute" up to float rounding of the KV-cache decode)
-  c.ppo.old_logprobs = "recompute"
+  c.rl.old_logprobs = "recompute"
   # With 1 epoch × 1 minibatch × 1 micro-batch the update's one gradient step runs at the
   # rollout's params, so its forward pass gives the old values (and, with "recompute", the old
   # log-probs) that a rollout forward would: take them from there (one critic forward and one
   # policy forward pass fewer per iteration; the same iteration up to float rounding). False:
   # always run the rollout's forward passes. No effect with more epochs, minibatches or
   # micro-batches.
-  c.ppo.reuse_update_forward = True
+  c.rl.reuse_update_forward = True
   # An iteration whose scores, advantages, losses or gradient norms hold a NaN or Inf is
   # skipped (no update; counted in skipped/nonfinite); after this many in a row the run saves
   # its last good state and stops with runner.NonFiniteError (0: never stop, only skip)
-  c.ppo.max_bad_steps = 3
+  c.rl.max_bad_steps = 3
 
   c.optim = ml_collections.ConfigDict()
   c.optim.max_grad_norm = 1.0

@@ -8,7 +8,7 @@ compares its own fingerprint with the checkpoint's, field by field, before any a
   evaluate, where things are, memory options that give the same numbers);
 - any other difference stops the run with a ``ResumeError`` that lists each field as
   ``checkpoint -> now`` and the override that accepts them deliberately:
-  ``--config.resume_allow_changes=seed,ppo.batch_size`` (comma-separated names; a section name
+  ``--config.resume_allow_changes=seed,rl.batch_size`` (comma-separated names; a section name
   such as ``ppo`` accepts all of its fields). Accepted changes are warned about, and the next
   checkpoint holds the new fingerprint. Nothing in the workdir is changed by a refusal;
 - a checkpoint without a fingerprint (written before ppojax stored one) resumes with a warning;
@@ -40,8 +40,8 @@ ALLOWED = (
     "data.eval_path", "data.eval_per_digits",  # held-out data only
     # memory and speed options that give the same numbers (up to float rounding)
     "mesh.shape", "model.remat", "model.remat_policy", "data.shared_prefix",
-    "ppo.grad_accum", "ppo.forward_micro_batches", "ppo.reuse_update_forward",
-    "ppo.max_bad_steps",
+    "rl.grad_accum", "rl.forward_micro_batches", "rl.reuse_update_forward",
+    "rl.max_bad_steps",
     # the supervised stages (ppojax.supervised.common): how long to train, logging and evaluation,
     # micro-batches (exact accumulation), and data sources whose training rows are
     # fingerprinted (data.train_rows)
@@ -70,7 +70,7 @@ class ResumeWarning(UserWarning):
 
 
 def flatten(tree: dict, prefix: str = "") -> dict[str, Any]:
-  """``{"ppo": {"batch_size": 16}}`` -> ``{"ppo.batch_size": 16}``, values as JSON gives them
+  """``{"ppo": {"batch_size": 16}}`` -> ``{"rl.batch_size": 16}``, values as JSON gives them
   back (tuples become lists; anything else JSON cannot hold, its repr)."""
   flat = {}
   for key, value in tree.items():
@@ -110,7 +110,7 @@ def path_sha256(path: str | os.PathLike) -> str:
 def data_fingerprint(config, source) -> dict[str, str]:
   """What the config alone cannot tell about the data: ``data.first_batch``, the sha256 of the
   first batch's prompt tokens (catches another tokenizer, chat template or task generator; it
-  also follows every config field that shapes the batch, such as seed and ppo.batch_size), and
+  also follows every config field that shapes the batch, such as seed and rl.batch_size), and
   for ``data.task="file"`` ``data.contents``, the sha256 of ``data.path``'s bytes (the file
   edited or replaced under the same name)."""
   prompts = source.batch(0).prompts
@@ -150,7 +150,7 @@ def _covers(names, field: str) -> bool:
 
 
 def accepted(config) -> tuple[str, ...]:
-  """The field names of ``config.resume_allow_changes`` ("seed, ppo.batch_size")."""
+  """The field names of ``config.resume_allow_changes`` ("seed, rl.batch_size")."""
   return tuple(n.strip() for n in str(config.get(OVERRIDE, "") or "").split(",") if n.strip())
 
 

@@ -87,7 +87,7 @@ class Result(NamedTuple):
 
 
 class NonFiniteError(RuntimeError):
-  """``ppo.max_bad_steps`` iterations in a row had NaN or Inf in their scores, advantages,
+  """``rl.max_bad_steps`` iterations in a row had NaN or Inf in their scores, advantages,
   losses or gradient norms (each one skipped); the last good state was saved first."""
 
 
@@ -110,7 +110,7 @@ def run(config, workdir: str | None = None, stop_after: int | None = None) -> Re
   checkpoint, and ``run`` returns normally; a second one aborts the process at once (exit code
   128 + signal number, no checkpoint; the handlers are installed only while ``run`` runs, in the
   main thread). An iteration with non-finite values is skipped (``skipped/nonfinite``); after
-  ``ppo.max_bad_steps`` in a row the last good state is saved and ``NonFiniteError`` raised.
+  ``rl.max_bad_steps`` in a row the last good state is saved and ``NonFiniteError`` raised.
   A process killed at any moment resumes from its last complete checkpoint, and metrics.jsonl
   ends up as that of an uninterrupted run.
   """
@@ -233,7 +233,7 @@ def _run(config, workdir, stop_after, signals: StopSignals) -> Result:
       if config.eval.every and it % config.eval.every == 0 and it < n and r.source.eval_records:
         phase = f"iteration_{it}"
         evals[phase] = _held_out(r, state, phase, workdir, writer, it, say=progress.write)
-      max_bad = config.ppo.get("max_bad_steps", 3)
+      max_bad = config.rl.get("max_bad_steps", 3)
       failed = skipped and 0 < max_bad <= bad["streak"]
       stop = it == n or it == stop_after or failed or signals.received is not None
       unsaved = not save(it, state, force=stop)
@@ -244,7 +244,7 @@ def _run(config, workdir, stop_after, signals: StopSignals) -> Result:
                  else "was not saved (no workdir)")
         raise NonFiniteError(
             f"{bad['streak']} PPO iterations in a row ({it - bad['streak'] + 1} to {it}) had "
-            f"non-finite {_names(what)} and were skipped (ppo.max_bad_steps={max_bad}); "
+            f"non-finite {_names(what)} and were skipped (rl.max_bad_steps={max_bad}); "
             f"the last good state {saved}. Check the reward function and the learning rate, "
             "then rerun to resume.")
       if stop:

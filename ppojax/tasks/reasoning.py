@@ -12,7 +12,7 @@ Every question comes from ``reasoning_gym.create_dataset(name, seed=s, size=k, *
 - **held-out set**: ``seed = data.rg.eval_seed``, ``size = data.rg.eval_size``, its entries in
   order with repeated questions dropped (the same set for every run seed, like arith's);
 - **training batch at data position p**: seeds s_0, s_1, ... drawn from
-  ``np.random.default_rng([seed, p, 31])``; dataset k (size ``ppo.batch_size``) is read in order,
+  ``np.random.default_rng([seed, p, 31])``; dataset k (size ``rl.batch_size``) is read in order,
   every entry whose question is held out skipped, until the batch is full. A pure function of
   (seed, p), so a resumed run gets the batches the interrupted one would have.
 

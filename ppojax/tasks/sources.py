@@ -45,7 +45,7 @@ class Source(NamedTuple):
 
 def make_source(config, tokenizer, shared_prefix: bool | None = None) -> Source:
   """``shared_prefix`` overrides ``data.shared_prefix``."""
-  d, batch_size = config.data, config.ppo.batch_size
+  d, batch_size = config.data, config.rl.batch_size
   if shared_prefix is None:
     shared_prefix = d.get("shared_prefix", True)
   share = lambda prompts, prefix: (  # noqa: E731
@@ -109,7 +109,7 @@ def reasoning_gym_task(config) -> tuple[Callable[[int], list[dict]], list[dict] 
               if rg.eval_size else [])
   exclude = frozenset(r["prompt"] for r in held_out)
   pick = lambda pos: reasoning.train_records(  # noqa: E731
-      rg.dataset, options, config.seed, pos, config.ppo.batch_size, exclude, rg.extract)
+      rg.dataset, options, config.seed, pos, config.rl.batch_size, exclude, rg.extract)
   return pick, held_out or None
 
 
