@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from ppojax.core import algorithms
+from ppojax.core import advantages, algorithms, kl
 from ppojax.learner import step as step_lib
 from ppojax.learner import update as update_lib
 from ppojax.models import CausalLM, init_params
@@ -72,7 +72,25 @@ def test_algorithm_defaults_fill_only_what_is_unset():
   assert algorithms.resolve(grpo).to_dict() == grpo.to_dict()  # idempotent
   assert toy("grpo").rl.estimator == ""  # the input is not changed
   with pytest.raises(ValueError, match="unknown algorithm 'gpro'"):
-    algorithms.algorithm("gpro")
+    algorithms.defaults("gpro")
+
+
+def test_the_algorithm_is_a_record_of_functions_built_once():
+  """``from_config``: the estimator and KL functions themselves and the flags the step reads;
+  a field set in the config overrides the algorithm's; a bad choice names itself."""
+  grpo = algorithms.from_config(toy("grpo"))
+  assert grpo.estimate is advantages.ESTIMATORS["grpo"].fn and grpo.kl is kl.kl_k3
+  assert grpo.kl_in_loss and grpo.needs_groups and not grpo.needs_critic
+  assert grpo.aggregation == "seq_mean_token_mean"
+  ppo = algorithms.from_config(toy("ppo"))
+  assert ppo.estimate is advantages.ESTIMATORS["gae"].fn and ppo.kl is kl.kl_k1
+  assert ppo.needs_critic and not ppo.kl_in_loss and not ppo.needs_groups
+  mine = algorithms.from_config(toy("grpo", rl__kl_in="reward", rl__kl_estimator="k2"))
+  assert not mine.kl_in_loss and mine.kl is kl.kl_k2
+  with pytest.raises(ValueError, match="unknown KL estimator 'k9'"):
+    algorithms.make("gae", "reward", "token_mean", "k9")
+  with pytest.raises(ValueError, match="kl_in='both'"):
+    algorithms.make("gae", "both", "token_mean", "k1")
 
 
 def test_config_errors_name_the_fix():
