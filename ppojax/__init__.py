@@ -20,6 +20,8 @@ __all__ = ["advantages", "kl", "losses", "ops", "rewards", "__version__"]
 
 # Modules of the flat 0.1 layout and where their code lives now (docs/design.md maps them all).
 MOVED = {
+    **{f"ppojax.{m}": f"ppojax.core.{m} (or: from ppojax import {m})"
+       for m in ("ops", "kl", "rewards", "advantages", "losses")},
     "ppojax.algorithms": "ppojax.core.algorithms", "ppojax.optim": "ppojax.core.optim",
     "ppojax.files": "ppojax.infra.files", "ppojax.hostmem": "ppojax.infra.hostmem",
     "ppojax.sharding": "ppojax.infra.sharding", "ppojax.flops": "ppojax.infra.flops",

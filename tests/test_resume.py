@@ -211,8 +211,8 @@ def test_the_cli_refuses_with_the_message_and_accepts_the_override(rerun):
   env = dict(os.environ, JAX_PLATFORMS="cpu")
   refused = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True,
                            timeout=300)
-  assert refused.returncode != 0
-  assert "ResumeError" in refused.stderr and "  seed: 0 -> 3\n" in refused.stderr
+  assert refused.returncode == 2 and "Traceback" not in refused.stderr
+  assert "ppojax.train: error: " in refused.stderr and "  seed: 0 -> 3\n" in refused.stderr
   assert "--config.resume_allow_changes=data.first_batch,seed" in refused.stderr
   accepted = subprocess.run(command + ["--config.resume_allow_changes=data.first_batch,seed"],
                             cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)

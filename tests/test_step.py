@@ -343,7 +343,7 @@ def test_sharded_step_equals_single_device(run_on_8_cpu_devices, fused_run, tmp_
       sys.path.insert(0, {str(pathlib.Path(__file__).parent)!r})
       import jax, numpy as np
       from test_step import toy_config, _run_steps, _assert_close, _params
-      from ppojax.run import runner
+      from ppojax.run import build as build_lib, runner
       assert jax.device_count() == 8
       config = toy_config(**{{"mesh.shape": (2, 2, 2)}})
       specs = {{str(s.spec) for s in jax.tree.leaves(build_lib.build(config).state_shardings)}}

@@ -38,7 +38,7 @@ def test_cli_learns_the_count_task_and_writes_its_outputs(tmp_path):
   for name in ("objective/kl", "policy/clipfrac_avg", "val/num_stopped", "lr", "eps",
                "time/iteration", "time/train_s", "memory/peak_rss_mb"):
     assert name in rows[-1], name
-  assert json.loads((tmp_path / "config.json").read_text())["ppo"]["batch_size"] == 128
+  assert json.loads((tmp_path / "config.json").read_text())["rl"]["batch_size"] == 128
   for path in ("samples.jsonl", "curves.png", "policy/config.json", "policy/model.safetensors",
                "checkpoints/150", "tensorboard"):
     assert (tmp_path / path).exists(), path

@@ -1,1 +1,2 @@
-"""ppojax.data.encoding."""
+"""Records on disk, prompts encoded through chat templates and padded, the batch of prompts the
+step receives."""

@@ -1,1 +1,2 @@
-"""ppojax.rollout."""
+"""Sampling (prefill + compiled decode loop) and the rollout: responses and the passes that
+score them without a gradient."""

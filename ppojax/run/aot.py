@@ -27,10 +27,8 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # No TPU is used, so several processes may load libtpu at once (it locks /tmp/libtpu_lockfile).
 os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 
-import json  # noqa: E402
 import math  # noqa: E402
 import re  # noqa: E402
-import sys  # noqa: E402
 import time  # noqa: E402
 from typing import Any, NamedTuple  # noqa: E402
 
@@ -259,27 +257,6 @@ def format_report(r: dict[str, Any]) -> str:
   return "\n".join(lines)
 
 
-def main(argv) -> None:
-  from absl import flags  # pylint: disable=import-outside-toplevel
-  if len(argv) > 1:
-    raise SystemExit(f"unexpected arguments: {argv[1:]}")
-  config = flags.FLAGS.config
-  try:
-    devices = topology_devices(flags.FLAGS.topology)
-    result = compile_step(config, devices)
-  except AotError as e:
-    print(f"ppojax.run.aot: {e}", file=sys.stderr)
-    raise SystemExit(2) from e
-  r = report(config, flags.FLAGS.topology, result)
-  print(format_report(r), flush=True)
-  print(json.dumps(r), flush=True)
-
-
-if __name__ == "__main__":
-  from absl import app, flags  # noqa: E402
-  from ml_collections import config_flags  # noqa: E402
-
-  config_flags.DEFINE_config_file("config", None, "Training config file.")
-  flags.DEFINE_string("topology", "v5e:2x4", "TPU topology, e.g. v5e:2x4, v4:2x2x2, v5p:2x2x1.")
-  flags.mark_flag_as_required("config")
-  app.run(main)
+if __name__ == "__main__":  # the command line is ppojax.aot (ppojax/aot.py)
+  import runpy  # pylint: disable=import-outside-toplevel
+  runpy.run_module("ppojax.aot", run_name="__main__", alter_sys=True)

@@ -43,6 +43,10 @@ CHOICES = {
 }
 
 
+# options of ppojax 0.1 that have another name now: refused with the new one
+RENAMED = {"ppo": "rl"}  # the section every algorithm shares
+
+
 class ConfigError(ValueError):
   """A config that cannot run; the message names the option and what to do."""
 
@@ -58,6 +62,10 @@ def check_names_and_types(config: ml_collections.ConfigDict,
     reference = defaults()
   for key in config.keys():
     name = prefix + key
+    if key not in reference and prefix + key in RENAMED:
+      raise ConfigError(f"config option {name} is now {RENAMED[prefix + key]} (renamed in ppojax "
+                        f"0.2): write {RENAMED[prefix + key]}.FIELD, e.g. "
+                        f"--config.{RENAMED[prefix + key]}.batch_size=8")
     if key not in reference:
       near = difflib.get_close_matches(key, list(reference.keys()), n=3, cutoff=0.6)
       hint = f"; did you mean {' or '.join(prefix + n for n in near)}?" if near else (

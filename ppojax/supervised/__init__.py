@@ -1,1 +1,2 @@
-"""ppojax.supervised.common."""
+"""The supervised stages: SFT, reward-model training and preference pairs, on what they
+share (common)."""

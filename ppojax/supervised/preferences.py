@@ -25,14 +25,12 @@ import os
 os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
 
 import dataclasses
-import functools
 import re
 from typing import Callable, Sequence
 
 import jax
 import numpy as np
 
-from ppojax.data import records as records_lib
 from ppojax.infra import hostmem
 from ppojax.run import evaluation
 from ppojax.tasks import arith
@@ -108,29 +106,6 @@ def make_pairs(config, n: int, split: str, num_samples: int, temperature: float,
   return [pairs[i] for i in order], stats
 
 
-def main(argv, config_flag, flags_):
-  if len(argv) > 1:
-    raise SystemExit(f"unexpected arguments: {argv[1:]}")
-  f = flags_
-  pairs, stats = make_pairs(config_flag.value, f.n, f.split, f.samples, f.temperature,
-                            f.synthetic, f.seed)
-  records_lib.write_jsonl(pairs, f.out)
-  print(f"wrote {len(pairs)} pairs to {f.out}: {stats}", flush=True)
-  for p in [p for p in pairs if p["source"] == "policy"][:5]:
-    print(f"  {p['prompt']!r}: chosen {p['chosen']!r} > rejected {p['rejected']!r}")
-
-
-if __name__ == "__main__":
-  from absl import app, flags  # pylint: disable=import-outside-toplevel
-  from ml_collections import config_flags  # pylint: disable=import-outside-toplevel
-  _CONFIG = config_flags.DEFINE_config_file("config", "configs/rlhf_arith.py",
-                                            "PPO config: its model.policy samples.")
-  flags.DEFINE_string("out", None, "JSONL file to write.", required=True)
-  flags.DEFINE_integer("n", 2048, "Problems the policy answers.", lower_bound=1)
-  flags.DEFINE_enum("split", "train", ["train", "test"], "Which problems.")
-  flags.DEFINE_integer("samples", 4, "Responses per problem.", lower_bound=1)
-  flags.DEFINE_float("temperature", 1.0, "Sampling temperature.")
-  flags.DEFINE_integer("synthetic", 0, "Template pairs (arith.preference_pairs) added.",
-                       lower_bound=0)
-  flags.DEFINE_integer("seed", 0, "Problems and sampling.")
-  app.run(functools.partial(main, config_flag=_CONFIG, flags_=flags.FLAGS))
+if __name__ == "__main__":  # the command line is ppojax.preferences (ppojax/preferences.py)
+  import runpy  # pylint: disable=import-outside-toplevel
+  runpy.run_module("ppojax.preferences", run_name="__main__", alter_sys=True)

@@ -27,12 +27,9 @@ import pathlib
 import jax
 import jax.numpy as jnp
 import ml_collections
-from absl import app, flags, logging
-from ml_collections import config_flags
 
 from ppojax.core import losses, ops
 from ppojax.data import encoding
-from ppojax.infra import hostmem
 from ppojax.models import save_model
 from ppojax.models.passes import response_logits, response_logprobs
 from ppojax.supervised import common
@@ -129,23 +126,6 @@ def run(config: ml_collections.ConfigDict, workdir: str | pathlib.Path | None = 
   return result
 
 
-def main(argv, config_flag, workdir_flag):
-  if len(argv) > 1:
-    raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-  logging.set_verbosity(logging.WARNING)
-  config = config_flag.value
-  print(config, flush=True)
-  result = run(config, workdir_flag.value)
-  if not result.finished:
-    return
-  b, a = result.before, result.after
-  print(f"held-out response NLL: {b['eval/nll']:.3f} -> {a['eval/nll']:.3f}, token accuracy: "
-        f"{b['eval/token_accuracy']:.3f} -> {a['eval/token_accuracy']:.3f}", flush=True)
-
-
-if __name__ == "__main__":  # flags defined here only: importing this module defines none
-  hostmem.reexec_with_huge_pages()
-  _CONFIG = config_flags.DEFINE_config_file("config", "configs/sft_arith.py", "Config file.")
-  _WORKDIR = flags.DEFINE_string("workdir", None,
-                                  "Run directory: checkpoints (resumed), metrics, policy/.")
-  app.run(functools.partial(main, config_flag=_CONFIG, workdir_flag=_WORKDIR))
+if __name__ == "__main__":  # the command line is ppojax.sft (ppojax/sft.py)
+  import runpy  # pylint: disable=import-outside-toplevel
+  runpy.run_module("ppojax.sft", run_name="__main__", alter_sys=True)

@@ -28,13 +28,10 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 import numpy as np
-from absl import app, flags, logging
-from ml_collections import config_flags
 
 from ppojax.core import losses
 from ppojax.data import encoding
 from ppojax.data import records as records_lib
-from ppojax.infra import hostmem
 from ppojax.models import save_model
 from ppojax.models.passes import model_scores
 from ppojax.supervised import common
@@ -141,22 +138,6 @@ def run(config: ml_collections.ConfigDict, workdir: str | pathlib.Path | None = 
   return result
 
 
-def main(argv, config_flag, workdir_flag):
-  if len(argv) > 1:
-    raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-  logging.set_verbosity(logging.WARNING)
-  config = config_flag.value
-  print(config, flush=True)
-  result = run(config, workdir_flag.value)
-  if not result.finished:
-    return
-  print(f"held-out pairwise accuracy: {result.before['eval/accuracy']:.3f} -> "
-        f"{result.after['eval/accuracy']:.3f}", flush=True)
-
-
-if __name__ == "__main__":  # flags defined here only: importing this module defines none
-  hostmem.reexec_with_huge_pages()
-  _CONFIG = config_flags.DEFINE_config_file("config", "configs/rm_arith.py", "Config file.")
-  _WORKDIR = flags.DEFINE_string("workdir", None,
-                                  "Run directory: checkpoints (resumed), metrics, reward_model/.")
-  app.run(functools.partial(main, config_flag=_CONFIG, workdir_flag=_WORKDIR))
+if __name__ == "__main__":  # the command line is ppojax.train_rm (ppojax/train_rm.py)
+  import runpy  # pylint: disable=import-outside-toplevel
+  runpy.run_module("ppojax.train_rm", run_name="__main__", alter_sys=True)

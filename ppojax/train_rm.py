@@ -1,0 +1,53 @@
+"""Reward-model training: ``python -m ppojax.train_rm --config configs/rm_arith.py --workdir DIR``.
+
+Override any config field with ``--config.section.field=value``; the resolved config is printed
+once the checks that need no model pass. The training itself is ``ppojax.supervised.train_rm``
+(``python -m ppojax.supervised.train_rm`` runs this command too). A bad option, config, data
+record or model path is one message and exit code 2 (``ppojax.infra.cli``; ``PPOJAX_DEBUG=1``
+or ``--debug``: the traceback).
+"""
+
+from __future__ import annotations
+
+import os
+
+# transformers warns on import that PyTorch is missing; ppojax never needs it.
+os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
+
+from absl import flags, logging
+from ml_collections import config_flags
+
+from ppojax.infra import cli, hostmem
+from ppojax.run import checks
+from ppojax.supervised import common, train_rm
+
+PROG = "ppojax.train_rm"
+_CONFIG = config_flags.DEFINE_config_file("config", "configs/rm_arith.py", "Config file.")
+_WORKDIR = flags.DEFINE_string("workdir", None,
+                               "Run directory: checkpoints (resumed), metrics, reward_model/.")
+flags.adopt_module_key_flags(cli)
+
+
+def check(config) -> None:
+  """The checks that need no model: the packages options need."""
+  checks.check_packages(config)
+
+
+def main(argv):
+  if len(argv) > 1:
+    raise cli.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
+  logging.set_verbosity(logging.WARNING)
+  config = _CONFIG.value
+  check(config)
+  print(config, flush=True)
+  result = train_rm.run(config, _WORKDIR.value)
+  if not result.finished:
+    return
+  print(f"held-out pairwise accuracy: {result.before['eval/accuracy']:.3f} -> "
+        f"{result.after['eval/accuracy']:.3f}", flush=True)
+
+
+if __name__ == "__main__":
+  hostmem.reexec_with_huge_pages()
+  cli.run(main, PROG, loaders=(check, common.build_model, train_rm.load_pairs),
+          configs=(_CONFIG,))
