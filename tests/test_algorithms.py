@@ -45,7 +45,7 @@ def test_group_sampling_decodes_each_prompt_n_times_from_one_prefill():
   mask = tokens > 0
   base = SamplingConfig(max_new_tokens=6, stop_ids=(15,), pad_id=15, temperature=1.0)
   grouped = generate(module, params, tokens, mask, jax.random.key(1),
-                     SamplingConfig(**{**base.__dict__, "num_samples": 3}))
+                     SamplingConfig(**{**base.__dict__, "num_samples_per_prompt": 3}))
   repeated = generate(module, params, jnp.repeat(tokens, 3, 0), jnp.repeat(mask, 3, 0),
                       jax.random.key(1), base)
   np.testing.assert_array_equal(grouped.tokens, repeated.tokens)
@@ -55,7 +55,7 @@ def test_group_sampling_decodes_each_prompt_n_times_from_one_prefill():
   # the prefill runs over the 3 prompts, not the 9 rows: fewer FLOPs in the compiled program
   # (with 1 new token: the prefill, plus a decode body of 9 rows counted once)
   def flops(tok, m, n):
-    one = SamplingConfig(**{**base.__dict__, "max_new_tokens": 1, "num_samples": n})
+    one = SamplingConfig(**{**base.__dict__, "max_new_tokens": 1, "num_samples_per_prompt": n})
     compiled = jax.jit(generate, static_argnames=("module", "config")).lower(
         module, params, tok, m, jax.random.key(1), one).compile()
     return compiled.cost_analysis()["flops"]
@@ -144,7 +144,7 @@ def _param_bytes(state) -> int:
 @pytest.mark.parametrize("algorithm", ["ppo", "grpo"])
 def test_no_reference_is_held_or_run_without_a_kl_penalty(monkeypatch, algorithm):
   run = build_lib.build(toy(algorithm, rl__kl_coef=0.0))
-  assert run.frozen.ref_actor is None
+  assert run.frozen.reference is None
   calls = []
   real = passes_lib.response_logprobs
   monkeypatch.setattr(rollout_lib, "response_logprobs",
@@ -155,7 +155,7 @@ def test_no_reference_is_held_or_run_without_a_kl_penalty(monkeypatch, algorithm
   assert r.ref_logp is None and metrics["objective/kl"] == 0.0 and metrics["kl"] == 0.0
   assert all(p is not None for p in calls)  # the reference (None) never scored anything
   with_ref = build_lib.build(toy(algorithm, rl__kl_coef=0.0, rl__adaptive_kl=True))
-  assert with_ref.frozen.ref_actor is not None  # an adaptive β may grow from 0
+  assert with_ref.frozen.reference is not None  # an adaptive β may grow from 0
 
 
 def _final(workdir):

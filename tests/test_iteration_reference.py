@@ -146,7 +146,7 @@ def reference_iteration(run, config, state, r):
   mask = rows[1][:, -n_resp:]
   has_stop = ref.has_stop_token(responses, STOP_IDS)
   old_logp = np.where(mask, _np_logp(policy, state.actor, rows, responses, temperature), 0.0)
-  ref_logp = np.where(mask, _np_logp(policy, run.frozen.ref_actor, rows, responses,
+  ref_logp = np.where(mask, _np_logp(policy, run.frozen.reference, rows, responses,
                                      temperature), 0.0)
   old_values = None if critic is None else np.where(
       mask, np.asarray(_values(critic, state.critic, rows, n_resp), np.float64), 0.0)
@@ -161,7 +161,7 @@ def reference_iteration(run, config, state, r):
                        whiten=rl.whiten_advantages)
   else:  # a sequence estimator on the groups of n: the sequence reward Σ_t r_t
     group = {"grpo": ref.grpo, "dr_grpo": ref.dr_grpo, "rloo": ref.rloo}[rl.estimator]
-    adv, ret = group(rewards.sum(axis=1), mask, run.sampling.num_samples), None
+    adv, ret = group(rewards.sum(axis=1), mask, run.sampling.num_samples_per_prompt), None
   agg = dict(aggregation=rl.aggregation, max_len=n_resp)
 
   # The update: the rows of minibatch j of epoch e are permutation_e(rows)[j·n : (j+1)·n], the
@@ -218,8 +218,8 @@ def reference_iteration(run, config, state, r):
   metrics.update({f"objective/{k}": v for k, v in kl_metrics.items()
                   if k in ("kl", "scores", "non_score_reward", "rlhf_reward")})
   metrics["objective/entropy_masked"] = np.mean(np.sum(-old_logp, axis=1))
-  if run.sampling.num_samples > 1:  # trl GRPOTrainer's names
-    groups = ref.adjust_scores(scores).reshape(-1, run.sampling.num_samples)
+  if run.sampling.num_samples_per_prompt > 1:  # trl GRPOTrainer's names
+    groups = ref.adjust_scores(scores).reshape(-1, run.sampling.num_samples_per_prompt)
     metrics.update(reward=groups.mean(), reward_std=groups.std(axis=1, ddof=1).mean())
   fields = {"mask": mask, "has_stop": has_stop, "old_logp": old_logp, "ref_logp": ref_logp}
   if old_values is not None:

@@ -186,7 +186,7 @@ def test_a_lora_run_trains_only_adapters_with_the_base_as_reference(algorithm):
   r = build_lib.build(_toy(**{"lora.rank": 4, "lora.targets": "q,v,down", "algorithm": algorithm,
                            "rl.kl_coef": 0.1, **extra}))
   state = r.state
-  assert r.frozen.ref_actor is None and state.base is not None  # no copy: the base is the ref
+  assert r.frozen.reference is None and state.base is not None  # no copy: the base is the ref
   names = {path[-1].key for path, _ in jax.tree_util.tree_leaves_with_path(state.actor)}
   assert names == {"lora_a", "lora_b"}
   opt_leaves = [x for x in jax.tree.leaves(state.actor_opt) if x.ndim > 0]

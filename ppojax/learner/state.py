@@ -44,7 +44,7 @@ class Frozen(NamedTuple):
   """Parameters that never train: the reference policy (None without a KL penalty) and the
   reward model (or None)."""
 
-  ref_actor: Params | None
+  reference: Params | None
   reward: Params | None
 
 

@@ -145,7 +145,7 @@ def make_step(models: Models, algorithm: Algorithm, actor_tx, critic_tx,
   elif models.critic is None:
     raise ValueError("the algorithm's estimator needs a critic: give Models.critic")
   controller = kl_controller(cfg)
-  group_size = sampling.num_samples
+  group_size = sampling.num_samples_per_prompt
   sources = [models.reward, models.reward_fn, python_reward]
   if sum(x is not None for x in sources) != 1:
     raise ValueError("give exactly one reward: Models.reward (a reward model), Models.reward_fn "
@@ -157,13 +157,13 @@ def make_step(models: Models, algorithm: Algorithm, actor_tx, critic_tx,
                                                          state_shardings.critic)
   old_logp = cfg.get("old_logprobs", "recompute")
   if one_pass and old_logp == "recompute":
-    old_logp = "update"  # the update's forward pass at the same params
+    old_logp = None  # not in the rollout: the update's own forward pass at the same params
 
   with_reference = needs_reference(cfg)
 
   def do_rollout(state: TrainState, frozen: Frozen, prompts: Prompts) -> Rollout:
     _, k_sample, _ = _keys(state)
-    actor, ref, sampler_params = state.actor, frozen.ref_actor, None
+    actor, ref, sampler_params = state.actor, frozen.reference, None
     if state.base is not None:  # LoRA: the base is the reference; sample from merged weights
       actor = policy_params(state.actor, state.base)
       ref = state.base if with_reference else None

@@ -43,17 +43,17 @@ class Rollout(NamedTuple):
   sampler_logp: Array | None = None
 
 
-def rollout(policy: nn.Module, critic: nn.Module | None, actor, ref_actor, critic_params,
+def rollout(policy: nn.Module, critic: nn.Module | None, actor, reference_params, critic_params,
             prompts: Prompts, key: Array, sampling: SamplingConfig,
             old_logp: str = "recompute", old_values: bool = True,
             sampler: nn.Module | None = None, micro_batches: int = 1,
             reference: nn.Module | None = None, sampler_params=None) -> Rollout:
   """Sample responses from the actor (with the ``sampler`` module where given: the policy's
   architecture at another compute dtype), then score them with actor, reference and critic,
-  those forward passes in ``micro_batches`` parts (``map_rows``). ``sampling.num_samples`` = n
+  those forward passes in ``micro_batches`` parts (``map_rows``). ``sampling.num_samples_per_prompt`` = n
   samples per prompt: the rollout's B·n rows hold prompt i's samples at i·n … i·n + n − 1, each
-  with its prompt. Without a reference (``ref_actor`` None) ``ref_logp`` is None; without a
-  critic (``critic`` None) so are the values. ``reference``: the module applying ``ref_actor``
+  with its prompt. Without a reference (``reference_params`` None) ``ref_logp`` is None; without a
+  critic (``critic`` None) so are the values. ``reference``: the module applying ``reference_params``
   (default: ``policy``); ``sampler_params``: the sampler's params (default: ``actor``; with
   LoRA, the merged weights of the base-model ``sampler``).
 
@@ -63,12 +63,12 @@ def rollout(policy: nn.Module, critic: nn.Module | None, actor, ref_actor, criti
   * "sampler": ``Generation.logprobs``, i.e. log softmax(logits / T) at the sampled token under
     the same actor params (the two differ only by float rounding: the KV-cache decode sums in
     another order than the full forward);
-  * "update": not here (``Rollout.old_logp`` is None); a single-pass update takes it from its
-    own forward pass at the same params (``update.single_pass_update``).
+  * None: not computed here (``Rollout.old_logp`` is None): a single-pass update takes it from
+    its own forward pass at the same params.
 
   ``old_values=False`` leaves ``Rollout.old_values`` None for the same reason."""
-  if old_logp not in ("recompute", "sampler", "update"):
-    raise ValueError(f"old_logp must be 'recompute', 'sampler' or 'update', got {old_logp!r}")
+  if old_logp not in ("recompute", "sampler", None):
+    raise ValueError(f"old_logp must be 'recompute', 'sampler' or None, got {old_logp!r}")
   sampler = policy if sampler is None else sampler
   reference = policy if reference is None else reference
   sampler_params = actor if sampler_params is None else sampler_params
@@ -78,7 +78,7 @@ def rollout(policy: nn.Module, critic: nn.Module | None, actor, ref_actor, criti
     rest, rest_mask, _ = without_prefix(prompts.tokens, prompts.mask, prompts.prefix.shape[0])
     gen = generate(sampler, sampler_params, rest, rest_mask, key, sampling,
                    prefix=prompts.prefix)
-  n = sampling.num_samples
+  n = sampling.num_samples_per_prompt
   tokens, mask = (prompts.tokens, prompts.mask) if n == 1 else (
       jnp.repeat(prompts.tokens, n, axis=0), jnp.repeat(prompts.mask, n, axis=0))
   rows = (tokens, mask, gen.tokens, gen.mask)
@@ -88,12 +88,12 @@ def rollout(policy: nn.Module, critic: nn.Module | None, actor, ref_actor, criti
     logp = lambda module, params: response_logprobs(  # noqa: E731
         module, params, *args, sampling.temperature, prefix)
     return {"old": logp(policy, actor) if old_logp == "recompute" else None,
-            "ref": logp(reference, ref_actor) if ref_actor is not None else None,
+            "ref": logp(reference, reference_params) if reference_params is not None else None,
             "values": response_values(critic, critic_params, *args, prefix)
                       if old_values and critic is not None else None}
 
   out = map_rows(passes, rows, micro_batches, prompts.prefix)
-  old = out["old"]  # None with "update"
+  old = out["old"]  # None: not computed here
   if old_logp == "sampler":
     old = gen.logprobs  # 0 off the mask, like the recomputed log-probs
   return Rollout(

@@ -54,7 +54,7 @@ class SamplingConfig:
   min_new_tokens: int = 0  # stop tokens are excluded before this many new tokens
   # samples per prompt: prompt i's n samples are rows i·n … i·n + n − 1 of the output (a
   # group, contiguous), all decoding from one prefill of the prompt
-  num_samples: int = 1
+  num_samples_per_prompt: int = 1
 
   def __post_init__(self):
     object.__setattr__(self, "stop_ids", tuple(int(i) for i in self.stop_ids))  # hashable
@@ -67,9 +67,9 @@ class SamplingConfig:
                        f"got {self.temperature}")
     if not 0 <= self.min_new_tokens <= self.max_new_tokens:
       raise ValueError(f"need 0 <= min_new_tokens <= max_new_tokens, got {self.min_new_tokens}")
-    if not isinstance(self.num_samples, (int, np.integer)) or self.num_samples < 1:
-      raise ValueError(f"num_samples (samples per prompt) must be an int >= 1, got "
-                       f"{self.num_samples!r}")
+    if not isinstance(self.num_samples_per_prompt, (int, np.integer)) or self.num_samples_per_prompt < 1:
+      raise ValueError(f"num_samples_per_prompt must be an int >= 1, got "
+                       f"{self.num_samples_per_prompt!r}")
     if not 0 < self.top_p <= 1 or not 0 <= self.min_p < 1 or self.top_k < 0:
       raise ValueError(f"need 0 < top_p <= 1, 0 <= min_p < 1, top_k >= 0; got "
                        f"top_p={self.top_p}, min_p={self.min_p}, top_k={self.top_k}")
@@ -285,7 +285,7 @@ def _repeat_rows(tree, n: int, heads: int | None = None):
 def generate(module: nn.Module, params, prompts: Array, prompt_mask: Array, key: Array,
              config: SamplingConfig, prefix: Array | None = None) -> Generation:
   """Sample up to ``config.max_new_tokens`` tokens after left-padded ``prompts`` [B, P]:
-  ``config.num_samples`` = n samples of each, [B·n, R], prompt i's in rows i·n … i·n + n − 1.
+  ``config.num_samples_per_prompt`` = n samples of each, [B·n, R], prompt i's in rows i·n … i·n + n − 1.
 
   Args:
     module: a ``CausalLM`` (its ``cfg`` sizes the KV cache). Decoding always runs in
@@ -305,7 +305,7 @@ def generate(module: nn.Module, params, prompts: Array, prompt_mask: Array, key:
   rows and last logits are then repeated n times (``_repeat_rows``) and the n samples of a
   prompt differ from their first token on (each row draws its own noise).
   """
-  n = config.num_samples
+  n = config.num_samples_per_prompt
   prompt_rows, prompt_len = prompts.shape
   batch = prompt_rows * n
   length = config.max_new_tokens

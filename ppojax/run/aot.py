@@ -177,7 +177,7 @@ def iteration_flops(run) -> float:
       config.sampling.max_new_tokens, old_logp_fwd=not one_pass and
       config.rl.old_logprobs == "recompute", critic_fwd=not one_pass,
       epochs=config.rl.num_epochs, samples=config.sampling.num_samples_per_prompt,
-      critic=run.models.critic is not None, reference=run.frozen.ref_actor is not None,
+      critic=run.models.critic is not None, reference=run.frozen.reference is not None,
       reward_model=run.models.reward is not None)
   return sum(parts.values())
 
@@ -186,7 +186,7 @@ def report(config, topology: str, result: Compiled) -> dict[str, Any]:
   """The figures of one deviceless compile (the JSON line of the CLI)."""
   run, devices = result.run, list(result.run.mesh.devices.flat)
   chip = chip_of(devices)
-  models = (run.state.actor, run.state.critic, run.state.base, run.frozen.ref_actor,
+  models = (run.state.actor, run.state.critic, run.state.base, run.frozen.reference,
             run.frozen.reward)  # base: LoRA's frozen base (None otherwise)
   _, total_bytes, device_bytes = _param_bytes(models)
   count = lambda tree: int(sum(np.prod(x.shape) for x in jax.tree.leaves(tree)))  # noqa: E731

@@ -44,7 +44,8 @@ CHOICES = {
 
 
 # options of ppojax 0.1 that have another name now: refused with the new one
-RENAMED = {"ppo": "rl"}  # the section every algorithm shares
+RENAMED = {"ppo": "rl",  # the section every algorithm shares
+           "num_samples": "sample_table_rows"}
 
 
 class ConfigError(ValueError):
@@ -62,10 +63,11 @@ def check_names_and_types(config: ml_collections.ConfigDict,
     reference = defaults()
   for key in config.keys():
     name = prefix + key
-    if key not in reference and prefix + key in RENAMED:
-      raise ConfigError(f"config option {name} is now {RENAMED[prefix + key]} (renamed in ppojax "
-                        f"0.2): write {RENAMED[prefix + key]}.FIELD, e.g. "
-                        f"--config.{RENAMED[prefix + key]}.batch_size=8")
+    if key not in reference and name in RENAMED:
+      new = RENAMED[name]
+      example = f"{new}.batch_size" if isinstance(reference.get(new), dict) else new
+      raise ConfigError(f"config option {name} is now {new} (renamed in ppojax 0.2): write "
+                        f"--config.{example}=...")
     if key not in reference:
       near = difflib.get_close_matches(key, list(reference.keys()), n=3, cutoff=0.6)
       hint = f"; did you mean {' or '.join(prefix + n for n in near)}?" if near else (

@@ -29,7 +29,7 @@ def defaults() -> ml_collections.ConfigDict:
   c.num_iterations = 100
   c.log_every = 1
   c.sample_every = 10  # print a table of sample generations (0: never)
-  c.num_samples = 4
+  c.sample_table_rows = 4  # rows in each sample table
   c.save_every = 50  # checkpoint every N iterations (and at the end), with --workdir
   c.keep = 2  # checkpoints kept (>= 2: a corrupt latest one falls back to the one before)
   # Rerunning a workdir resumes only the run its checkpoint comes from: a changed seed, batch,

@@ -32,7 +32,7 @@ OVERRIDE = "resume_allow_changes"
 # Fields (or whole sections) that may differ from the checkpoint's without a refusal.
 ALLOWED = (
     "num_iterations",  # train longer (or stop earlier); the lr schedule spans the new length
-    "log_every", "sample_every", "num_samples", "save_every", "keep", "phase_timing",
+    "log_every", "sample_every", "sample_table_rows", "save_every", "keep", "phase_timing",
     "wandb_project", "distributed", "coordinator_address", "num_processes", "process_id",
     OVERRIDE,
     "eval",  # held-out evaluation and monitoring

@@ -64,7 +64,7 @@ def iteration(run: Run, state, prompts: Prompts, records: list[dict] | None = No
     t1 = time.perf_counter()
     if run.host_reward is not None:
       scores = jnp.asarray(run.host_reward(sharding_lib.to_host(r), per_sample(
-          records, run.sampling.num_samples)), jnp.float32)
+          records, run.sampling.num_samples_per_prompt)), jnp.float32)
     else:
       scores = jax.block_until_ready(hostmem.compiled_call(step.score, frozen, r))
     hostmem.release()  # the sampling's and scoring's holes, before the update's temporaries
@@ -226,7 +226,7 @@ def _run(config, workdir, stop_after, signals: StopSignals) -> Result:
         progress.write(f"\niteration {it}: non-finite {_names(_nonfinite(metrics))}: update "
                        f"skipped ({bad['streak']} in a row, {bad['total']} in all)")
       if config.sample_every and (it % config.sample_every == 0 or it == n):
-        rows = _sample_rows(r, rollout, scores, config.num_samples)
+        rows = _sample_rows(r, rollout, scores, config.sample_table_rows)
         progress.write(f"\nsamples at iteration {it}:\n{reporting.format_samples_table(rows)}")
         if writer:
           writer.write_samples(it, rows)
@@ -378,7 +378,7 @@ def _monitor(r: Run, rollout, records: list[dict]) -> dict:
   accuracy beside a learned reward, to catch reward hacking as it happens."""
   responses, mask = sharding_lib.to_host((rollout.responses, rollout.mask))
   texts = [r.source.decode(t, m) for t, m in zip(responses, mask)]
-  records = per_sample(records, r.sampling.num_samples)
+  records = per_sample(records, r.sampling.num_samples_per_prompt)
   return {f"monitor/{name}": float(np.mean(sources.call_text_fn(
       _import(path), records, texts, r.config.data.field)))
           for name, path in r.config.eval.metrics.items()}

@@ -74,30 +74,30 @@ def arith_correct(text: str, answer: str) -> bool:
   return arith.exact_match([text], [answer])[0] == 1.0
 
 
-def sample_responses(config, records: Sequence[dict], num_samples: int, temperature: float,
+def sample_responses(config, records: Sequence[dict], samples_per_problem: int, temperature: float,
                      seed: int, batch_size: int = 64) -> list[list[str]]:
-  """``num_samples`` responses of the config's policy (``model.policy``) to each record, drawn at
+  """``samples_per_problem`` responses of the config's policy (``model.policy``) to each record, drawn at
   ``temperature`` with the config's other sampling settings."""
   from ppojax.run import build
   from ppojax.tasks import sources
   policy = build.load_policy(config, jax.random.key(config.seed))
   hostmem.release()
   sampling = dataclasses.replace(build.sampling_config(config, policy), temperature=temperature,
-                                 num_samples=num_samples)
+                                 num_samples_per_prompt=samples_per_problem)
   encode = sources.prompt_encoder(config, policy.tokenizer)
   texts = evaluation.completions(policy.module, policy.params, records, encode, sampling,
                                  policy.tokenizer, batch_size, key=jax.random.key(seed))
-  return [texts[i * num_samples:(i + 1) * num_samples] for i in range(len(records))]
+  return [texts[i * samples_per_problem:(i + 1) * samples_per_problem] for i in range(len(records))]
 
 
-def make_pairs(config, n: int, split: str, num_samples: int, temperature: float,
+def make_pairs(config, n: int, split: str, samples_per_problem: int, temperature: float,
                synthetic: int, seed: int) -> tuple[list[dict], dict]:
   """(pairs, statistics): the policy's near-miss pairs on ``n`` problems of ``split`` and
   ``synthetic`` template pairs, shuffled together."""
   records = arith.problems([seed, 1], n, split)
-  samples = sample_responses(config, records, num_samples, temperature, seed)
+  samples = sample_responses(config, records, samples_per_problem, temperature, seed)
   pairs = pairs_from_samples(records, samples, arith_correct)
-  stats = {"problems": n, "samples": n * num_samples,
+  stats = {"problems": n, "samples": n * samples_per_problem,
            "sample_accuracy": float(np.mean([arith_correct(s, r["answer"])
                                              for r, g in zip(records, samples) for s in g])),
            "policy_pairs": len(pairs), "synthetic_pairs": synthetic}
