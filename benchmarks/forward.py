@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ppojax.core import ops
+from ppojax.core import logprobs, ops
 from ppojax.infra import hostmem
 from ppojax.models import hf, load_model, positions_from_mask
 
@@ -48,7 +48,8 @@ def bench_ppojax(model, tokens, mask, repeats):
 
   def loss(params, tokens):
     logits = forward(params, tokens)
-    return -ops.masked_mean(ops.selective_log_softmax(logits[:, :-1], tokens[:, 1:]), mask[:, 1:])
+    logp = logprobs.selective_log_softmax(logits[:, :-1], tokens[:, 1:])
+    return -ops.masked_mean(logp, mask[:, 1:])
 
   grad = jax.jit(jax.grad(loss))
   params = model.params

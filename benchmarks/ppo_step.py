@@ -450,7 +450,7 @@ def main():
     rows.append(metrics)
   jax.block_until_ready(state)
   rss = hostmem.peak_rss_mb()
-  # what a checkpoint holds: the state without LoRA's frozen base (runner._saved)
+  # what a checkpoint holds: the state without LoRA's frozen base (loop_state.saved)
   checkpoint_mb = sum(x.nbytes for x in jax.tree.leaves(state._replace(base=None))) / 2**20
 
   recompute = args.old_logprobs == "recompute"

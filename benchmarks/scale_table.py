@@ -1,8 +1,8 @@
-"""The fit table of docs/scale.md: ``python -m ppojax.run.aot`` for each (config, topology, options).
+"""The fit table of docs/scale.md: ``python -m ppojax.aot`` for each (config, topology, options).
 
     python benchmarks/scale_table.py [--jobs 2] [--only qwen2_5_0_5b | --goals | --lora] [--out FILE]
 
-Each row is one deviceless compile in its own process (``python -m ppojax.run.aot --config
+Each row is one deviceless compile in its own process (``python -m ppojax.aot --config
 configs/scale.py:NAME --topology T [--config.X=Y ...]``), so a row's figures are exactly what that
 command prints. Prints a Markdown row per compile as it finishes (in the table's order at the
 end), and as its last line one JSON object: the machine (``lscpu``'s model name), jax/libtpu
@@ -61,7 +61,7 @@ def rows(only: str | None, goals: bool = False, lora: bool = False):
 
 
 def compile_row(model: str, topology: str, options: tuple[str, ...]) -> dict:
-  cmd = [sys.executable, "-m", "ppojax.run.aot", f"--config=configs/scale.py:{model}",
+  cmd = [sys.executable, "-m", "ppojax.aot", f"--config=configs/scale.py:{model}",
          f"--topology={topology}", *options]
   done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, check=False)
   last = done.stdout.strip().splitlines()[-1:] or [""]

@@ -15,7 +15,7 @@ thread in ``ParallelBatchMap`` → ``BlockingCounter::Wait``). ``--processes`` c
 
   train_with_libtpu     ``--runs`` times ``jax.jit(jax.vmap(ppo.make_train(hp)))`` for 2 seeds
                         of 4,096 steps (caches cleared between runs), libtpu loaded first
-                        (describing a TPU topology, as ``python -m ppojax.run.aot`` does)
+                        (describing a TPU topology, as ``python -m ppojax.aot`` does)
   train_without_libtpu  the same without libtpu
   train_flax_orthogonal the same with flax's own initializer (``agent.orthogonal`` replaced by
                         ``nn.initializers.orthogonal``): the code before the fix

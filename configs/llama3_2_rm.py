@@ -3,7 +3,7 @@ model, on prompts from a file (the original InstructGPT recipe: the critic start
 model). Written for one or more accelerators (bfloat16 compute, FSDP over all devices).
 
     # 1. a reward model on the policy's tokenizer, from pairs {"prompt", "chosen", "rejected"}:
-    python -m ppojax.supervised.train_rm --config configs/rm_arith.py --workdir runs/llama_rm \
+    python -m ppojax.train_rm --config configs/rm_arith.py --workdir runs/llama_rm \
         --config.model.init=meta-llama/Llama-3.2-1B-Instruct --config.model.dtype=bfloat16 \
         --config.data.train=prefs_train.jsonl --config.data.eval=prefs_test.jsonl \
         --config.data.max_prompt_len=256 --config.data.max_response_len=128

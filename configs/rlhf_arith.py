@@ -1,8 +1,8 @@
 """RLHF on the arithmetic task: PPO against a LEARNED reward model, the critic initialised from
 it (the original RLHF recipe). The last stage of the SFT -> reward model -> PPO pipeline:
 
-    python -m ppojax.supervised.sft --config configs/sft_arith.py --workdir runs/sft_arith
-    python -m ppojax.supervised.train_rm --config configs/rm_arith.py --workdir runs/rm_arith
+    python -m ppojax.sft --config configs/sft_arith.py --workdir runs/sft_arith
+    python -m ppojax.train_rm --config configs/rm_arith.py --workdir runs/rm_arith
     python -m ppojax.train --config configs/rlhf_arith.py --workdir runs/rlhf_arith
 
 or all of it, with the SFT policy's own mistakes as the reward model's preference pairs and

@@ -6,8 +6,8 @@ Trained from the SFT policy on its own mistakes (``ppojax.supervised.preferences
 runs SFT, the pairs and this stage): 0.848 on 946 held-out pairs after 2 epochs of 7,430 pairs
 (465 steps, 29 s on an H200; docs/learning.md). Held-out accuracy is reported every epoch.
 
-    python -m ppojax.supervised.train_rm --config configs/rm_arith.py --workdir runs/rm
-    python -m ppojax.supervised.train_rm --config configs/rm_arith.py --workdir runs/rm \
+    python -m ppojax.train_rm --config configs/rm_arith.py --workdir runs/rm
+    python -m ppojax.train_rm --config configs/rm_arith.py --workdir runs/rm \
         --config.model.init=runs/sft/policy --config.data.train=prefs.jsonl --config.data.eval=...
 
 PPO then uses it with ``--config.reward.kind=model --config.model.reward=runs/rm/reward_model``.

@@ -2,8 +2,8 @@
 tokens, policy + reference + reward model + critic (initialised from the reward model), the
 four models of the same architecture. One config per model, chosen by the argument:
 
-    python -m ppojax.run.aot --config configs/scale.py:qwen2_5_0_5b --topology v5e:2x4
-    python -m ppojax.run.aot --config configs/scale.py:llama3_1_8b --topology v5e:4x4
+    python -m ppojax.aot --config configs/scale.py:qwen2_5_0_5b --topology v5e:2x4
+    python -m ppojax.aot --config configs/scale.py:llama3_1_8b --topology v5e:4x4
     python -m ppojax.train --config configs/scale.py:qwen2_5_1_5b --workdir runs/q15 \\
         --config.model.policy=/path/to/Qwen2.5-1.5B-Instruct \\
         --config.model.reward=/path/to/a/reward_model --config.data.path=prompts.jsonl

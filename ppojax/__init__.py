@@ -2,7 +2,7 @@
 
 Research code imports single pieces of the math (``ppojax.core``) from here::
 
-    from ppojax import advantages, kl, losses, ops, rewards
+    from ppojax import advantages, kl, logprobs, losses, ops, rewards
 
 The package is layered (docs/design.md): infra, core, models, data, tasks, rollout, learner,
 run, supervised, classic; the command lines are ``ppojax.train``, ``ppojax.sft``,
@@ -12,11 +12,11 @@ run, supervised, classic; the command lines are ``ppojax.train``, ``ppojax.sft``
 import importlib.abc
 import sys
 
-from ppojax.core import advantages, kl, losses, ops, rewards
+from ppojax.core import advantages, kl, logprobs, losses, ops, rewards
 
 __version__ = "0.2.0"
 
-__all__ = ["advantages", "kl", "losses", "ops", "rewards", "__version__"]
+__all__ = ["advantages", "kl", "logprobs", "losses", "ops", "rewards", "__version__"]
 
 # Modules of the flat 0.1 layout and where their code lives now (docs/design.md maps them all).
 MOVED = {

@@ -3,7 +3,7 @@
     python -m ppojax.aot --config configs/scale.py:qwen2_5_0_5b --topology v5e:2x4 \\
         [--config.section.field=value ...]
 
-Prints the memory table and, last, one JSON line with every figure; ``python -m ppojax.run.aot``
+Prints the memory table and, last, one JSON line with every figure; ``python -m ppojax.aot``
 runs this command too. An unknown topology, a missing libtpu or a bad config is one message and
 exit code 2 (``ppojax.infra.cli``; ``PPOJAX_DEBUG=1`` or ``--debug``: the traceback).
 """

@@ -4,7 +4,7 @@
         --config.model.policy=runs/sft_arith/policy [--n 2048] [--samples 4] \\
         [--temperature 1.0] [--split train] [--synthetic 2048] [--seed 0]
 
-``python -m ppojax.supervised.preferences`` runs this command too. A bad option, config or
+``python -m ppojax.preferences`` runs this command too. A bad option, config or
 model path is one message and exit code 2 (``ppojax.infra.cli``; ``PPOJAX_DEBUG=1`` or
 ``--debug``: the traceback).
 """
@@ -20,7 +20,7 @@ from ml_collections import config_flags
 
 from ppojax.data import records
 from ppojax.infra import cli
-from ppojax.run import build
+from ppojax.run import models as run_models
 from ppojax.supervised import preferences
 from ppojax.tasks import sources
 
@@ -50,4 +50,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  cli.run(main, PROG, loaders=(build.load_policy, sources.prompt_encoder), configs=(_CONFIG,))
+  cli.run(main, PROG, loaders=(run_models.load_policy, sources.prompt_encoder), configs=(_CONFIG,))

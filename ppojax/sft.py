@@ -2,7 +2,7 @@
 
 Override any config field with ``--config.section.field=value``; the resolved config is printed
 once the checks that need no model pass. The fine-tuning itself is ``ppojax.supervised.sft``
-(``python -m ppojax.supervised.sft`` runs this command too). A bad option, config, data record
+(``python -m ppojax.sft`` runs this command too). A bad option, config, data record
 or model path is one message and exit code 2 (``ppojax.infra.cli``; ``PPOJAX_DEBUG=1`` or
 ``--debug``: the traceback).
 """

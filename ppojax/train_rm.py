@@ -2,7 +2,7 @@
 
 Override any config field with ``--config.section.field=value``; the resolved config is printed
 once the checks that need no model pass. The training itself is ``ppojax.supervised.train_rm``
-(``python -m ppojax.supervised.train_rm`` runs this command too). A bad option, config, data
+(``python -m ppojax.train_rm`` runs this command too). A bad option, config, data
 record or model path is one message and exit code 2 (``ppojax.infra.cli``; ``PPOJAX_DEBUG=1``
 or ``--debug``: the traceback).
 """

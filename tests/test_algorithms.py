@@ -22,6 +22,7 @@ from ppojax.rollout import rollout as rollout_lib
 from ppojax.rollout.sampling import SamplingConfig, generate
 from ppojax.run import build as build_lib
 from ppojax.run import checks as checks_lib
+from ppojax.run import models as run_models
 from ppojax.run import runner
 
 _TOY = pathlib.Path(__file__).parents[1] / "configs" / "toy.py"
@@ -38,7 +39,7 @@ def toy(algorithm: str = "ppo", **changes):
 def test_group_sampling_decodes_each_prompt_n_times_from_one_prefill():
   """n samples per prompt are the rows i·n … i·n + n − 1, exactly what sampling each prompt
   repeated n times gives (same key): the prefill ran once per prompt, its cache repeated."""
-  cfg = build_lib.tiny_model_config(toy().model.tiny)
+  cfg = run_models.tiny_model_config(toy().model.tiny)
   module = CausalLM(cfg)
   params = init_params(module, jax.random.key(0))
   tokens = jnp.array([[1, 2, 3, 4], [0, 5, 6, 7], [0, 0, 8, 9]])

@@ -140,7 +140,7 @@ def test_critic_free_step_compiles_deviceless_without_critic_memory_or_flops():
 def test_cli_prints_a_table_and_a_json_line_and_names_bad_topologies():
   if importlib.util.find_spec("libtpu") is None:  # found, not loaded: see DEVICELESS
     pytest.skip("no TPU compiler here: libtpu is not installed (pip install -e '.[tpu]')")
-  command = [sys.executable, "-m", "ppojax.run.aot", f"--config={SCALE}:tiny", "--topology"]
+  command = [sys.executable, "-m", "ppojax.aot", f"--config={SCALE}:tiny", "--topology"]
   ok = subprocess.run(command + ["v5e:2x2"], capture_output=True, text=True, timeout=600,
                       cwd=ROOT)
   assert ok.returncode == 0, ok.stderr[-3000:]

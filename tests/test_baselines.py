@@ -14,10 +14,11 @@ import pytest
 from ppojax.data import encoding
 from ppojax.data import records as records_lib
 from ppojax.models import CausalLM, LoadedModel, init_params, save_model
-from ppojax.run import baselines, reporting, runner
+from ppojax.run import baselines, held_out, reporting, runner
 from ppojax.run import build as build_lib
 from ppojax.run import checks as checks_lib
 from ppojax.run import config as config_lib
+from ppojax.run import models as run_models
 from ppojax.tasks import arith
 
 BASELINES = {"instructed": "Reply with just the number.", "terse": "Be brief."}
@@ -74,15 +75,15 @@ def test_only_the_cut_short_phases_rows_are_dropped(tmp_path):
   rows = [{"step": 0, "eval/score": 0.1}, {"step": 0, "eval_instructed/score": 0.3},
           {"step": 0, "eval_terse/score": 0.2}, {"step": 1, "objective/kl": 0.0}]
   path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-  runner._drop_eval_rows(path, [0], "eval_terse/")  # pylint: disable=protected-access
+  held_out.drop_eval_rows(path, [0], "eval_terse/")
   assert reporting.read_metrics(str(path)) == rows[:2] + rows[3:]
-  runner._drop_eval_rows(path, [0])  # pylint: disable=protected-access
+  held_out.drop_eval_rows(path, [0])
   assert reporting.read_metrics(str(path)) == rows[1:2] + rows[3:]
 
 
 @pytest.fixture(scope="module")
 def policy_dir(char_tokenizer, tmp_path_factory):
-  cfg = build_lib.tiny_model_config(ml_collections.ConfigDict(dict(
+  cfg = run_models.tiny_model_config(ml_collections.ConfigDict(dict(
       vocab_size=len(char_tokenizer), hidden_size=32, intermediate_size=64, num_layers=2,
       num_heads=2, num_kv_heads=1, max_position_embeddings=64)))
   cfg = cfg.replace(bos_token_id=None, eos_token_id=1, pad_token_id=0)

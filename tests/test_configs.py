@@ -16,13 +16,13 @@ from ppojax.run.config import defaults
 
 ROOT = pathlib.Path(__file__).parents[1]
 CONFIGS = sorted((ROOT / "configs").glob("*.py"))
-COMMANDS = {"ppo": "ppojax.train", "sft": "ppojax.supervised.sft", "rm": "ppojax.supervised.train_rm",
+COMMANDS = {"rl": "ppojax.train", "sft": "ppojax.sft", "rm": "ppojax.train_rm",
             "classic": "ppojax.train"}
 
 
 def _kind(config) -> str:
-  if "ppo" in config:
-    return "ppo"
+  if "rl" in config:
+    return "rl"
   if "classic" in config:  # configs/cartpole.py: checked by tests/test_classic.py
     return "classic"
   return "rm" if "head_lr_factor" in config.optim else "sft"
@@ -74,7 +74,7 @@ def test_config_loads_and_its_docstring_shows_its_command(path):
   assert command in " ".join(text.split()), f"{path.name}: the docstring should show {command}"
 
 
-PPO_CONFIGS = [p for p in CONFIGS if "ppo" in build_lib.load_config(p)]
+PPO_CONFIGS = [p for p in CONFIGS if "rl" in build_lib.load_config(p)]
 
 
 @pytest.mark.parametrize("path", PPO_CONFIGS, ids=[p.stem for p in PPO_CONFIGS])

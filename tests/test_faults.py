@@ -39,7 +39,8 @@ from test_step import toy_config
 from ppojax.data.records import DataError
 from ppojax.models import CausalLM, LoadedModel, hf, init_params, load_model, save_model
 from ppojax.run import build as build_lib
-from ppojax.run import reporting, runner
+from ppojax.run import models as run_models
+from ppojax.run import held_out, reporting, runner
 from ppojax.run.checkpoint import Checkpointer
 from ppojax.tasks import count
 
@@ -77,7 +78,7 @@ def text_policy(char_tokenizer, tmp_path_factory):
   """A tiny random policy with the character tokenizer, as a Hugging Face directory (loading
   it compiles nothing), and a copy of the tokenizer without a chat template."""
   tiny = toy_config().model.tiny
-  cfg = build_lib.tiny_model_config(ml_collections.ConfigDict(
+  cfg = run_models.tiny_model_config(ml_collections.ConfigDict(
       dict(tiny.to_dict(), vocab_size=len(char_tokenizer))))
   cfg = cfg.replace(bos_token_id=None, eos_token_id=1, pad_token_id=0)
   params = _init(cfg, 0)
@@ -161,7 +162,7 @@ def test_no_chat_template_and_too_long_prompts_fail_build(text_policy, tmp_path,
 @pytest.fixture(scope="module")
 def tiny_hf(tmp_path_factory):
   """A tiny Llama policy saved as a Hugging Face directory (one model.safetensors)."""
-  cfg = build_lib.tiny_model_config(toy_config().model.tiny)
+  cfg = run_models.tiny_model_config(toy_config().model.tiny)
   params = jax.device_get(_init(cfg, 1))
   return save_model(tmp_path_factory.mktemp("tiny_hf") / "model",
                     LoadedModel(cfg, params, None, "lm"))
@@ -574,9 +575,9 @@ def test_a_cut_short_evaluation_is_redone_once(tmp_path):
   rows = [{"step": 0, "eval/score": 0.1}, {"step": 1, "objective/kl": 0.0},
           {"step": 2, "objective/kl": 0.1}, {"step": 2, "eval/score": 0.5}]
   path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-  runner._drop_eval_rows(path, [2])  # pylint: disable=protected-access
+  held_out.drop_eval_rows(path, [2])
   assert _rows(tmp_path) == rows[:3]
-  runner._drop_eval_rows(path, [0])  # pylint: disable=protected-access
+  held_out.drop_eval_rows(path, [0])
   assert _rows(tmp_path) == rows[1:3]
 
 

@@ -33,6 +33,7 @@ import reference as ref
 
 from ppojax.core import algorithms
 from ppojax.learner import step as step_lib
+from ppojax.learner import loss as loss_lib
 from ppojax.learner import update as update_lib
 from ppojax.run import build as build_lib
 from ppojax.tasks import count
@@ -296,7 +297,7 @@ MISWIRINGS = {
     "wrong_minibatch_rows": (update_lib, "take_rows", lambda f: lambda exp, idx: f(
         exp, (idx + 1) % exp.advantages.shape[0])),
     # the update's log-probs and entropy at T = 1 whatever the sampler's temperature
-    "update_at_temperature_1": (update_lib, "actor_forward", lambda f: (
+    "update_at_temperature_1": (loss_lib, "actor_forward", lambda f: (
         lambda a, m, r, t, e, base=None: f(a, m, r, 1.0, e, base))),
 }
 

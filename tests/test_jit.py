@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from ppojax.core import advantages, kl, losses, ops, rewards
+from ppojax.core import advantages, kl, logprobs, losses, ops, rewards
 
 B, T, V = 2, 5, 11
 N_CALLS = 3
@@ -86,23 +86,24 @@ case("ops.aggregate/seq_mean_token_sum_norm/traced_max_len",
      lambda x, m, c: ops.aggregate(x, m, "seq_mean_token_sum_norm", c),
      lambda r: (_x(r), _mask(r), _scalar(r, 5, 10)))
 
-# --- ops: log-probs and entropy (value and custom VJP, float32 and bf16, chunked) ------------------
-case("ops.selective_log_softmax", ops.selective_log_softmax,
+# --- logprobs: log-probs and entropy (value and custom VJP, float32 and bf16, chunked) ---------
+case("logprobs.selective_log_softmax", logprobs.selective_log_softmax,
      lambda r: (_logits(r), _tokens(r), _scalar(r, 0.5, 1.5)))
-case("ops.selective_log_softmax/bf16/chunk3",
-     lambda z, tok, temp: ops.selective_log_softmax(z, tok, temp, chunk_size=3),
+case("logprobs.selective_log_softmax/bf16/chunk3",
+     lambda z, tok, temp: logprobs.selective_log_softmax(z, tok, temp, chunk_size=3),
      lambda r: (_logits(r, jnp.bfloat16), _tokens(r), _scalar(r, 0.5, 1.5)))
-case("ops.selective_log_softmax/grad",
-     jax.grad(lambda z, tok, temp, w: jnp.sum(w * ops.selective_log_softmax(z, tok, temp, 4)),
+case("logprobs.selective_log_softmax/grad",
+     jax.grad(lambda z, tok, temp, w: jnp.sum(w * logprobs.selective_log_softmax(z, tok, temp, 4)),
               argnums=(0, 2)),
      lambda r: (_logits(r), _tokens(r), _scalar(r, 0.5, 1.5), _x(r)))
-case("ops.entropy_from_logits", ops.entropy_from_logits,
+case("logprobs.entropy_from_logits", logprobs.entropy_from_logits,
      lambda r: (_logits(r), _scalar(r, 0.5, 1.5)))
-case("ops.entropy_from_logits/bf16/chunk3",
-     lambda z, temp: ops.entropy_from_logits(z, temp, chunk_size=3),
+case("logprobs.entropy_from_logits/bf16/chunk3",
+     lambda z, temp: logprobs.entropy_from_logits(z, temp, chunk_size=3),
      lambda r: (_logits(r, jnp.bfloat16), _scalar(r, 0.5, 1.5)))
-case("ops.entropy_from_logits/grad",
-     jax.grad(lambda z, temp, w: jnp.sum(w * ops.entropy_from_logits(z, temp, 4)), argnums=(0, 1)),
+case("logprobs.entropy_from_logits/grad",
+     jax.grad(lambda z, temp, w: jnp.sum(w * logprobs.entropy_from_logits(z, temp, 4)),
+              argnums=(0, 1)),
      lambda r: (_logits(r), _scalar(r, 0.5, 1.5), _x(r)))
 
 # --- ops: stop tokens and masks ------------------------------------------------------------------

@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from ppojax.core import ops
+from ppojax.core import logprobs
 
 B, T, V, CHUNK = 4, 128, 4096, 64
 
@@ -18,12 +18,12 @@ def _temp_bytes(fn, *args):
 
 
 def _logp_sum(logits, tokens):
-  return ops.selective_log_softmax(logits, tokens, chunk_size=CHUNK).sum()
+  return logprobs.selective_log_softmax(logits, tokens, chunk_size=CHUNK).sum()
 
 
 def _entropy_sum(logits, tokens):
   del tokens
-  return ops.entropy_from_logits(logits, chunk_size=CHUNK).sum()
+  return logprobs.entropy_from_logits(logits, chunk_size=CHUNK).sum()
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
@@ -35,7 +35,7 @@ def test_no_full_float32_copy(dtype, fn, grad):
   f32_copy = B * T * V * 4
   temp = _temp_bytes(jax.grad(fn) if grad else fn, logits, tokens)
   # One [chunk, V] float32 slab is 1/16 of the array here; on CPU bf16 adds one bf16-sized copy
-  # (see ops._bf16_as_bits). A full float32 copy would put this at >= 1.0.
+  # (see logprobs._bf16_as_bits). A full float32 copy would put this at >= 1.0.
   assert temp < 0.7 * f32_copy, f"temp {temp / f32_copy:.3f} x the float32 logits"
 
 

@@ -15,7 +15,8 @@ from hypothesis import strategies as st
 
 from ppojax.data import records as records_lib
 from ppojax.run import build as build_lib
-from ppojax.run import reporting, runner
+from ppojax.run import held_out, reporting
+from ppojax.run import models as run_models
 from ppojax.supervised import preferences, train_rm
 from ppojax.tasks import arith
 from tests.test_supervised import _config, preference_records, tokenizer_dir  # noqa: F401
@@ -140,7 +141,7 @@ def test_make_pairs_samples_the_policy_and_mixes_in_synthetic_pairs(tokenizer_di
 
 def test_cli_writes_pairs_that_train_rm_reads(tokenizer_dir, tmp_path):  # noqa: F811
   out = tmp_path / "pairs.jsonl"
-  subprocess.run([sys.executable, "-m", "ppojax.supervised.preferences", "--config",
+  subprocess.run([sys.executable, "-m", "ppojax.preferences", "--config",
                   str(ROOT / "configs" / "rlhf_arith.py"), "--config.model.policy=tiny",
                   f"--config.model.tokenizer={tokenizer_dir}",
                   "--config.sampling.max_new_tokens=4", f"--out={out}", "--n=4", "--samples=2",
@@ -165,7 +166,7 @@ def test_rlhf_held_out_evaluation_reports_the_reward_models_score(  # noqa: F811
   from ppojax.run import evaluation  # pylint: disable=import-outside-toplevel
 
   def config(reward_vocab: int):
-    cfg = build_lib.tiny_model_config(_tiny_policy_config(tokenizer_dir).model.tiny).replace(
+    cfg = run_models.tiny_model_config(_tiny_policy_config(tokenizer_dir).model.tiny).replace(
         vocab_size=reward_vocab)
     tokens = jnp.zeros((1, 2), jnp.int32)
     params = ValueModel(cfg).init(jax.random.key(3), tokens, positions_from_mask(tokens >= 0),
@@ -176,12 +177,11 @@ def test_rlhf_held_out_evaluation_reports_the_reward_models_score(  # noqa: F811
         model__tokenizer=str(tokenizer_dir), model__reward=str(tmp_path / "rm"),
         sampling__max_new_tokens=6, data__eval_per_digits=2, eval__batch_size=3)
 
-  vocab = len(build_lib.load_tokenizer(str(tokenizer_dir)))
+  vocab = len(run_models.load_tokenizer(str(tokenizer_dir)))
   with pytest.raises(ValueError, match=f"vocabulary of {vocab - 1} tokens.*same tokenizer"):
     build_lib.build(config(vocab - 1))  # a smaller vocabulary would read past its embedding
   r = build_lib.build(config(vocab))
-  summary = runner._held_out(r, r.state, "before", tmp_path, None, 0,  # pylint: disable=W0212
-                             say=lambda *_: None)
+  summary = held_out.evaluate(r, r.state, "before", tmp_path, None, 0, say=lambda *_: None)
   rows = [json.loads(line) for line in open(tmp_path / "eval_samples_before.jsonl")]
   assert len(rows) == 4  # two batches of 3, the last one filled up and its extras dropped
   assert summary["eval/reward_model"] == pytest.approx(np.mean([x["reward_model"] for x in rows]))
@@ -191,7 +191,7 @@ def test_rlhf_held_out_evaluation_reports_the_reward_models_score(  # noqa: F811
   scorer = evaluation.reward_model_scorer(r.models.reward, r.frozen.reward)
   spy = lambda *rows: seen.append((*rows, scorer(*rows))) or seen[-1][-1]  # noqa: E731
   texts, scores = evaluation.completions(
-      *runner.policy_model(r, r.state), r.source.eval_records, r.source.encode,
+      *held_out.policy_model(r, r.state), r.source.eval_records, r.source.encode,
       evaluation.greedy(r.sampling), r.policy.tokenizer, 3, scorer=spy)
   assert texts == [x["completion"] for x in rows]
   np.testing.assert_allclose(scores, [x["reward_model"] for x in rows], rtol=1e-6)

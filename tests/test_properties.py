@@ -18,7 +18,7 @@ from hypothesis import HealthCheck, assume, event, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from ppojax.core import advantages, kl, losses, ops, rewards
+from ppojax.core import advantages, kl, logprobs, losses, ops, rewards
 
 SETTINGS = settings(
     max_examples=50,
@@ -606,8 +606,8 @@ def test_response_mask_random_rows(shape, stops, pad_id, data):
 
 @functools.partial(jax.jit, static_argnames=("chunk",))
 def _logp_entropy(logits, tokens, temperature, chunk):
-  return (ops.selective_log_softmax(logits, tokens, temperature, chunk_size=chunk),
-          ops.entropy_from_logits(logits, temperature, chunk_size=chunk))
+  return (logprobs.selective_log_softmax(logits, tokens, temperature, chunk_size=chunk),
+          logprobs.entropy_from_logits(logits, temperature, chunk_size=chunk))
 
 
 @st.composite
@@ -650,8 +650,8 @@ def test_bf16_selective_log_softmax_matches_float64(case, temperature, chunk):
 @functools.partial(jax.jit, static_argnames=("chunk",))
 def _logp_entropy_grads(logits, tokens, temperature, w, chunk):
   def f(z, t):
-    return jnp.sum(w * (ops.selective_log_softmax(z, tokens, t, chunk_size=chunk)
-                        + ops.entropy_from_logits(z, t, chunk_size=chunk)))
+    return jnp.sum(w * (logprobs.selective_log_softmax(z, tokens, t, chunk_size=chunk)
+                        + logprobs.entropy_from_logits(z, t, chunk_size=chunk)))
   return jax.grad(f, argnums=(0, 1))(logits, temperature)
 
 

@@ -17,6 +17,7 @@ from ppojax.models import CausalLM, LoadedModel, init_params, save_model
 from ppojax.run import build as build_lib
 from ppojax.run import checks as checks_lib
 from ppojax.run import config as config_lib
+from ppojax.run import models as run_models
 from ppojax.run import runner
 from ppojax.tasks import reasoning, sources
 
@@ -192,7 +193,7 @@ def test_the_configs_validate_and_build_their_source(name, char_tokenizer):
 def policy_dir(char_tokenizer, tmp_path_factory):
   """A tiny random model on the character tokenizer, as a Hugging Face directory (128
   positions: chain_sum's questions are about 75 characters)."""
-  cfg = build_lib.tiny_model_config(ml_collections.ConfigDict(dict(
+  cfg = run_models.tiny_model_config(ml_collections.ConfigDict(dict(
       vocab_size=len(char_tokenizer), hidden_size=32, intermediate_size=64, num_layers=2,
       num_heads=2, num_kv_heads=1, max_position_embeddings=128)))
   cfg = cfg.replace(bos_token_id=None, eos_token_id=1, pad_token_id=0)

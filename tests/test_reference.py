@@ -18,7 +18,7 @@ import pytest
 sys.path.insert(0, os.path.dirname(__file__))
 import reference as ref  # noqa: E402
 
-from ppojax.core import advantages, kl, losses, ops, rewards  # noqa: E402
+from ppojax.core import advantages, kl, logprobs, losses, ops, rewards  # noqa: E402
 
 SHAPES = [(1, 1), (3, 7), (8, 33), (5, 64)]
 SEEDS = [0, 1]
@@ -229,13 +229,13 @@ def _softmax_outputs(logits, tokens, cot, temperature, chunks):
   out = {}
   for c in chunks:
     def f_lp(lg, temp, c=c):
-      return jnp.sum(cot * ops.selective_log_softmax(lg, tokens, temp, chunk_size=c))
+      return jnp.sum(cot * logprobs.selective_log_softmax(lg, tokens, temp, chunk_size=c))
 
     def f_h(lg, temp, c=c):
-      return jnp.sum(cot * ops.entropy_from_logits(lg, temp, chunk_size=c))
+      return jnp.sum(cot * logprobs.entropy_from_logits(lg, temp, chunk_size=c))
     out[c] = dict(
-        lp=ops.selective_log_softmax(logits, tokens, temperature, chunk_size=c),
-        h=ops.entropy_from_logits(logits, temperature, chunk_size=c),
+        lp=logprobs.selective_log_softmax(logits, tokens, temperature, chunk_size=c),
+        h=logprobs.entropy_from_logits(logits, temperature, chunk_size=c),
         g_lp=jax.grad(f_lp, argnums=(0, 1))(logits, temperature),
         g_h=jax.grad(f_h, argnums=(0, 1))(logits, temperature),
     )
@@ -295,10 +295,11 @@ def test_selective_log_softmax_and_entropy_bf16(temperature):
 def test_logsoftmax_entropy_python_float_temperature_eager():
   """The plain eager call with a Python-float temperature and the default chunk size."""
   logits, tokens, _, l64, t64, _ = _logits((3, 7), 2)
-  close(ops.selective_log_softmax(logits, tokens, 0.7), ref.selective_log_softmax(l64, t64, 0.7))
-  close(ops.entropy_from_logits(logits, 0.7), ref.entropy_from_logits(l64, 0.7))
-  close(ops.selective_log_softmax(logits, tokens), ref.selective_log_softmax(l64, t64))
-  close(ops.entropy_from_logits(logits), ref.entropy_from_logits(l64))
+  close(logprobs.selective_log_softmax(logits, tokens, 0.7),
+        ref.selective_log_softmax(l64, t64, 0.7))
+  close(logprobs.entropy_from_logits(logits, 0.7), ref.entropy_from_logits(l64, 0.7))
+  close(logprobs.selective_log_softmax(logits, tokens), ref.selective_log_softmax(l64, t64))
+  close(logprobs.entropy_from_logits(logits), ref.entropy_from_logits(l64))
 
 
 def test_logsoftmax_entropy_extra_leading_dims():
@@ -307,8 +308,8 @@ def test_logsoftmax_entropy_extra_leading_dims():
     logits = jnp.asarray(rng.normal(size=shape + (V,)), jnp.float32)
     tokens = jnp.asarray(rng.integers(0, V, size=shape), jnp.int32)
     l64 = np.asarray(logits, np.float64)
-    lp = ops.selective_log_softmax(logits, tokens, 0.9, chunk_size=4)
-    ent = ops.entropy_from_logits(logits, 0.9, chunk_size=4)
+    lp = logprobs.selective_log_softmax(logits, tokens, 0.9, chunk_size=4)
+    ent = logprobs.entropy_from_logits(logits, 0.9, chunk_size=4)
     assert lp.shape == shape and ent.shape == shape
     close(lp, ref.selective_log_softmax(l64, np.asarray(tokens), 0.9))
     close(ent, ref.entropy_from_logits(l64, 0.9))
@@ -320,7 +321,7 @@ def test_logsoftmax_extreme_logits_stable():
   l64 = np.asarray(logits, np.float64)
   for chunk in [1, 2]:
     # z_tok − lse(z) near −1e4 is only representable to float32's ulp(1e4) ≈ 1e-3.
-    close(ops.selective_log_softmax(logits, tokens, chunk_size=chunk),
+    close(logprobs.selective_log_softmax(logits, tokens, chunk_size=chunk),
           ref.selective_log_softmax(l64, np.asarray(tokens)), rtol=1e-6, atol=2e-3)
 
 
@@ -336,7 +337,7 @@ def test_entropy_shift_invariant_large_logits(offset):
   l64 = np.asarray(logits, np.float64)
   expected = ref.entropy_from_logits(l64)
   for chunk in [3, 1024]:
-    out = ops.entropy_from_logits(logits, chunk_size=chunk)
+    out = logprobs.entropy_from_logits(logits, chunk_size=chunk)
     assert np.all(np.asarray(out) >= 0), f"negative entropy {out} (offset={offset})"
     close(out, expected, rtol=0, atol=max(1e-5, float(np.spacing(np.float32(abs(offset))))),
           err_msg=f"offset={offset} chunk={chunk}")

@@ -1,4 +1,5 @@
-"""Tests for ppojax.run.reporting: progress bar, metric/sample logs, samples table, curve plots."""
+"""Tests for ppojax.run.progress (the progress bar) and ppojax.run.reporting (metric/sample
+logs, samples table, curve plots)."""
 
 from __future__ import annotations
 
@@ -14,9 +15,9 @@ import types
 import numpy as np
 import pytest
 
+from ppojax.run.progress import Progress
 from ppojax.run.reporting import (
   MetricWriter,
-  Progress,
   format_samples_table,
   plot_curves,
   read_metrics,

@@ -97,8 +97,8 @@ def test_the_override_accepts_the_named_changes(rerun):
   with pytest.warns(resume.ResumeWarning, match=r"resuming from .*checkpoints/2 with changes "
                     r"accepted by resume_allow_changes: data\.first_batch: .*; "
                     r"rl\.kl_coef: 0\.01 -> 0\.1; seed: 0 -> 1"):
-    result = runner.run(toy_config(**changed, resume_allow_changes="seed,data, ppo"),
-                        str(rerun))  # a section ("data", "ppo") accepts all of its fields
+    result = runner.run(toy_config(**changed, resume_allow_changes="seed,data, rl"),
+                        str(rerun))  # a section ("data", "rl") accepts all of its fields
   assert result.history == []  # resumed at iteration 2 of 2: nothing left to train
   assert json.loads((rerun / "config.json").read_text())["seed"] == 1
 

@@ -1,4 +1,4 @@
-"""The generation engine (``ppojax.rollout.sampling``).
+"""The generation engine (``ppojax.rollout.sampling``, its token draw ``ppojax.rollout.draw``).
 
 * greedy decoding equals transformers' ``generate(do_sample=False)`` on SmolLM2-135M-Instruct;
 * sampled first-token frequencies pass a chi-square goodness-of-fit test against the model's
@@ -22,9 +22,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from ppojax.core import ops
+from ppojax.core import logprobs, ops
 from ppojax.models import CausalLM, ModelConfig, positions_from_mask
 from ppojax.models.layout import transpose_kernels
+from ppojax.rollout import draw as draw_lib
 from ppojax.rollout import sampling
 from ppojax.rollout.sampling import SamplingConfig, generate
 
@@ -421,7 +422,7 @@ def test_greedy_ignores_key_and_takes_the_argmax(tiny_params, ragged_batch):
   assert np.all(picked[m] >= logits.max(-1)[m] - 1e-5)  # the argmax (up to float noise)
   assert np.all(np.asarray(out.lengths) > 1)  # several decode steps really were compared
   # log-probs still at the configured temperature
-  want = ops.selective_log_softmax(jnp.asarray(logits), out.tokens, GREEDY.temperature)
+  want = logprobs.selective_log_softmax(jnp.asarray(logits), out.tokens, GREEDY.temperature)
   np.testing.assert_allclose(np.asarray(out.logprobs)[m], np.asarray(want)[m], atol=1e-5)
   np.testing.assert_array_equal(out.sampling_logprobs, out.logprobs)
 
@@ -477,7 +478,7 @@ def test_min_new_tokens_bans_stops_and_changes_only_sampling_logprobs(tiny_param
   logits = np.asarray(full_logits(FORCED, tiny_params, prompts, mask, jnp.asarray(out.tokens)),
                       np.float64)
   m = np.asarray(out.mask)
-  want = ops.selective_log_softmax(jnp.asarray(logits, jnp.float32), out.tokens)
+  want = logprobs.selective_log_softmax(jnp.asarray(logits, jnp.float32), out.tokens)
   np.testing.assert_allclose(np.asarray(out.logprobs)[m], np.asarray(want)[m], atol=1e-5)
   keep = np.ones(logits.shape, bool)
   keep[:, :config.min_new_tokens, list(config.stop_ids)] = False
@@ -498,7 +499,7 @@ def test_logprobs_match_full_forward(dist_outputs, name):
   out, logits = dist_outputs[name]
   check_conventions(out, config)
   m = np.asarray(out.mask)
-  want = ops.selective_log_softmax(jnp.asarray(logits, jnp.float32), out.tokens,
+  want = logprobs.selective_log_softmax(jnp.asarray(logits, jnp.float32), out.tokens,
                                    config.temperature)
   np.testing.assert_allclose(np.asarray(out.logprobs)[m], np.asarray(want)[m], atol=1e-5)
   if not config.truncates:
@@ -522,7 +523,7 @@ def test_logprobs_match_full_forward_ragged(tiny_params, ragged_batch, stop_outp
   logits = np.asarray(full_logits(FORCED, tiny_params, prompts, mask, jnp.asarray(out.tokens)),
                       np.float64)
   m = np.asarray(out.mask)
-  want = ops.selective_log_softmax(jnp.asarray(logits, jnp.float32), out.tokens,
+  want = logprobs.selective_log_softmax(jnp.asarray(logits, jnp.float32), out.tokens,
                                    config.temperature)
   np.testing.assert_allclose(np.asarray(out.logprobs)[m], np.asarray(want)[m], atol=1e-5)
   keep, ambiguous = reference_keep(logits / config.temperature, config)
@@ -633,7 +634,7 @@ def test_first_argmax_takes_the_first_of_tied_maxima():
   z = rng.integers(0, 4, (64, 300)).astype(np.float32)  # many ties
   z[5] = -np.inf
   z[6, 7] = np.inf
-  got = sampling.first_argmax(jnp.asarray(z), jnp.max(jnp.asarray(z), -1, keepdims=True))
+  got = draw_lib.first_argmax(jnp.asarray(z), jnp.max(jnp.asarray(z), -1, keepdims=True))
   np.testing.assert_array_equal(np.asarray(got), np.argmax(z, axis=-1))
 
 
@@ -645,7 +646,7 @@ def test_inverse_cdf_over_several_blocks_matches_the_probabilities():
   weights = rng.gamma(0.3, size=1000).astype(np.float32)
   weights[rng.random(1000) < 0.3] = 0.0
   rows = 40_000
-  draw = jax.jit(lambda k: sampling._inverse_cdf_sample(  # pylint: disable=protected-access
+  draw = jax.jit(lambda k: draw_lib._inverse_cdf_sample(  # pylint: disable=protected-access
       k, jnp.broadcast_to(jnp.asarray(weights), (rows, 1000))))
   tokens = np.asarray(draw(jax.random.key(2)))
   assert np.all(weights[tokens] > 0)
@@ -667,7 +668,7 @@ def test_inverse_cdf_lands_on_positive_weights_at_both_ends():
   weights[:, :3] = weights[:, 250:262] = weights[:, 990:] = 0.0
   positive = [np.flatnonzero(row) for row in weights]
   first, last = np.array([p[0] for p in positive]), np.array([p[-1] for p in positive])
-  draw = jax.jit(sampling.inverse_cdf)
+  draw = jax.jit(draw_lib.inverse_cdf)
   edge = lambda u: np.asarray(draw(jnp.asarray(weights),  # noqa: E731
                                    jnp.full((rows, 1), u, jnp.float32)))
   np.testing.assert_array_equal(edge(np.finfo(np.float32).tiny), first)

@@ -22,6 +22,7 @@ from ppojax.core import optim as optim_lib
 from ppojax.learner import step as step_lib
 from ppojax.models import passes as passes_lib
 from ppojax.run import build as build_lib
+from ppojax.run import models as run_models
 
 
 def _masked(shape=(4, 7), seed=0):
@@ -157,7 +158,7 @@ def test_bfloat16_frozen_models_score_like_float32_ones(tmp_path):
   from ppojax.models import LoadedModel, ValueModel, save_model  # pylint: disable=C0415
   from ppojax.models.cache import positions_from_mask  # pylint: disable=C0415
 
-  cfg = build_lib.tiny_model_config(toy_config().model.tiny)
+  cfg = run_models.tiny_model_config(toy_config().model.tiny)
   tokens = jnp.zeros((1, 2), jnp.int32)
   params = ValueModel(cfg).init(jax.random.key(7), tokens, positions_from_mask(tokens >= 0),
                                 tokens >= 0)["params"]

@@ -25,6 +25,7 @@ from ppojax.models import CausalLM, LoadedModel, init_params, save_model
 from ppojax.rollout.sampling import SamplingConfig
 from ppojax.run import build as build_lib
 from ppojax.run import evaluation, reporting, runner
+from ppojax.run import models as run_models
 from ppojax.run.config import defaults
 from ppojax.tasks import arith, sources
 
@@ -208,7 +209,7 @@ def test_text_reward_with_the_wrong_number_of_scores_says_so(char_tokenizer, ret
 
 @pytest.fixture(scope="module")
 def tiny_lm(char_tokenizer):
-  cfg = build_lib.tiny_model_config(ml_collections.ConfigDict(
+  cfg = run_models.tiny_model_config(ml_collections.ConfigDict(
       dict(TINY, vocab_size=len(char_tokenizer))))
   cfg = cfg.replace(bos_token_id=None, eos_token_id=STOP, pad_token_id=PAD)
   return LoadedModel(cfg, init_params(CausalLM(cfg), jax.random.key(3)),
@@ -373,7 +374,7 @@ def test_tiny_policy_takes_a_tokenizer_for_text_tasks(policy_dir, char_tokenizer
   config.model.policy = "tiny"
   config.model.tiny.update(TINY)
   config.model.tokenizer = str(policy_dir)  # a new field, as in configs/sft_arith.py
-  policy = build_lib.load_policy(config, jax.random.key(0))
+  policy = run_models.load_policy(config, jax.random.key(0))
   assert policy.tokenizer is not None
   assert policy.cfg.vocab_size == len(char_tokenizer)
   assert policy.cfg.eos_token_id == char_tokenizer.eos_token_id

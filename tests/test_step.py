@@ -17,6 +17,7 @@ from ppojax.models import ValueModel, positions_from_mask, stack_layers, unstack
 from ppojax.models import passes as passes_lib
 from ppojax.rollout import rollout as rollout_lib
 from ppojax.run import build as build_lib
+from ppojax.run import models as run_models
 from ppojax.run import runner
 from ppojax.tasks import count
 
@@ -296,7 +297,7 @@ def test_reward_model_and_critic_initialised_from_it(tmp_path):
   from ppojax.models import LoadedModel, save_model  # pylint: disable=import-outside-toplevel
 
   config = toy_config()
-  cfg = build_lib.tiny_model_config(config.model.tiny)
+  cfg = run_models.tiny_model_config(config.model.tiny)
   tokens = jnp.zeros((1, 2), jnp.int32)
   params = ValueModel(cfg).init(jax.random.key(7), tokens, positions_from_mask(tokens >= 0),
                                 tokens >= 0)["params"]

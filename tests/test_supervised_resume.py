@@ -1,9 +1,9 @@
-"""SFT and reward-model training checkpoint and resume as the PPO run does (ppojax/supervised/common.py
-``fit``, ppojax/run/resume.py): a run stopped in the middle, or SIGKILLed on the command line (in
-the middle of a checkpoint save after a random number of steps), resumes from its latest complete
-checkpoint and ends with the metrics.jsonl rows and the exported weights of an uninterrupted
-run, byte for byte; a corrupt latest checkpoint falls back to the one before; a rerun with
-another config or training data is refused and changes nothing.
+"""SFT and reward-model training checkpoint and resume as the PPO run does
+(ppojax/supervised/loop.py ``fit``, ppojax/run/resume.py): a run stopped in the middle, or
+SIGKILLed on the command line (in the middle of a checkpoint save after a random number of
+steps), resumes from its latest complete checkpoint and ends with the metrics.jsonl rows and the
+exported weights of an uninterrupted run, byte for byte; a corrupt latest checkpoint falls back
+to the one before; a rerun with another config or training data is refused and changes nothing.
 
 Each stage's uninterrupted run is made once (a module fixture); the configs come from
 ``supervised_defaults()`` with the tiny model of tests/test_supervised.py.
@@ -151,7 +151,7 @@ def test_a_rerun_with_another_config_or_data_is_refused_and_changes_nothing(
 
 
 def _cli(stage: str, tokenizer, where: pathlib.Path, workdir: pathlib.Path, env, log):
-  """``python -m ppojax.supervised.sft`` / ``ppojax.supervised.train_rm`` with the reference's config, its output to
+  """``python -m ppojax.sft`` / ``ppojax.supervised.train_rm`` with the reference's config, its output to
   ``log``."""
   config = where / "defaults.py"  # written by _stage_config: supervised_defaults() + SAVING
   flags = {**TINY, **{k: v for k, v in RUN.items() if "__" in k},

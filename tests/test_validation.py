@@ -6,6 +6,7 @@ import pytest
 from ppojax.run import build as build_lib
 from ppojax.run import checks as checks_lib
 from ppojax.run import config as config_lib
+from ppojax.run import models as run_models
 
 
 def toy(**overrides):
@@ -151,7 +152,7 @@ def test_inconsistent_sizes(overrides, devices, context, message):
 
 def test_runner_validates_before_loading_any_model(monkeypatch):
   """build() fails on a bad config without touching the model loader."""
-  monkeypatch.setattr(build_lib, "load_policy", lambda *a: pytest.fail("a model was loaded"))
+  monkeypatch.setattr(run_models, "load_policy", lambda *a: pytest.fail("a model was loaded"))
   c = toy()
   c.rl.kl_coeff = 0.1
   with pytest.raises(checks_lib.ConfigError, match="kl_coeff"):

@@ -7,9 +7,9 @@
                  (advantages.gae_episodes: the language-model step's GAE, of which it is the
                  general case)
       update     E epochs × M shuffled minibatches (lax.scan) of losses.ppo_loss: clipped
-                 surrogate, clipped value loss, entropy bonus (ops.entropy_from_logits), with
-                 log π(a|s) from ops.selective_log_softmax and advantages whitened per minibatch
-                 (ops.masked_whiten); global-norm clip, Adam with a linearly annealed rate
+                 surrogate, clipped value loss, entropy bonus (logprobs.entropy_from_logits),
+                 with log π(a|s) from logprobs.selective_log_softmax and advantages whitened per
+                 minibatch (ops.masked_whiten); global-norm clip, Adam with a linearly annealed rate
 
 Terminal vs truncated: an episode the pole ends (``terminated``) has no value after it, d = 0; an
 episode the 500-step limit ends (``truncated``) is cut, not over: it bootstraps from the critic's
@@ -33,7 +33,7 @@ import optax
 
 from ppojax.classic import agent, envs
 from ppojax.core import advantages as adv_lib
-from ppojax.core import losses, ops
+from ppojax.core import logprobs, losses, ops
 
 Array = jax.Array
 
@@ -139,9 +139,9 @@ def loss_fn(net: agent.ActorCritic, hp: Hyper, params, batch: Transition, adv: A
             ret: Array) -> tuple[Array, dict[str, Array]]:
   """``losses.ppo_loss`` on a minibatch of b steps, read as one [1, b] "sequence"."""
   logits, values = net.apply(params, batch.obs)
-  chunk = max(ops.DEFAULT_CHUNK, batch.action.shape[0])
-  logp = ops.selective_log_softmax(logits, batch.action, chunk_size=chunk)
-  entropy = ops.entropy_from_logits(logits, chunk_size=chunk)
+  chunk = max(logprobs.DEFAULT_CHUNK, batch.action.shape[0])
+  logp = logprobs.selective_log_softmax(logits, batch.action, chunk_size=chunk)
+  entropy = logprobs.entropy_from_logits(logits, chunk_size=chunk)
   row = lambda x: x[None]  # noqa: E731
   mask = jnp.ones((1, batch.action.shape[0]), jnp.bool_)
   adv = ops.masked_whiten(row(adv), mask, shift_mean=True)
@@ -174,7 +174,7 @@ def make_iteration(hp: Hyper) -> Callable[[TrainState], tuple[TrainState, dict[s
     key, k_act, k_env = jax.random.split(state.key, 3)
     logits, value = net.apply(state.params, state.obs)
     action = jax.random.categorical(k_act, logits)
-    logp = ops.selective_log_softmax(logits, action)
+    logp = logprobs.selective_log_softmax(logits, action)
     out, env_state = envs.step(env, env_params, k_env, state.env_state, action)
     episodes = state.episodes.record(out.reward, out.terminated | out.truncated)
     t = Transition(state.obs, action, logp, value, out.reward, out.terminated, out.truncated,

@@ -2,7 +2,7 @@
 
 A config with a ``classic`` section (``configs/cartpole.py``) comes here instead of the
 language-model runner. It trains ``num_seeds`` agents at once (``jax.vmap``) and reports as
-the language-model runs do: a progress line every ``log_every`` iterations (``reporting.Progress``),
+the language-model runs do: a progress line every ``log_every`` iterations (``progress.Progress``),
 and with ``--workdir`` config.json, metrics.jsonl and TensorBoard events
 (``reporting.MetricWriter``; each row the mean over seeds, plus the worst seed's return) and
 curves.png (``reporting.plot_curves``). The iterations run ``log_every`` at a time in one
@@ -24,6 +24,7 @@ import numpy as np
 from ppojax.classic import ppo
 from ppojax.infra import files
 from ppojax.run import reporting
+from ppojax.run.progress import Progress
 
 CURVES = ("episode/return", "episode/return_min", "policy/entropy_masked", "loss/value")
 SHOWN = ("episode/return", "episode/return_min", "policy/entropy_masked")
@@ -79,7 +80,7 @@ def run(config: ml_collections.ConfigDict, workdir: str | None = None) -> list[d
                                     resume_step=0)
   chunks = {}
   history, done, start = [], 0, time.perf_counter()
-  progress = reporting.Progress(n)
+  progress = Progress(n)
   try:
     while done < n:
       length = min(log_every, n - done)

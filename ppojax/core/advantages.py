@@ -95,9 +95,8 @@ def gae_episodes(
 
   * within an episode:     d_t = γ,  c_t = 1   (V'_t = V_{t+1})
   * terminal (the MDP ends): d_t = 0, c_t = 0   (nothing after it has value)
-  * truncated (time limit): d_t = γ, c_t = 0   (bootstrap: V'_t = V(s_final), the critic's value
-    of the last observation, not of the reset one; the trace stops, the next column is another
-    episode)
+  * truncated (time limit): d_t = γ, c_t = 0   (bootstrap from V'_t = V(s_final), the last
+    observation's value, not the reset one's; the trace stops: the next column is a new episode)
 
   After the last column A_{T} = 0, so the last column always bootstraps from V'_{T−1} (the
   rollout's cut is a truncation). ``mask`` (optional) zeroes A and R where it is 0; rewards and

@@ -40,18 +40,10 @@ def _masked_inputs(mask: Array, *xs: Array, fill: float = 0.0):
 
 
 def policy_loss(
-    logp: Array,
-    old_logp: Array,
-    advantages: Array,
-    mask: Array,
-    *,
-    clip_eps: float = 0.2,
-    clip_eps_low: float | None = None,
-    clip_eps_high: float | None = None,
-    dual_clip: float | None = None,
-    aggregation: str = "token_mean",
-    max_len: float | None = None,
-    is_weight: Array | None = None,
+    logp: Array, old_logp: Array, advantages: Array, mask: Array, *, clip_eps: float = 0.2,
+    clip_eps_low: float | None = None, clip_eps_high: float | None = None,
+    dual_clip: float | None = None, aggregation: str = "token_mean",
+    max_len: float | None = None, is_weight: Array | None = None,
 ) -> tuple[Array, dict[str, Array]]:
   """Clipped surrogate: L = agg( max(−A·ρ, −A·clip(ρ, 1 − ε_low, 1 + ε_high)) ), ρ = e^{logp − old}.
 
@@ -61,9 +53,8 @@ def policy_loss(
   advantage's favour (A > 0, ρ > 1 + ε_high; or A < 0, ρ < 1 − ε_low) the gradient is exactly 0.
   ``is_weight`` w [B, T] (constant; ``truncated_is_weight``) multiplies each token's term:
   L = agg(w_t · max(...)), the importance correction for tokens sampled by another engine.
-  ``aggregation`` and ``max_len``: ``ops.aggregate``. Checked where given as Python numbers:
-  ε and ε_low in (0, 1), ε_high > 0, c > 1 (a c ≤ 1 would cap every A < 0 token at −c·A, below
-  the surrogate near ρ = 1, and zero its gradient).
+  ``aggregation`` and ``max_len``: ``ops.aggregate``. Checked where given as Python numbers
+  (``_check_policy_options``): ε and ε_low in (0, 1), ε_high > 0, c > 1.
 
   Args:
     logp: [B, T] log-probs under the current policy (differentiated).
@@ -80,22 +71,13 @@ def policy_loss(
   chex.assert_rank([logp, old_logp, advantages, mask], 2)
   chex.assert_equal_shape([logp, old_logp, advantages, mask])
   _check_policy_options(clip_eps, clip_eps_low, clip_eps_high, dual_clip)
-  eps_low = clip_eps if clip_eps_low is None else clip_eps_low
-  eps_high = clip_eps if clip_eps_high is None else clip_eps_high
   mask, logp, old_logp, adv = _masked_inputs(mask, logp, old_logp, advantages)
   old_logp, adv = jax.lax.stop_gradient((old_logp, adv))
 
   log_ratio = logp - old_logp
   ratio = jnp.exp(log_ratio)
-  unclipped = -adv * ratio
-  clipped = -adv * jnp.clip(ratio, 1.0 - eps_low, 1.0 + eps_high)
-  per_token = jnp.maximum(unclipped, clipped)
-  if dual_clip is not None:
-    capped = jnp.where(adv < 0, jnp.minimum(per_token, -dual_clip * adv), per_token)
-    dual_active = (adv < 0) & (capped < per_token)
-    per_token = capped
-  else:
-    dual_active = jnp.zeros_like(mask)
+  per_token, unclipped, clipped, dual_active = _clipped_surrogate(
+      adv, ratio, mask, clip_eps, clip_eps_low, clip_eps_high, dual_clip)
   if is_weight is not None:
     chex.assert_equal_shape([is_weight, mask])
     per_token = per_token * jax.lax.stop_gradient(jnp.where(mask, is_weight, 0.0))
@@ -110,6 +92,23 @@ def policy_loss(
       "ratio_var": ops.masked_var(ratio, mask),
   }
   return loss, jax.tree.map(jax.lax.stop_gradient, metrics)
+
+
+def _clipped_surrogate(adv, ratio, mask, clip_eps, clip_eps_low, clip_eps_high, dual_clip):
+  """Per token: (max(−A·ρ, −A·clip(ρ, 1 − ε_low, 1 + ε_high)), capped at −c·A where A < 0 with
+  ``dual_clip`` c; the unclipped term −A·ρ; the clipped term; where the cap is active)."""
+  eps_low = clip_eps if clip_eps_low is None else clip_eps_low
+  eps_high = clip_eps if clip_eps_high is None else clip_eps_high
+  unclipped = -adv * ratio
+  clipped = -adv * jnp.clip(ratio, 1.0 - eps_low, 1.0 + eps_high)
+  per_token = jnp.maximum(unclipped, clipped)
+  if dual_clip is not None:
+    capped = jnp.where(adv < 0, jnp.minimum(per_token, -dual_clip * adv), per_token)
+    dual_active = (adv < 0) & (capped < per_token)
+    per_token = capped
+  else:
+    dual_active = jnp.zeros_like(mask)
+  return per_token, unclipped, clipped, dual_active
 
 
 def _check_policy_options(clip_eps=0.2, clip_eps_low=None, clip_eps_high=None,
@@ -205,34 +204,26 @@ def value_loss(
 
 def entropy_bonus(entropy: Array, mask: Array, aggregation: str = "token_mean",
                   max_len: float | None = None) -> Array:
-  """Mean policy entropy agg(H_t) over the mask (``ops.entropy_from_logits`` gives H_t)."""
+  """Mean policy entropy agg(H_t) over the mask (``logprobs.entropy_from_logits`` gives H_t)."""
   mask, entropy = _masked_inputs(mask, entropy)
   return ops.aggregate(entropy, mask, aggregation, max_len)
 
 
+# ppo_loss's names of policy_loss's metrics
+_POLICY_METRICS = {"loss/policy": "loss", "policy/approxkl_masked": "approxkl",
+                   "policy/clipfrac": "clipfrac", "policy/dual_clipfrac": "dual_clipfrac",
+                   "val/ratio_masked": "ratio", "val/ratio_token_var": "ratio_var"}
+
+
 def ppo_loss(
-    logp: Array,
-    old_logp: Array,
-    advantages: Array,
-    values: Array | None,
-    old_values: Array | None,
-    returns: Array | None,
-    mask: Array,
-    entropy: Array | None = None,
-    *,
-    vf_coef: float = 0.1,
-    ent_coef: float = 0.0,
-    clip_eps: float = 0.2,
-    clip_eps_low: float | None = None,
-    clip_eps_high: float | None = None,
-    dual_clip: float | None = None,
-    value_clip: float | None = 0.2,
-    aggregation: str = "token_mean",
-    max_len: float | None = None,
-    is_weight: Array | None = None,
-    ref_logp: Array | None = None,
-    kl_coef: float | Array = 0.0,
-    kl_estimator: str = "k3",
+    logp: Array, old_logp: Array, advantages: Array, values: Array | None,
+    old_values: Array | None, returns: Array | None, mask: Array, entropy: Array | None = None,
+    *, vf_coef: float = 0.1, ent_coef: float = 0.0, clip_eps: float = 0.2,
+    clip_eps_low: float | None = None, clip_eps_high: float | None = None,
+    dual_clip: float | None = None, value_clip: float | None = 0.2,
+    aggregation: str = "token_mean", max_len: float | None = None,
+    is_weight: Array | None = None, ref_logp: Array | None = None,
+    kl_coef: float | Array = 0.0, kl_estimator: str = "k3",
 ) -> tuple[Array, dict[str, Array]]:
   """Total PPO loss  L = L_policy + vf_coef·L_value − ent_coef·H + β·agg(KL_t)
   (``is_weight``: see ``policy_loss``).
@@ -240,15 +231,11 @@ def ppo_loss(
   Without a critic (``values`` None: GRPO, RLOO, REINFORCE++) there is no value term and no
   ``loss/value`` / ``val/*`` metric. With ``ref_logp`` the KL to the reference is a loss term
   (``kl_loss``: β = ``kl_coef``, estimator ``kl_estimator``; GRPO), reported as ``loss/kl``
-  and ``policy/kl``.
-
-  The defaults are trl's (vf_coef 0.1, no entropy bonus, ε = 0.2 for ratio and value clip).
-  Metric names follow trl (without its ``_avg`` suffix) where they mean what trl's mean:
-  ``loss/policy``, ``loss/value``, ``loss/total``, ``policy/clipfrac``, ``val/clipfrac``; and
-  ``policy/dual_clipfrac``, ``val/error``, ``val/values``. Those that trl averages over every
-  position, padding included, are masked here and named so: ``policy/approxkl_masked``,
-  ``policy/entropy_masked``, ``val/ratio_masked``; ``val/ratio_token_var`` is the variance of
-  the per-token ratios (trl's ``val/ratio_var`` is that of per-micro-batch mean ratios).
+  and ``policy/kl``. The defaults are trl's (vf_coef 0.1, no entropy bonus, ε = 0.2 for ratio
+  and value clip). Metrics: ``loss/{policy,value,kl,total}``, ``policy/{clipfrac,
+  dual_clipfrac,approxkl_masked,entropy_masked,kl}``, ``val/{clipfrac,error,values,
+  ratio_masked,ratio_token_var}`` (trl's names, without its ``_avg``, where they mean what
+  trl's mean; ``_masked`` where trl averages over padding too: docs/design.md, "Metric names").
   ``ent_coef`` other than a Python 0 without ``entropy`` raises ``ValueError``, as does a Python
   ``vf_coef`` < 0.
   """
@@ -258,14 +245,7 @@ def ppo_loss(
       clip_eps_high=clip_eps_high, dual_clip=dual_clip, aggregation=aggregation,
       max_len=max_len, is_weight=is_weight)
   total = pg_loss
-  metrics = {
-      "loss/policy": pg["loss"],
-      "policy/approxkl_masked": pg["approxkl"],
-      "policy/clipfrac": pg["clipfrac"],
-      "policy/dual_clipfrac": pg["dual_clipfrac"],
-      "val/ratio_masked": pg["ratio"],
-      "val/ratio_token_var": pg["ratio_var"],
-  }
+  metrics = {name: pg[key] for name, key in _POLICY_METRICS.items()}
   if values is not None:
     vf_loss, vf = value_loss(
         values, old_values, returns, mask, clip_range=value_clip, aggregation=aggregation,
@@ -284,7 +264,7 @@ def ppo_loss(
     metrics["policy/entropy_masked"] = jax.lax.stop_gradient(ent)
   elif isinstance(ent_coef, jax.Array) or ent_coef != 0:
     raise ValueError(
-        "ent_coef needs the per-token entropy: pass entropy=ops.entropy_from_logits(logits), "
+        "ent_coef needs the per-token entropy: pass entropy=logprobs.entropy_from_logits(logits), "
         "or leave ent_coef at 0.0")
   metrics["loss/total"] = jax.lax.stop_gradient(total)
   return total, metrics

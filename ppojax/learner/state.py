@@ -6,8 +6,8 @@
     Context     what the update's forward passes read besides the trained parameters
 
 ``policy_params`` and ``critic_params`` assemble a model's whole parameter tree from these
-(with LoRA: the frozen base and the trained adapters). ``ppojax.learner.step`` composes the iteration
-from them and re-exports them (``from ppojax.learner.step import TrainState`` works as before).
+(with LoRA: the frozen base and the trained adapters); ``init_state`` is the state before the
+first iteration.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from typing import Any, NamedTuple
 
 import flax.linen as nn
 import jax
+import jax.numpy as jnp
 import optax
 
 from ppojax.core import kl as kl_lib
@@ -88,3 +89,26 @@ def critic_params(critic: Params, models: Models, base: Params | None) -> Params
   if critic is None or not models.critic.cfg.lora_rank:
     return critic
   return lora.combine({"model": base["model"]}, critic)
+
+
+def kl_controller(cfg) -> kl_lib.KLController:
+  """The KL coefficient's controller: adaptive (Ziegler et al. 2019) or fixed β."""
+  if cfg.adaptive_kl:
+    return kl_lib.adaptive_kl_controller(cfg.kl_coef, cfg.target_kl, cfg.kl_horizon)
+  return kl_lib.fixed_kl_controller(cfg.kl_coef)
+
+
+def needs_reference(cfg) -> bool:
+  """Whether the KL penalty needs a reference policy (else KL ≡ 0 and none is held)."""
+  return cfg.kl_coef > 0 or cfg.adaptive_kl
+
+
+def init_state(key: Array, actor: Params, critic: Params | None, actor_tx, critic_tx, cfg,
+               base: Params | None = None) -> TrainState:
+  """The state before the first iteration; ``critic`` None: no critic and no critic optimizer
+  state; ``base`` (LoRA): the frozen base beside the adapters ``actor``, the only trained and
+  optimised parameters."""
+  return TrainState(
+      actor=actor, critic=critic, actor_opt=actor_tx.init(actor),
+      critic_opt=None if critic is None else critic_tx.init(critic),
+      kl=kl_controller(cfg).init(), step=jnp.zeros((), jnp.int32), key=key, base=base)

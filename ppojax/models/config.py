@@ -67,9 +67,9 @@ class ModelConfig:
   # every Linear kernel stored [out, in] (PyTorch's layout; ``transpose_kernels`` converts the
   # parameters): the decode layout of ``sampling.generate`` on CPU, never a checkpoint's
   transposed_kernels: bool = False
-  # LoRA (``ppojax.models.lora``): each Linear named in ``lora_targets`` ("q", "k", "v", "o", "gate",
-  # "up", "down"; GPT-2's "fc", "proj") adds (α/r)·(x·A)·B, A [in, r] ("lora_a") and B [r, out]
-  # ("lora_b") held in float32 beside its frozen kernel; rank 0: none (the base model)
+  # LoRA (``ppojax.models.lora``): each Linear named in ``lora_targets`` ("q", "k", "v", "o",
+  # "gate", "up", "down"; GPT-2's "fc", "proj") adds (α/r)·(x·A)·B, A [in, r] ("lora_a") and
+  # B [r, out] ("lora_b") held in float32 beside its frozen kernel; rank 0: none (the base model)
   lora_rank: int = 0
   lora_alpha: float = 16.0
   lora_targets: tuple[str, ...] = ()

@@ -3,7 +3,8 @@ hub ids, export.
 
 A Hugging Face state dict (names and [out, in] layouts of transformers' PyTorch models) is the one
 interchange format: safetensors directories and GGUF files are both read into it, and export
-writes it back. ``params_from_hf`` / ``params_to_hf`` are exact inverses.
+writes it back. ``params_from_hf`` / ``params_to_hf`` are exact inverses (each family's tensor
+names and shapes: ``hf_names``).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from typing import Any
 import numpy as np
 
 from ppojax.infra import files, hostmem
+from ppojax.models import hf_names
 from ppojax.models.config import ModelConfig
 
 StateDict = dict[str, np.ndarray]
@@ -38,17 +40,8 @@ class TensorFiles(dict):
 
 
 # ---------------------------------------------------------------------------------------------
-# Name maps: ppojax path (within the stacked layer params) ↔ Hugging Face name
+# State dict ↔ params (each family's names and shapes: hf_names)
 # ---------------------------------------------------------------------------------------------
-
-_LLAMA_LAYER = {  # ours → HF (under model.layers.{i}.); Linear weights are transposed
-    ("attn", "q"): "self_attn.q_proj", ("attn", "k"): "self_attn.k_proj",
-    ("attn", "v"): "self_attn.v_proj", ("attn", "o"): "self_attn.o_proj",
-    ("mlp", "gate"): "mlp.gate_proj", ("mlp", "up"): "mlp.up_proj",
-    ("mlp", "down"): "mlp.down_proj",
-}
-_GPT2_LAYER = {("attn", "o"): "attn.c_proj", ("mlp", "fc"): "mlp.c_fc",
-               ("mlp", "proj"): "mlp.c_proj"}  # Conv1D weights are already [in, out]
 
 
 def _strip_prefix(sd: StateDict, cfg: ModelConfig, consume: bool = False
@@ -73,11 +66,12 @@ class _Taker:
   """Pops tensors by (stripped) name, checking their shapes; errors name the tensor, the file
   it came from, and the shapes found and implied by the config."""
 
-  def __init__(self, sd: StateDict, cfg: ModelConfig, consume: bool = False):
+  def __init__(self, sd: StateDict, cfg: ModelConfig, consume: bool, dtype: np.dtype):
     self.sd, self.origin = _strip_prefix(sd, cfg, consume)
     self.prefix = "transformer." if cfg.is_gpt2 else "model."
     files = sorted(set(getattr(sd, "files", {}).values()))
     self.where = ", ".join(files) if files else "the checkpoint"
+    self.num_layers, self.consume, self.dtype = cfg.num_layers, consume, dtype
 
   def __call__(self, name: str, shape: tuple[int, ...]) -> np.ndarray:
     if name not in self.sd:
@@ -91,6 +85,15 @@ class _Taker:
           f"config implies {tuple(shape)}")
     return value
 
+  def stack(self, fmt: str, shape: tuple[int, ...], transpose: bool = False) -> np.ndarray:
+    """The tensors ``fmt.format(i)`` of every layer i, stacked [L, ...] in ``dtype``."""
+    arrays = [self(fmt.format(i), shape) for i in range(self.num_layers)]
+    out = np.stack([a.T if transpose else a for a in arrays]).astype(self.dtype, copy=False)
+    if self.consume:  # the layers' tensors, freed into the C heap, back to the system: else the
+      del arrays  # next stacked weight (a fresh mapping) comes on top of them
+      hostmem.release()
+    return out
+
 
 def params_from_hf(cfg: ModelConfig, sd: StateDict, head: str = "lm", dtype=None,
                    consume: bool = False) -> dict:
@@ -103,54 +106,10 @@ def params_from_hf(cfg: ModelConfig, sd: StateDict, head: str = "lm", dtype=None
   if head not in HEADS:
     raise ValueError(f"head must be one of {HEADS}, got {head!r}")
   dtype = np.dtype(dtype or cfg.param_dtype)
-  _take = _Taker(sd, cfg, consume)
-  sd = _take.sd
-  d, L, i_size = cfg.hidden_size, cfg.num_layers, cfg.intermediate_size
-  q_out, kv_out = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-
-  def stack(fmt, shape, transpose=False):
-    arrays = [_take(fmt.format(i), shape) for i in range(L)]
-    out = np.stack([a.T if transpose else a for a in arrays]).astype(dtype, copy=False)
-    if consume:  # the layers' tensors, freed into the C heap, back to the system: else the
-      del arrays  # next stacked weight (a fresh mapping) comes on top of them
-      hostmem.release()
-    return out
-
-  layers: dict[str, dict] = {"attn": {}, "mlp": {}}
-  if cfg.is_gpt2:
-    backbone = {"embed": {"embedding": _take("wte.weight", (cfg.vocab_size, d))},
-                "wpe": {"embedding": _take("wpe.weight", (cfg.max_position_embeddings, d))}}
-    qkv_w = stack("h.{}.attn.c_attn.weight", (d, 3 * d))
-    qkv_b = stack("h.{}.attn.c_attn.bias", (3 * d,))
-    for j, name in enumerate("qkv"):
-      layers["attn"][name] = {"kernel": qkv_w[:, :, j * d:(j + 1) * d],
-                              "bias": qkv_b[:, j * d:(j + 1) * d]}
-    sizes = {("attn", "o"): (d, d), ("mlp", "fc"): (d, i_size), ("mlp", "proj"): (i_size, d)}
-    for (group, ours), theirs in _GPT2_LAYER.items():
-      out_dim = sizes[(group, ours)][1]
-      layers[group][ours] = {"kernel": stack(f"h.{{}}.{theirs}.weight", sizes[(group, ours)]),
-                             "bias": stack(f"h.{{}}.{theirs}.bias", (out_dim,))}
-    for ours, theirs in (("attn_norm", "ln_1"), ("mlp_norm", "ln_2")):
-      layers[ours] = {"scale": stack(f"h.{{}}.{theirs}.weight", (d,)),
-                      "bias": stack(f"h.{{}}.{theirs}.bias", (d,))}
-    backbone["final_norm"] = {"scale": _take("ln_f.weight", (d,)),
-                              "bias": _take("ln_f.bias", (d,))}
-  else:
-    backbone = {"embed": {"embedding": _take("embed_tokens.weight", (cfg.vocab_size, d))}}
-    out_dims = {"q": q_out, "k": kv_out, "v": kv_out, "o": d, "gate": i_size, "up": i_size,
-                "down": d}
-    in_dims = {"o": q_out, "down": i_size}
-    for (group, ours), theirs in _LLAMA_LAYER.items():
-      shape = (out_dims[ours], in_dims.get(ours, d))
-      layers[group][ours] = {"kernel": stack(f"layers.{{}}.{theirs}.weight", shape, True)}
-      if cfg.qkv_bias and ours in "qkv":
-        layers[group][ours]["bias"] = stack(f"layers.{{}}.{theirs}.bias", (out_dims[ours],))
-    layers["attn_norm"] = {"scale": stack("layers.{}.input_layernorm.weight", (d,))}
-    layers["mlp_norm"] = {"scale": stack("layers.{}.post_attention_layernorm.weight", (d,))}
-    backbone["final_norm"] = {"scale": _take("norm.weight", (d,))}
-  backbone["layers"] = layers
-
-  params: dict[str, Any] = {"model": backbone}
+  _take = _Taker(sd, cfg, consume, dtype)
+  sd, d = _take.sd, cfg.hidden_size
+  family = hf_names.gpt2_from_hf if cfg.is_gpt2 else hf_names.llama_from_hf
+  params: dict[str, Any] = {"model": family(cfg, _take, _take.stack)}
   if head == "value":
     params["score"] = {"kernel": _take("score.weight", (1, d)).T}
     sd.pop("lm_head.weight", None)  # a policy checkpoint used to initialise a critic
@@ -176,42 +135,11 @@ def params_to_hf(cfg: ModelConfig, params: dict, head: str = "lm") -> StateDict:
     from ppojax.models.layout import stack_layers  # pylint: disable=import-outside-toplevel
     params = stack_layers(params)
   p = _cast(params, np.float32)
-  m, layers = p["model"], p["model"]["layers"]
-  sd: StateDict = {}
-  if cfg.is_gpt2:
-    pre = "transformer."
-    sd[pre + "wte.weight"] = m["embed"]["embedding"]
-    sd[pre + "wpe.weight"] = m["wpe"]["embedding"]
-    for i in range(cfg.num_layers):
-      h = f"{pre}h.{i}."
-      attn = layers["attn"]
-      sd[h + "attn.c_attn.weight"] = np.concatenate([attn[n]["kernel"][i] for n in "qkv"], 1)
-      sd[h + "attn.c_attn.bias"] = np.concatenate([attn[n]["bias"][i] for n in "qkv"])
-      for (group, ours), theirs in _GPT2_LAYER.items():
-        sd[h + theirs + ".weight"] = layers[group][ours]["kernel"][i]
-        sd[h + theirs + ".bias"] = layers[group][ours]["bias"][i]
-      for ours, theirs in (("attn_norm", "ln_1"), ("mlp_norm", "ln_2")):
-        sd[h + theirs + ".weight"] = layers[ours]["scale"][i]
-        sd[h + theirs + ".bias"] = layers[ours]["bias"][i]
-    sd[pre + "ln_f.weight"] = m["final_norm"]["scale"]
-    sd[pre + "ln_f.bias"] = m["final_norm"]["bias"]
-    if head == "lm":
-      sd["lm_head.weight"] = (m["embed"]["embedding"] if cfg.tie_word_embeddings
-                              else p["lm_head"]["kernel"].T)
-  else:
-    sd["model.embed_tokens.weight"] = m["embed"]["embedding"]
-    for i in range(cfg.num_layers):
-      h = f"model.layers.{i}."
-      for (group, ours), theirs in _LLAMA_LAYER.items():
-        sd[h + theirs + ".weight"] = layers[group][ours]["kernel"][i].T
-        if "bias" in layers[group][ours]:
-          sd[h + theirs + ".bias"] = layers[group][ours]["bias"][i]
-      sd[h + "input_layernorm.weight"] = layers["attn_norm"]["scale"][i]
-      sd[h + "post_attention_layernorm.weight"] = layers["mlp_norm"]["scale"][i]
-    sd["model.norm.weight"] = m["final_norm"]["scale"]
-    if head == "lm":
-      sd["lm_head.weight"] = (m["embed"]["embedding"] if cfg.tie_word_embeddings
-                              else p["lm_head"]["kernel"].T)
+  m = p["model"]
+  sd = (hf_names.gpt2_to_hf if cfg.is_gpt2 else hf_names.llama_to_hf)(cfg, m)
+  if head == "lm":
+    sd["lm_head.weight"] = (m["embed"]["embedding"] if cfg.tie_word_embeddings
+                            else p["lm_head"]["kernel"].T)
   if head == "value":
     sd["score.weight"] = p["score"]["kernel"].T
   return {k: np.ascontiguousarray(v) for k, v in sd.items()}

@@ -17,7 +17,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from ppojax.core import ops
+from ppojax.core import logprobs, ops
 from ppojax.models.cache import positions_from_mask
 
 Array = jax.Array
@@ -75,7 +75,7 @@ def head_params(params) -> dict:
 
 
 def head_logprobs(module: nn.Module, params, hidden: Array, tokens: Array, temperature: float,
-                  entropy: bool = False, chunk_size: int | None = ops.DEFAULT_CHUNK
+                  entropy: bool = False, chunk_size: int | None = logprobs.DEFAULT_CHUNK
                   ) -> tuple[Array, Array | None]:
   """(log π_T(tokens_t), H_t or None), [B, T] float32, from hidden states [B, T, D] through the
   LM head, about ``chunk_size`` tokens (all rows together) at a time:
@@ -88,18 +88,18 @@ def head_logprobs(module: nn.Module, params, hidden: Array, tokens: Array, tempe
   in every chunk, so rows sharded over a mesh stay sharded. This is for passes without a
   gradient (the rollout's): differentiated, the chunk loop accumulates the head's gradient in a
   whole, unsharded buffer ([D, V] float32, 2 GB for Llama-3.1-8B) on every device, so a loss
-  passes ``chunk_size=None`` (the whole logits at once, ``ops.selective_log_softmax`` chunking
+  passes ``chunk_size=None`` (the whole logits at once, ``logprobs.selective_log_softmax`` chunking
   their float32 work)."""
   b, t, _ = hidden.shape
   head = head_params(params)
 
   def one(h, tok):
     logits = module.apply({"params": head}, h, method="logits")
-    logp = ops.selective_log_softmax(logits, tok, temperature)
-    return logp, ops.entropy_from_logits(logits, temperature) if entropy else None
+    logp = logprobs.selective_log_softmax(logits, tok, temperature)
+    return logp, logprobs.entropy_from_logits(logits, temperature) if entropy else None
 
   target = t if chunk_size is None else max(1, chunk_size // max(b, 1))
-  c = ops._chunk_size(t, target)  # pylint: disable=protected-access
+  c = logprobs._chunk_size(t, target)  # pylint: disable=protected-access
   if c == t:
     return one(hidden, tokens)
   split = lambda x: jnp.swapaxes(x.reshape((b, t // c, c) + x.shape[2:]), 0, 1)  # noqa: E731
@@ -110,7 +110,7 @@ def head_logprobs(module: nn.Module, params, hidden: Array, tokens: Array, tempe
 
 def response_logprobs(module, params, prompts, prompt_mask, responses, response_mask,
                       temperature: float, prefix: Array | None = None,
-                      chunk_size: int | None = ops.DEFAULT_CHUNK) -> Array:
+                      chunk_size: int | None = logprobs.DEFAULT_CHUNK) -> Array:
   """log π_T(response_t | prefix) [B, R], float32, 0 off the mask (``head_logprobs``: the
   logits ``chunk_size`` tokens at a time; None for a loss)."""
   hidden = response_hidden(module, params, prompts, prompt_mask, responses, response_mask,

@@ -1,7 +1,7 @@
 """The public ``config.json`` values of the models users train most, keyed by hub id.
 
-They let a deviceless compile (``python -m ppojax.run.aot``) know a model's shapes without a download
-or any weights: only the fields ``ModelConfig.from_hf`` reads are kept, copied from each
+They let a deviceless compile (``python -m ppojax.aot``) know a model's shapes without a
+download or any weights: only the fields ``ModelConfig.from_hf`` reads are kept, copied from each
 repository's config.json on the Hugging Face Hub. A local directory given instead of the hub id
 (``--config.model.policy=/path/to/dir``) is read from its own config.json, and weights come from
 there when a run loads them.

@@ -18,8 +18,7 @@ Calling convention (``CausalLM`` and ``ValueModel`` alike)::
   included); the returned cache is the updated one. Prefill is ``cache_index=0`` with the whole
   prompt (a Python 0 with unrolled layers: the prompt then attends over its own keys and reads no
   other slot), decode ``T=1``. The cache travels through the layer scan as part of the carry, so a
-  decode step writes only its new slot in place (as scanned inputs/outputs the whole cache would
-  be copied every step).
+  decode step writes only its new slot in place.
 * a prefix shared by every row (``with_shared_prefix``, unrolled layers): its keys and values
   are held once for the batch and every query attends to them; the rows' own tokens take
   positions C, C + 1, … and slots 0, 1, … as before. Without a cache, ``prefix=`` [C] token ids
@@ -37,6 +36,7 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from ppojax.infra.sharding import shard_rows, vocab_parallel_logits
+from ppojax.models.attention import allowed_keys, attend, cached_prefix, check_prefix
 from ppojax.models.cache import fills_from_start, update_cache
 from ppojax.models.config import REMAT_POLICIES, ModelConfig
 from ppojax.models.kernels import (
@@ -49,11 +49,6 @@ from ppojax.models.kernels import (
 from ppojax.models.rope import apply_rope, model_rope
 
 Array = jax.Array
-
-
-# ---------------------------------------------------------------------------------------------
-# Layers
-# ---------------------------------------------------------------------------------------------
 
 
 class RMSNorm(nn.Module):
@@ -128,48 +123,6 @@ def lora_a_init(key, shape, dtype=jnp.float32):
   return jax.random.uniform(key, shape, dtype, -bound, bound)
 
 
-def attend(q: Array, k: Array, v: Array, allowed: Array, keys_transposed: bool = False,
-           shared: tuple[Array, Array] | None = None) -> Array:
-  """softmax(q·kᵀ/√D masked by ``allowed`` [B, T, S])·v, grouped-query: q [B,T,H,D], keys k
-  [B,H_kv,S,D] (or [B,H_kv,D,S] with ``keys_transposed``: the KV cache's layout), values v
-  [B,H_kv,S,D], with H a multiple of H_kv. Scores and softmax in float32.
-
-  ``shared``: keys [H_kv,D,C] and values [H_kv,C,D] that every row and query also sees (a
-  shared prefix); the softmax then runs over the C + S scores [q·k_sharedᵀ | q·kᵀ].
-
-  The G = H/H_kv query heads of a group and the T positions are folded into one axis, so both
-  products are batched matmuls over (B, H_kv); at T = 1 (decode) every transpose here is a free
-  reshape. Without a cache, keys stay [S, D]: the backward's dq = dscores·k is then a plain
-  product too.
-  """
-  b, t, h, d = q.shape
-  hk = v.shape[1]
-  g = h // hk
-  q = q.reshape(b, t, hk, g, d).transpose(0, 2, 3, 1, 4).reshape(b, hk, g * t, d)
-  scores = jnp.einsum("bkqd,bkds->bkqs" if keys_transposed else "bkqd,bksd->bkqs", q, k,
-                      preferred_element_type=jnp.float32)
-  if shared is not None:  # rows folded into the matmul's M: [H_kv, B·G·T, D]·[H_kv, D, C]
-    rows = q.transpose(1, 0, 2, 3).reshape(hk, b * g * t, d)
-    shared_scores = jnp.einsum("kqd,kdc->kqc", rows, shared[0].astype(q.dtype),
-                               preferred_element_type=jnp.float32)
-    shared_scores = shared_scores.reshape(hk, b, g * t, -1).transpose(1, 0, 2, 3)
-    scores = jnp.concatenate([shared_scores, scores], axis=-1)
-    allowed = jnp.concatenate(
-        [jnp.ones(allowed.shape[:-1] + (shared[0].shape[-1],), jnp.bool_), allowed], axis=-1)
-  scores = scores.reshape(b, hk, g, t, -1)
-  scores = jnp.where(allowed[:, None, None], scores / math.sqrt(d), jnp.finfo(jnp.float32).min)
-  probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype).reshape(b, hk, g * t, -1)
-  size = 0 if shared is None else shared[1].shape[1]  # the shared scores come first
-  out = jnp.einsum("bkqs,bksd->bkqd", probs[..., size:], v, preferred_element_type=jnp.float32)
-  if shared is not None:  # batch-leading operands: XLA:CPU has no bf16 → f32 dot otherwise
-    rows = probs[..., :size].transpose(1, 0, 2, 3).reshape(hk, b * g * t, size)
-    shared_out = jnp.einsum("kqc,kcd->kqd", rows, shared[1].astype(v.dtype),
-                            preferred_element_type=jnp.float32)
-    out += shared_out.reshape(hk, b, g * t, d).transpose(1, 0, 2, 3)
-  out = out.astype(v.dtype).reshape(b, hk, g, t, d)
-  return out.transpose(0, 3, 1, 2, 4).reshape(b, t, h, d)
-
-
 class Attention(nn.Module):
   cfg: ModelConfig
 
@@ -212,17 +165,8 @@ class Attention(nn.Module):
       k = k.transpose(0, 2, 1, 3)  # [B, H_kv, T, D]
       kv_mask = kv_mask[:, :t]
       q_slots = kv_slots = jnp.arange(t)
-    allowed = kv_slots[None, :] <= q_slots[:, None]  # causal, over cache slots
-    allowed &= (window == 0) | (kv_slots[None, :] > q_slots[:, None] - window)  # sliding window
-    allowed = allowed[None] & kv_mask[:, None, :].astype(jnp.bool_)
-    shared, out_p = None, None
-    if cache is not None and cache.prefix_k is not None:  # a prefix every row attends to
-      if not isinstance(layer, int):
-        raise ValueError("a shared prefix needs unrolled layers (scan_layers=False)")
-      if window:
-        raise ValueError("a shared prefix cannot be used with a sliding attention window: "
-                         "prepend it to every prompt instead")
-      shared = cache.prefix_k[layer], cache.prefix_v[layer]
+    allowed = allowed_keys(q_slots, kv_slots, window, kv_mask)
+    shared, out_p = cached_prefix(cache, layer, window), None  # a prefix every row attends to
     if prefix is not None:  # the prefix's own causal attention, then its keys for every row
       xp, rope_p = prefix
       qp, kp, vp = heads(xp, rope_p)
@@ -303,8 +247,7 @@ class Decoder(nn.Module):
   def __call__(self, tokens, positions, kv_mask, cache=None, cache_index=0, rope=None,
                prefix=None):
     """``rope``: ``model_rope(cfg, positions)`` when the caller already has it (a decode loop
-    computes it once for all its steps; computed here, XLA:CPU evaluates the cos and sin again
-    inside every layer's q and k fusions, 3% of a batch-64 decode step).
+    computes it once for all its steps, outside its loop: docs/performance.md).
 
     ``prefix``: [C] token ids that precede every row (no cache): they take positions 0 … C − 1
     and the rows' ``positions`` start at C; the prefix runs through each layer once, for the
@@ -319,7 +262,7 @@ class Decoder(nn.Module):
     windows = cfg.layer_windows or (0,) * cfg.num_layers
     xp = rope_p = None
     if prefix is not None:
-      _check_prefix(prefix, cache, windows)
+      check_prefix(prefix, cache, windows)
       positions_p = jnp.arange(prefix.shape[0], dtype=jnp.int32)[None]
       xp = self.embed(prefix[None].astype(jnp.int32))
       if cfg.is_gpt2:
@@ -336,17 +279,6 @@ class Decoder(nn.Module):
         (x, cache, xp), _ = layer((x, cache, xp), i, windows[i], rope, kv_mask, cache_index,
                                   rope_p)
     return self.final_norm(x), cache
-
-
-def _check_prefix(prefix, cache, windows) -> None:
-  if prefix.ndim != 1:
-    raise ValueError(f"prefix must be one row of token ids [C], got shape {prefix.shape}")
-  if cache is not None:
-    raise ValueError("prefix is for forward passes without a cache; a generation shares a "
-                     "prefix through its cache (with_shared_prefix)")
-  if any(windows):
-    raise ValueError("a shared prefix cannot be used with a sliding attention window: prepend "
-                     "it to every row instead")
 
 
 class CausalLM(nn.Module):

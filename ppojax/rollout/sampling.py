@@ -11,7 +11,7 @@ model once, for one row, and the batch's prefill over the rest only. The sample 
 the same; only float rounding differs.
 
 Log-probs: ``out.logprobs`` is log π_T(token) under softmax(logits / temperature) — the
-distribution PPO's ratio uses (``ops.selective_log_softmax(logits, tokens, temperature)``
+distribution PPO's ratio uses (``logprobs.selective_log_softmax(logits, tokens, temperature)``
 recomputes exactly it). ``out.sampling_logprobs`` is under the distribution the token was actually
 drawn from: the temperature-scaled one after top-k / top-p / min-p truncation (and the exclusion
 of stop tokens before ``min_new_tokens``), renormalised. The two are equal when nothing is
@@ -35,6 +35,7 @@ from ppojax.models.cache import KVCache, init_cache, positions_from_mask, with_s
 from ppojax.models.kernels import columns_pay_off
 from ppojax.models.layout import fuse_projections, transpose_kernels, unstack_layers
 from ppojax.models.rope import model_rope
+from ppojax.rollout.draw import sample_token
 
 Array = jax.Array
 
@@ -67,7 +68,8 @@ class SamplingConfig:
                        f"got {self.temperature}")
     if not 0 <= self.min_new_tokens <= self.max_new_tokens:
       raise ValueError(f"need 0 <= min_new_tokens <= max_new_tokens, got {self.min_new_tokens}")
-    if not isinstance(self.num_samples_per_prompt, (int, np.integer)) or self.num_samples_per_prompt < 1:
+    n = self.num_samples_per_prompt
+    if not isinstance(n, (int, np.integer)) or n < 1:
       raise ValueError(f"num_samples_per_prompt must be an int >= 1, got "
                        f"{self.num_samples_per_prompt!r}")
     if not 0 < self.top_p <= 1 or not 0 <= self.min_p < 1 or self.top_k < 0:
@@ -85,110 +87,6 @@ class Generation(NamedTuple):
   sampling_logprobs: Array  # [B, R] float32, under the truncated distribution; 0 on padding
   mask: Array  # [B, R] bool, ops.response_mask(tokens, stop_ids)
   lengths: Array  # [B] int32, response lengths (stop token included)
-
-
-def truncate_logits(z: Array, config: SamplingConfig) -> Array:
-  """Temperature-scaled logits [B, V] with the tokens that top-k / top-p / min-p exclude set to
-  −inf (applied in that order, as Hugging Face's logits warpers)."""
-  neg_inf = jnp.finfo(z.dtype).min
-  if config.top_k:
-    kth = jax.lax.top_k(z, min(config.top_k, z.shape[-1]))[0][:, -1:]
-    z = jnp.where(z < kth, neg_inf, z)
-  if config.top_p < 1:
-    sorted_z = jnp.sort(z, axis=-1)[:, ::-1]
-    probs = jax.nn.softmax(sorted_z, axis=-1)
-    before = jnp.cumsum(probs, axis=-1) - probs  # mass strictly above each sorted token
-    keep = before < config.top_p  # always keeps the most likely token
-    threshold = jnp.min(jnp.where(keep, sorted_z, jnp.inf), axis=-1, keepdims=True)
-    z = jnp.where(z < threshold, neg_inf, z)
-  if config.min_p > 0:
-    probs = jax.nn.softmax(z, axis=-1)
-    z = jnp.where(probs < config.min_p * jnp.max(probs, axis=-1, keepdims=True), neg_inf, z)
-  return z
-
-
-def sample_token(logits: Array, key: Array, config: SamplingConfig, banned: Array | None = None):
-  """One token per row from next-token logits [B, V]: (tokens, logprobs, sampling_logprobs).
-
-  ``banned`` [V] or [B, V] excludes tokens from sampling (stop ids before ``min_new_tokens``);
-  like the truncation it changes ``sampling_logprobs`` only, never ``logprobs``.
-
-  log π(i) = z_i − m − log Σ_j exp(z_j − m) with m = max z is evaluated for the chosen tokens
-  only: one exp pass per distribution over [B, V], its weights reused for the draw.
-  """
-  z = logits.astype(jnp.float32) / config.temperature
-  z_max, weights, lse = _normaliser(z)
-  zt, zt_max, weights_t, lse_t = z, z_max, weights, lse
-  if config.truncates or banned is not None:
-    zt = z if banned is None else jnp.where(banned, jnp.finfo(z.dtype).min, z)
-    zt = truncate_logits(zt, config) if config.truncates else zt
-    zt_max, weights_t, lse_t = _normaliser(zt)
-  if config.greedy:
-    tokens = first_argmax(zt, zt_max)
-  else:
-    tokens = _inverse_cdf_sample(key, weights_t)
-  pick = lambda x: jnp.take_along_axis(x, tokens[:, None], axis=-1)[:, 0]  # noqa: E731
-  return tokens, pick(z - lse), pick(zt - lse_t)
-
-
-def _normaliser(z: Array) -> tuple[Array, Array, Array]:
-  """m = max_i z_i [B, 1], the unnormalised probabilities w = exp(z − m) [B, V] and
-  logsumexp(z) = m + log Σ w [B, 1]."""
-  z_max = jnp.max(z, axis=-1, keepdims=True)
-  weights = jnp.exp(z - z_max)
-  return z_max, weights, z_max + jnp.log(jnp.sum(weights, axis=-1, keepdims=True))
-
-
-def first_argmax(z: Array, z_max: Array) -> Array:
-  """argmax over the last axis (the first index on ties), given z_max = max(z, -1, keepdims).
-
-  A where + min reduction: XLA:CPU lowers ``jnp.argmax``'s variadic reduce to a scalar loop that
-  took 30x longer than a max over [64, 49152]."""
-  vocab = z.shape[-1]
-  index = jnp.where(z == z_max, jnp.arange(vocab, dtype=jnp.int32), vocab)
-  return jnp.minimum(jnp.min(index, axis=-1), vocab - 1).astype(jnp.int32)
-
-
-_CDF_BLOCK = 256
-
-
-def _inverse_cdf_sample(key: Array, weights: Array) -> Array:
-  """Token i with probability w_i / Σw for weights [B, V] ≥ 0 with a positive sum:
-  ``inverse_cdf`` at u ~ U[tiny, 1), one uniform per row instead of the Gumbel-max trick's one
-  per vocabulary entry (the random bits for [64, 49152] Gumbel noise cost more than the rest of
-  the step)."""
-  u = jax.random.uniform(key, (weights.shape[0], 1), minval=jnp.finfo(jnp.float32).tiny,
-                         maxval=1.0)
-  return inverse_cdf(weights, u)
-
-
-def inverse_cdf(weights: Array, u: Array) -> Array:
-  """The first token i whose CDF_i ≥ u·Σw, for weights [B, V] ≥ 0 with a positive sum and
-  u [B, 1] in (0, 1]; always a token of positive weight, whatever the rounding.
-
-  The CDF is two-level: cumulative sums of 256-token block totals pick the block (the first
-  whose block CDF reaches the target, so its total is positive), a cumulative sum inside that
-  block picks the token; a full-length ``cumsum`` cost 10x a reduction on CPU. The two levels
-  round differently, so the offset in the block is clipped to the block's first and last
-  positive weights: a rounding at either edge would otherwise land on a zero-weight token.
-  """
-  batch, vocab = weights.shape
-  blocks = -(-vocab // _CDF_BLOCK)
-  w = jnp.pad(weights, ((0, 0), (0, blocks * _CDF_BLOCK - vocab))).reshape(
-      batch, blocks, _CDF_BLOCK)
-  block_cdf = jnp.cumsum(jnp.sum(w, axis=-1), axis=-1)  # [B, blocks]
-  target = u * block_cdf[:, -1:]  # in [0, Σw] (0 only by underflow)
-  # leading blocks of total 0 are skipped even at target 0
-  block = jnp.sum((block_cdf < target) | (block_cdf <= 0), axis=-1)  # [B]
-  block = jnp.minimum(block, blocks - 1)
-  below = jnp.where(block > 0, jnp.take_along_axis(
-      block_cdf, jnp.maximum(block - 1, 0)[:, None], axis=-1)[:, 0], 0.0)
-  inner = jnp.take_along_axis(w, block[:, None, None], axis=1)[:, 0]  # [B, 256]
-  offset = jnp.sum(jnp.cumsum(inner, axis=-1) < (target - below[:, None]), axis=-1)
-  index = jnp.arange(_CDF_BLOCK, dtype=jnp.int32)
-  first = jnp.min(jnp.where(inner > 0, index, _CDF_BLOCK - 1), axis=-1)
-  last = jnp.max(jnp.where(inner > 0, index, 0), axis=-1)
-  return (block * _CDF_BLOCK + jnp.clip(offset, first, last)).astype(jnp.int32)
 
 
 def _cast_floats(params, dtype):
@@ -250,15 +148,14 @@ def _shared_prefix_cache(apply, cfg, prefix: Array, cache: KVCache, size: int) -
 
 def decode_layout(module: nn.Module, params) -> tuple[nn.Module, dict]:
   """(module, params) as ``generate`` decodes with them: unrolled layers (they read their
-  weights in place; a scanned decode step copies every weight out of the stacked arrays, and ran
-  2.2x slower on CPU), q/k/v and gate/up joined (``fused_projections``: the split copies the
-  weights anyway), no remat (no gradient flows through sampling), floats in the compute dtype,
-  and on CPU the kernels stored [out, in] (``transposed_kernels``: a decode step's few rows
-  then take ``columns_matmul``: its matmuls ran 2x faster on a 2-core AVX2 Zen 3).
+  weights in place; a scanned decode step copies every weight out of the stacked arrays), q/k/v
+  and gate/up joined (``fused_projections``: the split copies the weights anyway), no remat (no
+  gradient flows through sampling), floats in the compute dtype, and on CPU the kernels stored
+  [out, in] (``transposed_kernels``: a decode step's few rows then take ``columns_matmul``).
 
-  ``generate`` applies it on every call, which copies every weight (0.2–0.3 s for SmolLM2-135M on
-  this CPU). Call it once and pass its result to reuse one set of params across calls
-  (evaluation, serving, benchmarks); on params already in this layout it copies nothing."""
+  ``generate`` applies it on every call, which copies every weight. Call it once and pass its
+  result to reuse one set of params across calls (evaluation, serving, benchmarks); on params
+  already in this layout it copies nothing. Timings: docs/performance.md."""
   cfg = module.cfg
   transposed = columns_pay_off()
   if cfg.transposed_kernels and not cfg.fused_projections:  # fuse in the [in, out] layout
@@ -285,7 +182,8 @@ def _repeat_rows(tree, n: int, heads: int | None = None):
 def generate(module: nn.Module, params, prompts: Array, prompt_mask: Array, key: Array,
              config: SamplingConfig, prefix: Array | None = None) -> Generation:
   """Sample up to ``config.max_new_tokens`` tokens after left-padded ``prompts`` [B, P]:
-  ``config.num_samples_per_prompt`` = n samples of each, [B·n, R], prompt i's in rows i·n … i·n + n − 1.
+  ``config.num_samples_per_prompt`` = n samples of each, [B·n, R], prompt i's in rows
+  i·n … i·n + n − 1.
 
   Args:
     module: a ``CausalLM`` (its ``cfg`` sizes the KV cache). Decoding always runs in
@@ -305,33 +203,53 @@ def generate(module: nn.Module, params, prompts: Array, prompt_mask: Array, key:
   rows and last logits are then repeated n times (``_repeat_rows``) and the n samples of a
   prompt differ from their first token on (each row draws its own noise).
   """
-  n = config.num_samples_per_prompt
-  prompt_rows, prompt_len = prompts.shape
-  batch = prompt_rows * n
-  length = config.max_new_tokens
   if prefix is not None and prefix.ndim != 1:
     raise ValueError(f"prefix must be one row of token ids [C], got shape {prefix.shape}")
   shared = 0 if prefix is None else prefix.shape[0]
+  # the last token is sampled but never fed back: P + R − 1 cache slots
+  slots = prompts.shape[1] + config.max_new_tokens - 1
   prompt_mask = prompt_mask.astype(jnp.bool_)
   module, params = decode_layout(module, params)
   apply = functools.partial(module.apply, {"params": params})
+  logits, cache, kv_mask, first_position = _prefill(
+      apply, module.cfg, prompts, prompt_mask, prefix, shared, slots,
+      config.num_samples_per_prompt)
+  state = _decode(apply, module.cfg, logits, cache, kv_mask, first_position, prompts.shape[1],
+                  shared + slots, key, config)
+  mask = ops.response_mask(state.tokens, config.stop_ids)
+  return Generation(
+      tokens=state.tokens, logprobs=jnp.where(mask, state.logp, 0.0),
+      sampling_logprobs=jnp.where(mask, state.sampling_logp, 0.0), mask=mask,
+      lengths=jnp.sum(mask, axis=1, dtype=jnp.int32))
 
-  # the last token is sampled but never fed back: P + R − 1 cache slots
-  slots = prompt_len + length - 1
+
+def _prefill(apply, cfg, prompts: Array, prompt_mask: Array, prefix: Array | None, shared: int,
+             slots: int, n: int):
+  """The prefill of ``prompts`` [B, P] (after the shared ``prefix``'s, C = ``shared`` tokens)
+  into a cache of ``slots`` slots: (last logits [B·n, 1, V], cache, kv_mask [B·n, slots], the
+  first new token's position [B·n]), each row repeated for its n samples."""
+  prompt_rows, prompt_len = prompts.shape
   kv_mask = jnp.zeros((prompt_rows, slots), jnp.bool_).at[:, :prompt_len].set(prompt_mask)
-  cache = init_cache(module.cfg, prompt_rows, slots)
+  cache = init_cache(cfg, prompt_rows, slots)
   if shared:
-    cache = _shared_prefix_cache(apply, module.cfg, prefix.astype(jnp.int32), cache,
-                                 shared + slots)
+    cache = _shared_prefix_cache(apply, cfg, prefix.astype(jnp.int32), cache, shared + slots)
   # RoPE from a table of the cache's positions (every position here is below C + ``slots``)
   prompt_positions = shared + positions_from_mask(prompt_mask)
   logits, cache = apply(prompts, prompt_positions, kv_mask, cache, 0, last_only=True,
-                        rope=model_rope(module.cfg, prompt_positions, shared + slots))
+                        rope=model_rope(cfg, prompt_positions, shared + slots))
   first_position = shared + jnp.sum(prompt_mask, axis=1, dtype=jnp.int32)  # first new token
   if n > 1:  # each prompt's prefill serves its n samples
     logits, kv_mask, first_position = _repeat_rows((logits, kv_mask, first_position), n)
     cache = cache._replace(k=_repeat_rows(cache.k, n, heads=1),
                            v=_repeat_rows(cache.v, n, heads=1))
+  return logits, cache, kv_mask, first_position
+
+
+def _decode(apply, cfg, logits: Array, cache, kv_mask: Array, first_position: Array,
+            prompt_len: int, size: int, key: Array, config: SamplingConfig) -> _LoopState:
+  """Token 0 from the prefill's ``logits``, then the ``lax.while_loop`` of decode steps until
+  every row has stopped or R tokens are out; ``size`` is the RoPE table's (C + slots)."""
+  batch, length = logits.shape[0], config.max_new_tokens
   stop_ids = jnp.asarray(config.stop_ids, jnp.int32)
   is_stop_id = jnp.isin(jnp.arange(logits.shape[-1]), stop_ids)  # [V]
 
@@ -353,7 +271,7 @@ def generate(module: nn.Module, params, prompts: Array, prompt_mask: Array, key:
   # RoPE of every decode step, once, outside the loop: in the loop body they would be gathered
   # again inside each layer's fusions
   decode_positions = first_position[:, None] + jnp.arange(max(length - 1, 1), dtype=jnp.int32)
-  decode_rope = model_rope(module.cfg, decode_positions, shared + slots)
+  decode_rope = model_rope(cfg, decode_positions, size)
 
   def body(s: _LoopState) -> _LoopState:
     """Feed token t − 1 (slot P + t − 1), then sample token t."""
@@ -375,10 +293,4 @@ def generate(module: nn.Module, params, prompts: Array, prompt_mask: Array, key:
       tokens=jnp.full((batch, length), config.pad_id, jnp.int32), logp=zeros,
       sampling_logp=zeros, done=jnp.zeros((batch,), jnp.bool_))
   state = pick(state.t, logits[:, -1], state)  # token 0, from the prefill
-  state = jax.lax.while_loop(cond, body, state)
-
-  mask = ops.response_mask(state.tokens, config.stop_ids)
-  return Generation(
-      tokens=state.tokens, logprobs=jnp.where(mask, state.logp, 0.0),
-      sampling_logprobs=jnp.where(mask, state.sampling_logp, 0.0), mask=mask,
-      lengths=jnp.sum(mask, axis=1, dtype=jnp.int32))
+  return jax.lax.while_loop(cond, body, state)

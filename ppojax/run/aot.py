@@ -240,7 +240,8 @@ def format_report(r: dict[str, Any]) -> str:
   verdict = {True: "fits", False: "DOES NOT FIT", None: "unknown HBM"}[r["fits"]]
   lines = [
       f"{r['model']} ({r['params'] / 1e9:.2f}B params{_trained(r)}), {r['batch']} x "
-      f"({r['prompt_len']} + {r['response_len']}) tokens, {r['dtype']}{', remat' if r['remat'] else ''}",
+      f"({r['prompt_len']} + {r['response_len']}) tokens, {r['dtype']}"
+      f"{', remat' if r['remat'] else ''}",
       f"{r['topology']}: {r['devices']} x {r['device_kind']}, mesh {r['mesh']}, "
       f"compiled in {r['compile_seconds']:.0f} s",
       f"  per device  {gib(r['per_device_bytes'])} of {gib(r['hbm_bytes_per_device'])}: {verdict}",

@@ -223,8 +223,9 @@ def defaults() -> ml_collections.ConfigDict:
 
 
 def supervised_defaults() -> ml_collections.ConfigDict:
-  """The options of the supervised stages (``ppojax.supervised.sft``, ``ppojax.supervised.train_rm``) with defaults;
-  ``configs/sft_arith.py`` and ``configs/rm_arith.py`` start from it."""
+  """The options of the supervised stages (``ppojax.supervised.sft``,
+  ``ppojax.supervised.train_rm``) with defaults; ``configs/sft_arith.py`` and
+  ``configs/rm_arith.py`` start from it."""
   c = ml_collections.ConfigDict()
   c.seed = 0  # model init (tiny), data generation and batch order
   c.wandb_project = ""  # log to Weights & Biases too (needs `pip install 'ppojax[wandb]'`)

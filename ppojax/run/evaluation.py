@@ -27,7 +27,8 @@ from ppojax.tasks.sources import call_text_fn, decode_text
 
 def greedy(sampling: SamplingConfig, max_new_tokens: int | None = None) -> SamplingConfig:
   """The same stop tokens and length limit, decoded greedily, one completion per prompt."""
-  return dataclasses.replace(sampling, greedy=True, top_k=0, top_p=1.0, min_p=0.0, num_samples_per_prompt=1,
+  return dataclasses.replace(sampling, greedy=True, top_k=0, top_p=1.0, min_p=0.0,
+                             num_samples_per_prompt=1,
                              max_new_tokens=max_new_tokens or sampling.max_new_tokens)
 
 
@@ -59,8 +60,8 @@ def completions(module, params, records: Sequence[dict],
                 tokenizer, batch_size: int, key: jax.Array | None = None,
                 scorer: Scorer | None = None) -> list[str] | tuple[list[str], np.ndarray]:
   """Completions of every record's prompt, ``batch_size`` prompts per compiled call:
-  ``sampling.num_samples_per_prompt`` per prompt, record i's at ``i·n … i·n + n − 1``. Greedy decoding
-  needs no ``key``; sampled decoding draws batch j's tokens with ``fold_in(key, j)``.
+  ``sampling.num_samples_per_prompt`` per prompt, record i's at ``i·n … i·n + n − 1``. Greedy
+  decoding needs no ``key``; sampled decoding draws batch j's tokens with ``fold_in(key, j)``.
 
   ``scorer`` (``reward_model_scorer``): also each completion's score, float64 [N·n], from the
   generated tokens themselves, as the rollout scores them; then (texts, scores)."""

@@ -70,7 +70,7 @@ class ResumeWarning(UserWarning):
 
 
 def flatten(tree: dict, prefix: str = "") -> dict[str, Any]:
-  """``{"ppo": {"batch_size": 16}}`` -> ``{"rl.batch_size": 16}``, values as JSON gives them
+  """``{"rl": {"batch_size": 16}}`` -> ``{"rl.batch_size": 16}``, values as JSON gives them
   back (tuples become lists; anything else JSON cannot hold, its repr)."""
   flat = {}
   for key, value in tree.items():
@@ -129,7 +129,7 @@ def fingerprint(config, source) -> dict[str, dict]:
 
 
 def supervised_fingerprint(config, train: dict[str, np.ndarray]) -> dict[str, dict]:
-  """The fingerprint of a supervised stage (``ppojax.supervised.common.fit``): its flat config and
+  """The fingerprint of a supervised stage (``ppojax.supervised.loop.fit``): its flat config and
   ``data.train_rows``, the sha256 of the training set's real tokens, array by array in name
   order (each ``NAME`` with its ``NAME_mask``: ``rows_sha256``, independent of the padded
   width). It catches another data file or contents, tokenizer, chat template or generator."""

@@ -1,50 +1,32 @@
 """A training run from a config: ``build`` it (ppojax/run/build.py), then loop, with checkpoints,
-metrics, sample tables, held-out evaluation, plots and the final export. ``ppojax.train`` is
-the command line around ``run``.
+metrics, sample tables, held-out evaluation (ppojax/run/held_out.py), plots and the final
+export. ``ppojax.train`` is the command line around ``run``.
 """
 
 from __future__ import annotations
 
-import json
 import pathlib
 import time
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ppojax.data import records as records_lib
 from ppojax.data.batch import Prompts
-from ppojax.infra import files, hostmem
+from ppojax.infra import hostmem
 from ppojax.infra import sharding as sharding_lib
 from ppojax.infra.signals import StopSignals
-from ppojax.learner import state as state_lib
 from ppojax.learner import update as update_lib
 from ppojax.models import lora, save_model
-from ppojax.run import baselines, evaluation
+from ppojax.run import baselines, held_out, loop_state, reporting
 from ppojax.run import checks as checks_lib
-
-# the builders are runner's API too: runner.build(config), runner.load_config(path), ...
-from ppojax.run.build import Run, _abstract, _import, build
+from ppojax.run.build import Run, _import, build
+from ppojax.run.progress import Progress
 from ppojax.tasks import sources
 
 SHOWN = ("objective/scores", "objective/kl", "objective/entropy_masked", "policy/clipfrac_avg",
          "val/response_length")
-
-
-# ---------------------------------------------------------------------------------------------
-# The loop
-# ---------------------------------------------------------------------------------------------
-
-
-def _sample_rows(run: Run, r, scores, n: int) -> list[dict]:
-  r, scores = sharding_lib.to_host(  # the rows shown
-      jax.tree.map(lambda x: x[:n], (r._replace(prefix=None), scores)))
-  decode = run.source.decode
-  return [{"prompt": decode(r.prompts[i], r.prompt_mask[i]),
-           "response": decode(r.responses[i], r.mask[i]), "score": float(scores[i])}
-          for i in range(len(scores))]
 
 
 def iteration(run: Run, state, prompts: Prompts, records: list[dict] | None = None,
@@ -133,224 +115,164 @@ def init_distributed(config) -> None:
 
 
 def _run(config, workdir, stop_after, signals: StopSignals) -> Result:
-  from ppojax.run import checkpoint, reporting, resume  # pylint: disable=import-outside-toplevel
-
+  """``run`` under its signal handlers."""
   r = build(config)
   hostmem.release()  # loading's freed buffers (see hostmem.release: a phase's holes would
   # otherwise stay resident under every later phase's peak)
-  config = r.config  # the algorithm's defaults filled in (algorithms.resolve)
-  state, start, n = r.state, 0, config.num_iterations
-  bad = {"total": 0, "streak": 0}  # skipped iterations: all of them, and the latest run of them
-  train_s = 0.0  # seconds spent in iterations so far (held-out evaluations and saves not counted)
-  ckpt = writer = fingerprint = None
-  evals = _read_evals(workdir)
+  loop = loop_state.LoopState(r, r.state, signals, held_out.read_evals(workdir))
   if workdir:
-    workdir = pathlib.Path(workdir)
-    workdir.mkdir(parents=True, exist_ok=True)
-    ckpt = checkpoint.Checkpointer(workdir / "checkpoints", config.save_every, config.keep)
-    fingerprint = resume.fingerprint(config, r.source)  # saved with every checkpoint
-    if ckpt.latest_step() is not None:
-      try:  # refuses another run's checkpoint; skips (and sets aside) corrupt ones
-        state, meta = resume.restore(ckpt, _saved(_abstract(state, r.state_shardings)),
-                                     fingerprint, config)
-        state = state._replace(base=r.state.base)  # LoRA's base is not in checkpoints
-      except BaseException:
-        ckpt.close()
-        raise
-      start = int(meta["iteration"])
-      bad.update(total=int(meta.get("nonfinite_total", 0)),
-                 streak=int(meta.get("nonfinite_streak", 0)))
-      train_s = float(meta.get("train_seconds", 0.0))
-      print(f"resumed from {workdir / 'checkpoints'} at iteration {start}", flush=True)
-    _write_json(workdir / "config.json", config.to_dict())  # this invocation's resolved config
-    # an evaluation cut short after its metrics row but before eval.json is done again
-    phases = [(0, "before"), *((0, p) for p, _ in baselines.phases(config))]
-    for it, phase in phases + ([(n, "after")] if n else []):  # n = 0: evaluation only
-      if it == start and phase not in evals:
-        _drop_eval_rows(workdir / reporting.METRICS_FILE, [it], baselines.metric_prefix(phase))
-    wandb = config.get("wandb_project") or None
-    writer = reporting.MetricWriter(str(workdir), wandb_project=wandb,
-                                    wandb_config=config.to_dict() if wandb else None,
-                                    resume_step=start)
-  batch = checks_lib.rollout_rows(config)  # episodes (responses) per iteration
-  if start == 0 and r.source.eval_records:  # the untrained policy, and its baselines
-    for phase, instruction in (("before", None), *baselines.phases(config)):
-      if phase not in evals and not signals.received:
-        evals[phase] = _held_out(r, state, phase, workdir, writer, 0, instruction=instruction)
-  if not n:  # num_iterations = 0: the evaluations above only (no training, no export)
-    for closing in (ckpt, writer):
-      if closing:
-        closing.close()
-    return Result([], evals)
-  progress = reporting.Progress(n, start=start)
-  history, last, unsaved = [], start, False  # last: the latest completed iteration
-  what: set[str] = set()  # what was non-finite in the current run of skipped iterations
+    loop.open(pathlib.Path(workdir))
+  if loop.start == 0 and r.source.eval_records:  # the untrained policy, and its baselines
+    _evaluate_before(loop)
+  if not r.config.num_iterations:  # the evaluations above only (no training, no export)
+    loop.close()
+    return Result([], loop.evals)
+  history = _train(loop, stop_after)
+  if loop.workdir and loop.last == r.config.num_iterations and not signals.received:
+    _finish(r, loop.state, loop.workdir)
+  return Result(history, loop.evals)
 
-  def save(it: int, state, force: bool) -> bool:
-    return bool(ckpt) and ckpt.save(it, _saved(state), {
-        "iteration": it, "data_position": it, "nonfinite_total": bad["total"],
-        "nonfinite_streak": bad["streak"], "fingerprint": fingerprint,
-        "train_seconds": train_s}, force=force)
 
+def _evaluate_before(loop: loop_state.LoopState) -> None:
+  """The untrained policy, plain and with each instruction of ``eval.baselines``; a phase that
+  eval.json holds already (a resumed run) is not evaluated again."""
+  for phase, instruction in (("before", None), *baselines.phases(loop.r.config)):
+    if phase not in loop.evals and not loop.signals.received:
+      loop.evaluate(phase, 0, instruction=instruction)
+
+
+def _train(loop: loop_state.LoopState, stop_after: int | None) -> list[dict]:
+  """The iterations after ``loop.start`` up to ``num_iterations`` (or a stop), then the
+  held-out evaluation "after"; returns the logged metric rows."""
+  n = loop.r.config.num_iterations
+  progress = Progress(n, start=loop.start)
+  history = []
   loop_start = time.perf_counter()
   try:
-    for it in range(start + 1, n + 1):
-      if signals.received:  # arrived after the previous iteration's save
-        if unsaved:
-          save(last, state, force=True)
+    for it in range(loop.start + 1, n + 1):
+      if loop.signals.received:  # arrived after the previous iteration's save
+        if loop.unsaved:
+          loop.save(loop.last, force=True)
         break
-      drawn = r.source.batch(it - 1)
-      prompts = sharding_lib.place_prompts(drawn.prompts, r.mesh)
-      state, metrics, rollout, scores = iteration(r, state, prompts, drawn.records,
-                                                  config.phase_timing)
-      last = it
-      skipped = metrics.get("skipped/nonfinite", 0.0) > 0
-      bad["total"] += skipped
-      bad["streak"] = bad["streak"] + 1 if skipped else 0
-      what = what | _nonfinite(metrics) if skipped else set()  # over the current streak
-      # eps as trl's: episodes per second since the loop started (the first includes compiling)
-      eps = (it - start) * batch / (time.perf_counter() - loop_start)
-      train_s += metrics["time/iteration"]
-      metrics.update(episode=it * batch, eps=eps,
-                     **{"data/truncated_prompts": drawn.truncated,
-                        "skipped/nonfinite_total": bad["total"], "time/train_s": train_s},
-                     **peak_memory())
-      if config.eval.monitor and drawn.records:
-        metrics.update(_monitor(r, rollout, drawn.records))
-      if skipped or it % config.log_every == 0 or it in (start + 1, n):
-        history.append({"iteration": it, **metrics})
-        progress.update(it, {k: metrics[k] for k in SHOWN if k in metrics})
-        if writer:
-          writer.write(it, metrics)
-      if skipped:
-        progress.write(f"\niteration {it}: non-finite {_names(_nonfinite(metrics))}: update "
-                       f"skipped ({bad['streak']} in a row, {bad['total']} in all)")
-      if config.sample_every and (it % config.sample_every == 0 or it == n):
-        rows = _sample_rows(r, rollout, scores, config.sample_table_rows)
-        progress.write(f"\nsamples at iteration {it}:\n{reporting.format_samples_table(rows)}")
-        if writer:
-          writer.write_samples(it, rows)
-      if config.eval.every and it % config.eval.every == 0 and it < n and r.source.eval_records:
-        phase = f"iteration_{it}"
-        evals[phase] = _held_out(r, state, phase, workdir, writer, it, say=progress.write)
-      max_bad = config.rl.get("max_bad_steps", 3)
-      failed = skipped and 0 < max_bad <= bad["streak"]
-      stop = it == n or it == stop_after or failed or signals.received is not None
-      unsaved = not save(it, state, force=stop)
-      if not unsaved:
-        hostmem.release()  # what the checkpoint's writer threads freed
-      if failed:
-        saved = (f"is saved as checkpoint {it} in {ckpt.directory}" if ckpt
-                 else "was not saved (no workdir)")
-        raise NonFiniteError(
-            f"{bad['streak']} PPO iterations in a row ({it - bad['streak'] + 1} to {it}) had "
-            f"non-finite {_names(what)} and were skipped (rl.max_bad_steps={max_bad}); "
-            f"the last good state {saved}. Check the reward function and the learning rate, "
-            "then rerun to resume.")
-      if stop:
+      metrics, rollout, scores = _iterate(loop, it, loop_start)
+      _report(loop, it, metrics, history, progress)
+      _show_samples(loop, it, rollout, scores, progress)
+      _evaluate_during(loop, it, progress)
+      if _checkpoint(loop, it, stop_after):
         break
-    if signals.received:
-      where = f"after iteration {last}" if last > start else "before any iteration"
-      progress.write(f"\nstopped by {signals.received} {where}"
-                     + (f"; checkpoint {last} saved: run the same command again to resume"
-                        if ckpt and last > start else ""))
-    elif last == n and r.source.eval_records and "after" not in evals:
-      progress.close()
-      evals["after"] = _held_out(r, state, "after", workdir, writer, n)
+    _end(loop, progress)
   finally:
     progress.close()
-    if ckpt:
-      ckpt.wait()
-      ckpt.close()
-    if writer:
-      writer.close()
-  if workdir and last == n and not signals.received:
-    _finish(r, state, workdir, reporting)
-  return Result(history, evals)
+    loop.close()
+  return history
 
 
-def _nonfinite(metrics: dict) -> set[str]:
-  """Which of the checked quantities were non-finite in an iteration's metrics."""
-  return {k for k in update_lib.NONFINITE_CHECKS if metrics.get(f"nonfinite/{k}")}
+def _iterate(loop: loop_state.LoopState, it: int, loop_start: float) -> tuple[dict, Any, Any]:
+  """Iteration ``it`` on its batch: (metrics, rollout, scores), the metrics with the run's
+  counters, episodes per second, peak memory and the ``eval.monitor`` metrics."""
+  r, config = loop.r, loop.r.config
+  batch = checks_lib.rollout_rows(config)  # episodes (responses) per iteration
+  drawn = r.source.batch(it - 1)
+  prompts = sharding_lib.place_prompts(drawn.prompts, r.mesh)
+  loop.state, metrics, rollout, scores = iteration(r, loop.state, prompts, drawn.records,
+                                                   config.phase_timing)
+  loop.last = it
+  loop.count(metrics)
+  # eps as trl's: episodes per second since the loop started (the first includes compiling)
+  eps = (it - loop.start) * batch / (time.perf_counter() - loop_start)
+  loop.train_s += metrics["time/iteration"]
+  metrics.update(episode=it * batch, eps=eps,
+                 **{"data/truncated_prompts": drawn.truncated,
+                    "skipped/nonfinite_total": loop.nonfinite_total, "time/train_s": loop.train_s},
+                 **peak_memory())
+  if config.eval.monitor and drawn.records:
+    metrics.update(_monitor(r, rollout, drawn.records))
+  return metrics, rollout, scores
+
+
+def _report(loop: loop_state.LoopState, it: int, metrics: dict, history: list, progress) -> None:
+  """Logs iteration ``it``'s metrics (every ``log_every``-th, the first, the last and any
+  skipped one) and says why an update was skipped."""
+  n = loop.r.config.num_iterations
+  if loop.skipped or it % loop.r.config.log_every == 0 or it in (loop.start + 1, n):
+    history.append({"iteration": it, **metrics})
+    progress.update(it, {k: metrics[k] for k in SHOWN if k in metrics})
+    if loop.writer:
+      loop.writer.write(it, metrics)
+  if loop.skipped:
+    progress.write(f"\niteration {it}: non-finite {_names(loop_state.nonfinite(metrics))}: "
+                   f"update skipped ({loop.nonfinite_streak} in a row, {loop.nonfinite_total} in "
+                   "all)")
+
+
+def _show_samples(loop: loop_state.LoopState, it: int, rollout, scores, progress) -> None:
+  """Every ``sample_every``-th iteration and the last: a table of its samples."""
+  config = loop.r.config
+  if config.sample_every and (it % config.sample_every == 0 or it == config.num_iterations):
+    rows = _sample_rows(loop.r, rollout, scores, config.sample_table_rows)
+    progress.write(f"\nsamples at iteration {it}:\n{reporting.format_samples_table(rows)}")
+    if loop.writer:
+      loop.writer.write_samples(it, rows)
+
+
+def _sample_rows(run: Run, r, scores, n: int) -> list[dict]:
+  r, scores = sharding_lib.to_host(  # the rows shown
+      jax.tree.map(lambda x: x[:n], (r._replace(prefix=None), scores)))
+  decode = run.source.decode
+  return [{"prompt": decode(r.prompts[i], r.prompt_mask[i]),
+           "response": decode(r.responses[i], r.mask[i]), "score": float(scores[i])}
+          for i in range(len(scores))]
+
+
+def _evaluate_during(loop: loop_state.LoopState, it: int, progress) -> None:
+  """Every ``eval.every``-th iteration before the last: the held-out evaluation."""
+  every = loop.r.config.eval.every
+  if (every and it % every == 0 and it < loop.r.config.num_iterations
+      and loop.r.source.eval_records):
+    loop.evaluate(f"iteration_{it}", it, say=progress.write)
+
+
+def _checkpoint(loop: loop_state.LoopState, it: int, stop_after: int | None) -> bool:
+  """Saves iteration ``it`` when due and whether the loop stops there: the last iteration,
+  ``stop_after``, a signal (each saved), or ``rl.max_bad_steps`` skipped in a row (saved, then
+  ``NonFiniteError``)."""
+  config = loop.r.config
+  max_bad = config.rl.get("max_bad_steps", 3)
+  failed = loop.skipped and 0 < max_bad <= loop.nonfinite_streak
+  stop = (it == config.num_iterations or it == stop_after or failed
+          or loop.signals.received is not None)
+  loop.unsaved = not loop.save(it, force=stop)
+  if not loop.unsaved:
+    hostmem.release()  # what the checkpoint's writer threads freed
+  if failed:
+    saved = (f"is saved as checkpoint {it} in {loop.ckpt.directory}" if loop.ckpt
+             else "was not saved (no workdir)")
+    streak = loop.nonfinite_streak
+    raise NonFiniteError(
+        f"{streak} PPO iterations in a row ({it - streak + 1} to {it}) had "
+        f"non-finite {_names(loop.nonfinite)} and were skipped (rl.max_bad_steps={max_bad}); "
+        f"the last good state {saved}. Check the reward function and the learning rate, "
+        "then rerun to resume.")
+  return stop
+
+
+def _end(loop: loop_state.LoopState, progress) -> None:
+  """After the loop: a stop by a signal said, else the held-out evaluation "after"."""
+  signal, last, start = loop.signals.received, loop.last, loop.start
+  if signal:
+    where = f"after iteration {last}" if last > start else "before any iteration"
+    progress.write(f"\nstopped by {signal} {where}"
+                   + (f"; checkpoint {last} saved: run the same command again to resume"
+                      if loop.ckpt and last > start else ""))
+  elif (last == loop.r.config.num_iterations and loop.r.source.eval_records
+        and "after" not in loop.evals):
+    progress.close()
+    loop.evaluate("after", loop.r.config.num_iterations)
 
 
 def _names(what: set[str]) -> str:
   """"scores, advantages, loss" in the order of ``step.NONFINITE_CHECKS``."""
   return ", ".join(k for k in update_lib.NONFINITE_CHECKS if k in what) or "values"
-
-
-def _drop_eval_rows(path: pathlib.Path, steps: list[int], prefix: str = "eval/") -> None:
-  """Removes the held-out evaluation rows at ``steps`` (those with a metric named
-  ``prefix``...) from metrics.jsonl (atomically)."""
-  if not steps or not path.exists():
-    return
-  lines = path.read_bytes().splitlines(keepends=True)
-  keep = []
-  for line in lines:
-    try:
-      row = json.loads(line)
-    except ValueError:
-      keep.append(line)  # not ours to judge: the writer's resume drops a partial last line
-      continue
-    if not (isinstance(row, dict) and row.get("step") in steps
-            and any(k.startswith(prefix) for k in row)):
-      keep.append(line)
-  if len(keep) != len(lines):
-    with files.atomic_write(path, "wb") as f:
-      f.write(b"".join(keep))
-
-
-# ---------------------------------------------------------------------------------------------
-# Held-out evaluation
-# ---------------------------------------------------------------------------------------------
-
-
-def _saved(state):
-  """What a checkpoint holds: the state without LoRA's frozen base (the config names it)."""
-  return state._replace(base=None)
-
-
-def policy_model(r: Run, state) -> tuple:
-  """(module, params) of the current policy as one plain model: with LoRA the base's
-  architecture and the merged weights W + (α/r)·A·B (``lora.merge``), else the policy."""
-  if state.base is None:
-    return r.models.policy, state.actor
-  merged = lora.merge(state_lib.policy_params(state.actor, state.base), r.models.policy.cfg)
-  return r.models.reference, merged
-
-
-def _held_out(r: Run, state, phase: str, workdir, writer, it: int, say=print,
-              instruction: str | None = None) -> dict:
-  """Greedy completions of the held-out prompts, scored by ``config.eval.metrics``; written to
-  eval.json, eval_samples_{phase}.jsonl and the metrics (at iteration ``it``), and shown
-  (``say``). ``phase``: "before", "after", "iteration_N" (``eval.every``) or "before_NAME"
-  (``eval.baselines``: each prompt with ``instruction`` appended, ppojax/run/baselines.py)."""
-  e = r.config.eval
-  metrics = {name: _import(path) for name, path in e.metrics.items()}
-  records, encode = r.source.eval_records, r.source.encode
-  if instruction is not None:
-    records, encode = baselines.instructed(r.config, r.policy.tokenizer, records, instruction)
-  scorer = None  # RLHF: the reward model's score (the proxy) beside the true metrics
-  if r.models.reward is not None:
-    scorer = evaluation.reward_model_scorer(r.models.reward, r.frozen.reward)
-  t0 = time.perf_counter()
-  summary, rows = evaluation.evaluate(
-      *policy_model(r, state), records, encode,
-      evaluation.greedy(r.sampling, e.max_new_tokens or None), r.policy.tokenizer, metrics,
-      e.batch_size, e.group_by or None, r.config.data.field, scorer)
-  shown = ", ".join(f"{k.removeprefix('eval/')} {v:.3f}" for k, v in summary.items())
-  say(f"held-out eval {phase.replace('_', ' ')} ({len(rows)} prompts, "
-      f"{time.perf_counter() - t0:.0f} s): {shown}")
-  if writer:  # first: a run cut off before eval.json is written evaluates again (_run)
-    prefix = baselines.metric_prefix(phase)
-    writer.write(it, {prefix + k.removeprefix("eval/"): v for k, v in summary.items()})
-  if workdir:
-    records_lib.write_jsonl(rows, workdir / f"eval_samples_{phase}.jsonl")
-    evals = _read_evals(workdir)
-    evals[phase] = summary
-    _write_json(workdir / "eval.json", evals)  # the commit: this phase is done
-  hostmem.release()
-  return summary
 
 
 def peak_memory() -> dict[str, float]:
@@ -384,20 +306,10 @@ def _monitor(r: Run, rollout, records: list[dict]) -> dict:
           for name, path in r.config.eval.metrics.items()}
 
 
-def _read_evals(workdir) -> dict:
-  path = pathlib.Path(workdir) / "eval.json" if workdir else None
-  return json.loads(path.read_text()) if path and path.exists() else {}
-
-
-def _write_json(path: pathlib.Path, obj) -> None:
-  with files.atomic_write(path) as f:
-    f.write(json.dumps(obj, indent=1))
-
-
-def _finish(r: Run, state, workdir: pathlib.Path, reporting) -> None:
+def _finish(r: Run, state, workdir: pathlib.Path) -> None:
   """The curves picture and the trained policy in Hugging Face format."""
   plotted = reporting.plot_curves(str(workdir / "metrics.jsonl"), str(workdir / "curves.png"))
-  policy = r.policy._replace(params=sharding_lib.to_host(policy_model(r, state)[1]))
+  policy = r.policy._replace(params=sharding_lib.to_host(held_out.policy_model(r, state)[1]))
   out = save_model(workdir / "policy", policy)
   print(f"wrote {workdir / 'curves.png'} ({', '.join(plotted)}) and the policy to {out}",
         flush=True)

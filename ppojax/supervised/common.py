@@ -1,27 +1,27 @@
-"""What reward-model training (``ppojax.supervised.train_rm``) and supervised fine-tuning (``ppojax.supervised.sft``)
-share, as plain functions:
+"""What reward-model training (``ppojax.supervised.train_rm``) and supervised fine-tuning
+(``ppojax.supervised.sft``) share, as plain functions; their loop is ``loop.fit``
+(ppojax/supervised/loop.py):
 
     model   = build_model(config, head="value")     # tiny random init, or load_model(model.init)
     records = load_records(config.data.train, ...)  # JSONL / datasets dir / a generated task
-    result  = fit(config, workdir, model, loss_fn, eval_fn, train, held_out)
+    result  = loop.fit(config, workdir, model, loss_fn, eval_fn, train, held_out)
 
 A data set is a dict of host arrays with the rows first (``rows`` counts them). A loss is
 ``loss_fn(params, batch) → (loss, metrics)``; an evaluation is ``eval_fn(params, batch) →
 {name: (numerator [B], denominator [B])}``, per-row statistics that ``evaluate`` sums over the
 held-out set and divides once at the end, so every mean is exact whatever the batching: the last
 partial batch is filled with copies of row 0 at weight 0, and every held-out row counts exactly
-once. Training batches are ``encoding.batch_indices(n, batch_size, seed, step)``: a pure function of
-the step, reshuffled every epoch, so a run resumed from a checkpoint of (params, optimizer
-state) at step s continues exactly as the uninterrupted one (``fit``).
+once. Training batches are ``encoding.batch_indices(n, batch_size, seed, step)``: a pure function
+of the step, reshuffled every epoch, so a run resumed from a checkpoint of (params, optimizer
+state) at step s continues exactly as the uninterrupted one.
 """
 
 from __future__ import annotations
 
 import functools
 import math
-import pathlib
 from collections.abc import Mapping
-from typing import Any, Callable, NamedTuple
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -32,27 +32,13 @@ import optax
 from ppojax.core import optim as optim_lib
 from ppojax.data import encoding
 from ppojax.data import records as records_lib
-from ppojax.infra import hostmem
-from ppojax.infra.signals import StopSignals
 from ppojax.models import LoadedModel
-from ppojax.run import build as build_lib
-from ppojax.run import checkpoint, reporting, resume
 from ppojax.run import checks as checks_lib
+from ppojax.run import models as run_models
 
 Arrays = dict[str, np.ndarray]
 LossFn = Callable[[Any, dict], tuple[jax.Array, dict]]
 EvalFn = Callable[[Any, dict], dict[str, tuple[jax.Array, jax.Array]]]
-# Checkpoint every SAVE_EVERY steps (and at the end), keep the newest KEEP: the defaults of
-# ``save_every`` and ``keep`` for a config without them.
-SAVE_EVERY, KEEP = 50, 2
-
-
-class Result(NamedTuple):
-  model: LoadedModel  # the trained model (host params)
-  before: dict[str, float]  # held-out statistics before training ("eval/..."), and after:
-  after: dict[str, float]
-  history: list[dict]  # the logged metric rows (with a workdir: also those before a resume)
-  finished: bool = True  # False: stopped early (stop_after, a signal), to resume
 
 
 # ---------------------------------------------------------------------------------------------
@@ -71,9 +57,9 @@ def build_model(config: ml_collections.ConfigDict, head: str = "lm") -> LoadedMo
   if m.init == "tiny" and not m.tokenizer:
     raise ValueError("model.init='tiny' needs model.tokenizer (a Hugging Face directory, GGUF "
                      "file or 'smollm2') to size its vocabulary and encode the data")
-  model = build_lib.load_named(m.init, jax.random.key(config.seed), tiny=m.tiny,
-                            tokenizer=m.tokenizer, head=head, dtype=m.dtype, remat=m.remat,
-                            scan_layers=m.scan_layers)
+  model = run_models.load_named(m.init, jax.random.key(config.seed), tiny=m.tiny,
+                                tokenizer=m.tokenizer, head=head, dtype=m.dtype, remat=m.remat,
+                                scan_layers=m.scan_layers)
   if model.tokenizer is None:
     raise ValueError(f"model.init={m.init!r} ships no tokenizer: set model.tokenizer")
   return model
@@ -127,10 +113,11 @@ def num_steps(num_epochs: float, n: int, batch_size: int) -> int:
 
 def optimizer(optim: ml_collections.ConfigDict, steps: int
               ) -> tuple[optax.GradientTransformation, optax.Schedule]:
-  """Warmup + decay schedule over ``steps``, global-norm clipping and AdamW (``ppojax.learner.step``);
-  the updates of a scalar head ("score") scaled by ``optim.head_lr_factor`` (default 1): a
-  zero-initialised head at the backbone's small learning rate would take hundreds of steps to
-  reach useful scores, and until then passes almost no gradient to the backbone."""
+  """Warmup + decay schedule over ``steps``, global-norm clipping and AdamW
+  (``ppojax.learner.step``); the updates of a scalar head ("score") scaled by
+  ``optim.head_lr_factor`` (default 1): a zero-initialised head at the backbone's small learning
+  rate would take hundreds of steps to reach useful scores, and until then passes almost no
+  gradient to the backbone."""
   schedule = optim_lib.lr_schedule(optim.lr, steps, optim.warmup_steps, optim.decay,
                                   optim.end_factor)
   tx = optim_lib.make_optimizer(schedule, optim.max_grad_norm, optim.weight_decay)
@@ -217,152 +204,3 @@ def evaluate(eval_fn: EvalFn, params, arrays: Arrays, batch_size: int) -> dict[s
 def _weighted_sums(eval_fn, params, batch, weight):
   stats = eval_fn(params, batch)
   return {k: (jnp.sum(weight * num), jnp.sum(weight * den)) for k, (num, den) in stats.items()}
-
-
-# ---------------------------------------------------------------------------------------------
-# The loop
-# ---------------------------------------------------------------------------------------------
-
-
-def fit(config: ml_collections.ConfigDict, workdir: str | pathlib.Path | None, model: LoadedModel,
-        loss_fn: LossFn, eval_fn: EvalFn, train: Arrays, held_out: Arrays,
-        info: dict[str, float] | None = None, shown: tuple[str, ...] = ("train/loss",),
-        units: Callable[[dict], jax.Array] = rows_units, stop_after: int | None = None
-        ) -> Result:
-  """Trains ``model.params`` for ``train.num_epochs`` epochs of ``train``; evaluates on
-  ``held_out`` before, every ``train.eval_every`` steps (−1: every epoch), and after. Metric
-  rows (``info`` — e.g. data statistics — and the first evaluation at step 0) go to
-  ``workdir/metrics.jsonl``.
-  ``units``: what the loss averages over, for exact gradient accumulation (``make_train_step``).
-
-  With a ``workdir`` the run checkpoints and resumes as the PPO run does (``runner.run``):
-  params and optimizer state every ``save_every`` steps and at the end, the newest ``keep``
-  kept, in ``workdir/checkpoints``; a rerun resumes from the latest complete checkpoint that
-  comes from the same config and training data (``ppojax.run.resume``: another run's is refused,
-  a corrupt one falls back to the one before) and drops the metric rows written after it, so
-  metrics.jsonl and the trained params equal an uninterrupted run's. The batch order is a pure
-  function of the step. ``stop_after``, or a first SIGTERM / Ctrl-C, stops after that step with
-  a checkpoint (``Result.finished`` is then False); a second signal aborts at once.
-  """
-  t = config.train
-  n = rows(train)
-  steps = num_steps(t.num_epochs, n, t.batch_size)
-  if t.batch_size % t.grad_accum:
-    raise ValueError(f"train.batch_size={t.batch_size} is not divisible by "
-                     f"train.grad_accum={t.grad_accum}")
-  if t.eval_every < -1:
-    raise ValueError(f"train.eval_every={t.eval_every}: use N > 0 (every N steps), 0 (before and "
-                     "after training only) or -1 (every epoch)")
-  eval_every = t.eval_every if t.eval_every >= 0 else num_steps(1.0, n, t.batch_size)
-  tx, schedule = optimizer(config.optim, steps)
-  train_step = make_train_step(loss_fn, tx, t.grad_accum, units)
-
-  def evaluation(params) -> dict[str, float]:
-    stats = evaluate(eval_fn, params, held_out, t.eval_batch_size)
-    hostmem.release()  # as the PPO run: the freed holes of a phase given back between phases
-    return {f"eval/{k}": v for k, v in stats.items()}
-
-  state = {"params": jax.tree.map(jnp.array, model.params)}  # own buffers: the step donates them
-  state["opt_state"] = tx.init(state["params"])
-  start, history, ckpt, writer = 0, [], None, None
-  fingerprint = resume.supervised_fingerprint(config, train) if workdir else None
-  if workdir:
-    ckpt, state, start, history = _resume(config, pathlib.Path(workdir), state, fingerprint)
-    wandb = config.get("wandb_project") or None
-    writer = reporting.MetricWriter(str(workdir), wandb_project=wandb,
-                                    wandb_config=config.to_dict() if wandb else None,
-                                    resume_step=start if start else -1)  # -1: rows of no step
-
-  def log(step: int, metrics: dict) -> None:
-    history.append({"step": step, **metrics})
-    if writer:
-      writer.write(step, metrics)
-
-  def save(step: int, force: bool) -> bool:
-    return bool(ckpt) and ckpt.save(step, state, {"step": step, "fingerprint": fingerprint},
-                                    force=force)
-
-  progress, last, unsaved = None, start, False  # last: the latest completed step
-  try:
-    with StopSignals() as signals:
-      if start == 0:
-        before = evaluation(state["params"])
-        log(0, {**(info or {}), **before})
-      before = _eval_stats(next((r for r in history if r["step"] == 0), {}))
-      print(_summary("before training", before), flush=True)
-      progress = reporting.Progress(steps, start=start)
-      for i in range(start, steps):
-        if signals.received:  # arrived after the previous step's save
-          if unsaved:
-            save(last, force=True)
-          break
-        batch = take(train, encoding.batch_indices(n, t.batch_size, config.seed, i))
-        state["params"], state["opt_state"], metrics = hostmem.compiled_call(
-            train_step, state["params"], state["opt_state"], batch)
-        last = it = i + 1
-        evaluate_now = it == steps or (eval_every and it % eval_every == 0)
-        if it % t.log_every == 0 or evaluate_now:
-          metrics = {f"train/{k}": float(v) for k, v in jax.device_get(metrics).items()}
-          metrics.update(lr=float(schedule(i)), epoch=it * t.batch_size / n)
-          if evaluate_now:
-            metrics.update(evaluation(state["params"]))
-          log(it, metrics)
-          progress.update(it, {k: metrics[k] for k in shown if k in metrics})
-          if evaluate_now and it < steps:  # the last one is printed after training
-            progress.write(_summary(f"at step {it} (epoch {metrics['epoch']:.2f})",
-                                    _eval_stats(metrics)))
-        stop = it == steps or it == stop_after or signals.received is not None
-        unsaved = not save(it, force=stop)
-        if not unsaved:
-          hostmem.release()
-        if stop:
-          break
-      if signals.received:
-        progress.write(f"\nstopped by {signals.received} after step {last}"
-                       + (f"; checkpoint {last} saved: run the same command again to resume"
-                          if ckpt and last > start else ""))
-  finally:
-    if progress:
-      progress.close()
-    if ckpt:
-      ckpt.close()
-    if writer:
-      writer.close()
-  finished = last == steps
-  after = _eval_stats(history[-1]) if finished else {}
-  if finished:
-    print(_summary("after training", after), flush=True)
-  return Result(model._replace(params=jax.device_get(state["params"])), before, after, history,
-                finished)
-
-
-def _resume(config, workdir: pathlib.Path, state: dict, fingerprint: dict):
-  """(checkpointer, state, step, metric rows up to that step) of ``workdir``: its latest
-  complete checkpoint's if there is one whose fingerprint matches (else ``ResumeError``),
-  or the initial ``state``, step 0 and no rows."""
-  workdir.mkdir(parents=True, exist_ok=True)
-  ckpt = checkpoint.Checkpointer(workdir / "checkpoints", config.get("save_every", SAVE_EVERY),
-                                 config.get("keep", KEEP))
-  if ckpt.latest_step() is None:
-    return ckpt, state, 0, []
-  try:  # refuses another run's checkpoint; skips (and sets aside) corrupt ones
-    abstract = jax.tree.map(
-        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state)
-    state, meta = resume.restore(ckpt, abstract, fingerprint, config)
-  except BaseException:
-    ckpt.close()
-    raise
-  step = int(meta["step"])
-  print(f"resumed from {workdir / 'checkpoints'} at step {step}", flush=True)
-  path = workdir / reporting.METRICS_FILE
-  rows_ = reporting.read_metrics(str(path)) if path.exists() else []
-  return ckpt, state, step, [r for r in rows_ if r["step"] <= step]
-
-
-def _eval_stats(row: dict) -> dict[str, float]:
-  return {k: v for k, v in row.items() if k.startswith("eval/")}
-
-
-def _summary(when: str, stats: dict[str, float]) -> str:
-  shown = ", ".join(f"{k[5:]} {v:.4f}" for k, v in stats.items() if k != "eval/rows")
-  return f"held-out ({int(stats.get('eval/rows', 0))} rows) {when}: {shown}"

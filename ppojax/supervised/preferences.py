@@ -1,7 +1,7 @@
 """Preference pairs from a policy's own mistakes: the near-miss wrong answers a reward model
 must learn to rank below the right ones are the ones the policy it will judge produces.
 
-    python -m ppojax.supervised.preferences --config configs/rlhf_arith.py --out prefs/train.jsonl \
+    python -m ppojax.preferences --config configs/rlhf_arith.py --out prefs/train.jsonl \
         --config.model.policy=runs/sft_arith/policy [--n 2048] [--samples 4] \
         [--temperature 1.0] [--split train] [--synthetic 2048]
 
@@ -14,8 +14,8 @@ response without a number is paired with a correct response the policy wrote for
 problem, if it wrote one, else left out. ``--synthetic N`` adds ``arith.preference_pairs`` of the
 same split (template wording; off by one or ten, the other operation, reversed digits). Each
 record has "prompt", "chosen", "rejected", "answer" and "source" ("policy" or "synthetic"), and
-``python -m ppojax.supervised.train_rm --config.data.train=FILE`` reads it; with "source" present the
-held-out accuracy is also reported per source.
+``python -m ppojax.train_rm --config.data.train=FILE`` reads it; with "source" present
+the held-out accuracy is also reported per source.
 """
 
 from __future__ import annotations
@@ -76,11 +76,12 @@ def arith_correct(text: str, answer: str) -> bool:
 
 def sample_responses(config, records: Sequence[dict], samples_per_problem: int, temperature: float,
                      seed: int, batch_size: int = 64) -> list[list[str]]:
-  """``samples_per_problem`` responses of the config's policy (``model.policy``) to each record, drawn at
-  ``temperature`` with the config's other sampling settings."""
+  """``samples_per_problem`` responses of the config's policy (``model.policy``) to each record,
+  drawn at ``temperature`` with the config's other sampling settings."""
   from ppojax.run import build
+  from ppojax.run import models as run_models
   from ppojax.tasks import sources
-  policy = build.load_policy(config, jax.random.key(config.seed))
+  policy = run_models.load_policy(config, jax.random.key(config.seed))
   hostmem.release()
   sampling = dataclasses.replace(build.sampling_config(config, policy), temperature=temperature,
                                  num_samples_per_prompt=samples_per_problem)

@@ -1,4 +1,6 @@
-"""Supervised fine-tuning: ``python -m ppojax.supervised.sft --config configs/sft_arith.py --workdir DIR``.
+"""Supervised fine-tuning::
+
+    python -m ppojax.sft --config configs/sft_arith.py --workdir DIR
 
 The policy learns (prompt, response) examples by the negative log-likelihood of the response
 tokens only (the EOS token that ends each response included; prompt tokens are context, never
@@ -28,11 +30,11 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 
-from ppojax.core import losses, ops
+from ppojax.core import logprobs, losses, ops
 from ppojax.data import encoding
 from ppojax.models import save_model
 from ppojax.models.passes import response_logits, response_logprobs
-from ppojax.supervised import common
+from ppojax.supervised import common, loop
 from ppojax.tasks import arith
 
 FIELDS = ("prompt", "response")
@@ -73,7 +75,7 @@ def sft_eval(module, params, batch: dict) -> dict:
   over the number of tokens (so the held-out means are token means)."""
   logits = response_logits(module, params, *_args(batch))
   tokens, mask = batch["response"], batch["response_mask"]
-  logp = ops.selective_log_softmax(logits, tokens, 1.0)
+  logp = logprobs.selective_log_softmax(logits, tokens, 1.0)
   correct = jnp.argmax(logits, axis=-1) == tokens
   count = ops.masked_count(mask, axis=1)
   return {"nll": (ops.masked_sum(-logp, mask, axis=1), count),
@@ -106,16 +108,16 @@ def load_examples(config: ml_collections.ConfigDict, tokenizer) -> tuple[dict, d
 
 
 def run(config: ml_collections.ConfigDict, workdir: str | pathlib.Path | None = None,
-        stop_after: int | None = None) -> common.Result:
+        stop_after: int | None = None) -> loop.Result:
   """Fine-tunes the policy of ``config``; with a ``workdir``, checkpoints, resumes, writes
-  metrics and at the end saves the policy to ``workdir/policy`` (``common.fit``;
+  metrics and at the end saves the policy to ``workdir/policy`` (``loop.fit``;
   ``stop_after``: stop after that step, as an interrupted run would)."""
   mode = aggregation(config)
   model = common.build_model(config, head="lm")
   train, held_out, info = load_examples(config, model.tokenizer)
   print(", ".join(f"{k[5:]} {v}" for k, v in info.items()), flush=True)
   module = model.module
-  result = common.fit(
+  result = loop.fit(
       config, workdir, model, functools.partial(sft_loss, module, mode),
       functools.partial(sft_eval, module), train, held_out, info,
       shown=("train/loss", "eval/nll"), units=functools.partial(sft_units, mode),

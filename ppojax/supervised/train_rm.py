@@ -1,4 +1,6 @@
-"""Reward-model training: ``python -m ppojax.supervised.train_rm --config configs/rm_arith.py --workdir DIR``.
+"""Reward-model training::
+
+    python -m ppojax.train_rm --config configs/rm_arith.py --workdir DIR
 
 A reward model is a ``ValueModel`` (backbone + scalar head "score"); the score of a (prompt,
 response) pair is its output at the last response token (``experience.model_scores``; responses
@@ -34,7 +36,7 @@ from ppojax.data import encoding
 from ppojax.data import records as records_lib
 from ppojax.models import save_model
 from ppojax.models.passes import model_scores
-from ppojax.supervised import common
+from ppojax.supervised import common, loop
 from ppojax.tasks import arith
 
 FIELDS = ("prompt", "chosen", "rejected")
@@ -119,9 +121,9 @@ def load_pairs(config: ml_collections.ConfigDict, tokenizer) -> tuple[dict, dict
 
 
 def run(config: ml_collections.ConfigDict, workdir: str | pathlib.Path | None = None,
-        stop_after: int | None = None) -> common.Result:
+        stop_after: int | None = None) -> loop.Result:
   """Trains the reward model of ``config``; with a ``workdir``, checkpoints, resumes, writes
-  metrics and at the end saves the model to ``workdir/reward_model`` (``common.fit``;
+  metrics and at the end saves the model to ``workdir/reward_model`` (``loop.fit``;
   ``stop_after``: stop after that step, as an interrupted run would)."""
   model = common.build_model(config, head="value")
   train, held_out, info = load_pairs(config, model.tokenizer)
@@ -129,9 +131,9 @@ def run(config: ml_collections.ConfigDict, workdir: str | pathlib.Path | None = 
   module = model.module
   present = np.unique(held_out["source"]) if "source" in held_out else []
   evaluate = functools.partial(rm_eval, module, sources=tuple(SOURCES[i] for i in present))
-  result = common.fit(config, workdir, model, functools.partial(rm_loss, module),
-                          evaluate, train, held_out, info,
-                          shown=("train/loss", "train/accuracy"), stop_after=stop_after)
+  result = loop.fit(config, workdir, model, functools.partial(rm_loss, module),
+                    evaluate, train, held_out, info,
+                    shown=("train/loss", "train/accuracy"), stop_after=stop_after)
   if workdir and result.finished:
     out = save_model(pathlib.Path(workdir) / "reward_model", result.model)
     print(f"wrote the reward model to {out}", flush=True)

@@ -5,7 +5,8 @@ generators as a task source, its verifiers as the reward.
     data.rg.dataset = "chain_sum"                        # any reasoning_gym dataset name
     data.rg.options = {"min_digits": 1, "max_digits": 2}  # its config's fields
     reward.fn = "ppojax.tasks.reasoning:reward"                 # the dataset's own score_answer
-    eval.metrics = {"accuracy": "ppojax.tasks.reasoning:accuracy", "score": "ppojax.tasks.reasoning:reward"}
+    eval.metrics = {"accuracy": "ppojax.tasks.reasoning:accuracy",
+                    "score": "ppojax.tasks.reasoning:reward"}
 
 Every question comes from ``reasoning_gym.create_dataset(name, seed=s, size=k, **options)``:
 

@@ -1,0 +1,110 @@
+"""The update's loss: the forward passes of actor and critic over prompt + response, and the
+clipped loss on (a slice of) the experience.
+
+    (log π_θ, H, V_φ) = forward(θ, φ; prompt + response)         (``update_forward``)
+    L = L_clip(log π_θ; log π_old, A) + c_V·L_V(V_φ; V_old, R) − c_H·H (+ β·agg(KL_t))
+                                                              (``losses.ppo_loss``)
+
+``loss_on`` reads a precomputed experience; ``own_forward_loss`` builds it from the outputs of
+the same forward pass (the single-pass update: one step at the rollout's own params).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from ppojax.core import losses
+from ppojax.core.algorithms import Algorithm
+from ppojax.learner.experience import Experience, make_experience
+from ppojax.learner.state import Context, Models, critic_params, policy_params
+from ppojax.models import lora
+from ppojax.models.passes import head_logprobs, response_hidden, response_values
+from ppojax.rollout.rollout import Rollout
+
+Array = jax.Array
+
+# The loss metrics aggregated with the algorithm's aggregation (every other one: a token mean)
+AGGREGATED = ("loss/", "policy/entropy_masked")
+
+
+def actor_forward(actor, models: Models, r: Rollout, temperature: float, ent_coef: float,
+                  ctx: Context = Context()) -> tuple[Array, Array]:
+  """(log π_T(response_t), entropy_t), each [B, R], at the sampling ``temperature``; the
+  entropy carries a gradient only where ``ent_coef`` ≠ 0. ``ctx``: LoRA's frozen base (then
+  ``actor`` holds the adapters) and dropout key."""
+  args = (r.prompts, r.prompt_mask, r.responses, r.mask, r.prefix)
+  actor = policy_params(actor, ctx.base)
+  hidden = response_hidden(models.policy, actor, *args,
+                           rngs=lora.dropout_rngs(models.policy, ctx.dropout_key, 0))
+  logp, entropy = head_logprobs(models.policy, actor, hidden, r.responses, temperature,
+                                entropy=True, chunk_size=None)
+  return logp, entropy if ent_coef else jax.lax.stop_gradient(entropy)
+
+
+def critic_forward(critic, models: Models, r: Rollout, ctx: Context = Context()
+                   ) -> Array | None:
+  """V(s_t) [B, R], 0 off the mask (None without a critic); a LoRA critic's adapters get the
+  policy's dropout, with a key of their own."""
+  if models.critic is None:
+    return None
+  critic = critic_params(critic, models, ctx.base)
+  return response_values(models.critic, critic, r.prompts, r.prompt_mask, r.responses, r.mask,
+                         r.prefix, rngs=lora.dropout_rngs(models.critic, ctx.dropout_key, 1))
+
+
+def update_forward(params, models: Models, r: Rollout, temperature: float, ent_coef: float,
+                   ctx: Context = Context()) -> tuple[Array, Array, Array]:
+  """(log π_T(response_t), entropy_t, V(s_t)), each [B, R], of params = (actor, critic)."""
+  actor, critic = params
+  return (*actor_forward(actor, models, r, temperature, ent_coef, ctx),
+          critic_forward(critic, models, r, ctx))
+
+
+def clipped_loss(logp, entropy, values, exp: Experience, algorithm: Algorithm, cfg
+                 ) -> tuple[Array, dict]:
+  """``losses.ppo_loss`` of the forward outputs on ``exp`` (no value term where ``values`` is
+  None, a KL term where the experience carries its β), each token's policy term weighted by
+  min(π_old/π_sampler, ``cfg.tis_cap``) where that is set (``losses.truncated_is_weight``)."""
+  r = exp.rollout
+  weight, tis = None, {}
+  if cfg.get("tis_cap") is not None:
+    weight, tis = losses.truncated_is_weight(r.old_logp, r.sampler_logp, r.mask, cfg.tis_cap)
+    tis = {f"policy/{k}": v for k, v in tis.items() if k != "mismatch"}
+  loss, metrics = losses.ppo_loss(
+      logp, r.old_logp, exp.advantages, values, r.old_values, exp.returns, r.mask, entropy,
+      vf_coef=cfg.vf_coef, ent_coef=cfg.ent_coef, clip_eps=cfg.clip_eps,
+      clip_eps_low=cfg.get("clip_eps_low"), clip_eps_high=cfg.get("clip_eps_high"),
+      dual_clip=cfg.dual_clip, value_clip=cfg.value_clip, aggregation=algorithm.aggregation,
+      max_len=r.mask.shape[1], is_weight=weight,  # seq_mean_token_sum_norm's constant: R
+      ref_logp=None if exp.kl_coef is None else r.ref_logp, kl_coef=exp.kl_coef,
+      kl_estimator=algorithm.kl)
+  return loss, {**metrics, **tis}
+
+
+def loss_on(params, models: Models, exp: Experience, algorithm: Algorithm, cfg,
+            temperature: float, ctx: Context = Context()) -> tuple[Array, dict]:
+  """The clipped loss of actor and critic on (a slice of) a precomputed experience (with LoRA
+  dropout where ``ctx`` has a key: the old log-probs are the sampling policy's, without)."""
+  logp, entropy, values = update_forward(params, models, exp.rollout, temperature, cfg.ent_coef,
+                                         ctx)
+  return clipped_loss(logp, entropy, values, exp, algorithm, cfg)
+
+
+def own_forward_loss(outputs, r: Rollout, scores: Array, beta: Array, algorithm: Algorithm,
+                     cfg, group_size: int = 1) -> tuple[Array, tuple[dict, Experience, dict]]:
+  """The clipped loss as a function of one forward pass's outputs (log π_θ, H, V_θ) at the
+  rollout's own params: the old values (and log-probs where ``r.old_logp`` is None) are those
+  outputs under stop_gradient, and the experience is built from them.
+
+      V_old = sg(V_θ),  log π_old = sg(log π_θ),  (A, R) = estimate(sg(·)),  L = L(θ; A, R)
+
+  Value and gradient equal a rollout forward followed by the update, up to float rounding.
+  Aux: (loss metrics, experience, experience metrics)."""
+  logp, entropy, values = outputs
+  old_logp = r.old_logp if r.old_logp is not None else jnp.where(r.mask, logp, 0.0)
+  r = r._replace(old_logp=jax.lax.stop_gradient(old_logp),  # values: 0 off the mask (or None)
+                 old_values=None if values is None else jax.lax.stop_gradient(values))
+  exp, exp_metrics = make_experience(r, scores, beta, algorithm, cfg, group_size)
+  loss, metrics = clipped_loss(logp, entropy, values, exp, algorithm, cfg)
+  return loss, (metrics, exp, exp_metrics)
