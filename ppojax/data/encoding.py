@@ -1,5 +1,5 @@
 """Prompt, preference and SFT data: chat templates, padding, encoding and batching (reading
-records: ``ppojax.data.records``, whose names this module re-exports).
+and writing records: ``ppojax.data.records``).
 
     records  = read_records("prefs.jsonl", required=("prompt", "chosen", "rejected"))
     pairs    = encode_pairs(tokenizer, records, max_prompt_len=256, max_response_len=256)
@@ -24,7 +24,6 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-# reading and writing records (re-exported: ppojax.data.records.read_records and friends)
 from ppojax.data.records import DataError
 
 _PROMPT_TRUNCATE = ("left", "error")

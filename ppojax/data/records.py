@@ -5,7 +5,6 @@ directory or a parquet/csv/arrow file, each record a JSON object.
     write_jsonl(records, "out.jsonl")
 
 Bad input raises ``DataError`` naming the file, line and field; nothing is dropped silently.
-``ppojax.data.encoding`` (chat templates, padding, encoding, batching) re-exports all three names.
 """
 
 from __future__ import annotations

@@ -5,8 +5,7 @@ devices, the mesh vs the devices, prompt + response vs the model's context), the
 resolved choices, the packages an option needs and the task's own options. ``validate`` runs
 them all and raises ``ConfigError`` with one clear message.
 
-Also the sizes a config implies (``rollout_rows``, ``prompt_length``). Every name here is
-re-exported by ``ppojax.run.config`` (``config_lib.validate``, ``config_lib.ConfigError``, ...).
+Also the sizes a config implies (``rollout_rows``, ``prompt_length``).
 """
 
 from __future__ import annotations

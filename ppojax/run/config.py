@@ -7,8 +7,8 @@ and changes what its job needs (``configs/*.py``), so every option is documented
       c.model.policy = "smollm2"
       return c
 
-``supervised_defaults()`` holds the supervised stages' options. The checks of a config
-(``validate``, ``ConfigError``, ...) live in ``ppojax.run.checks`` and are re-exported here.
+``supervised_defaults()`` holds the supervised stages' options; the checks of a config
+(``validate``, ``ConfigError``, ...) are ``ppojax.run.checks``.
 """
 
 from __future__ import annotations
@@ -16,8 +16,6 @@ from __future__ import annotations
 import ml_collections
 from ml_collections import config_dict
 
-# The checks (ppojax/run/checks.py), re-exported: config_lib.validate, config_lib.ConfigError,
-# config_lib.check_sizes, config_lib.prompt_length, config_lib.rollout_rows, ...
 
 
 def defaults() -> ml_collections.ConfigDict:
@@ -35,7 +33,7 @@ def defaults() -> ml_collections.ConfigDict:
   # Rerunning a workdir resumes only the run its checkpoint comes from: a changed seed, batch,
   # model, data, ... stops with an error listing the fields (ppojax/run/resume.py; how long to
   # train, logging, evaluation and memory options may change). To accept such changes
-  # deliberately, name them here, comma-separated: "seed,rl.batch_size" ("ppo": a section).
+  # deliberately, name them here, comma-separated: "seed,rl.batch_size" ("rl": a section).
   c.resume_allow_changes = ""
   c.phase_timing = False  # True: run sampling / scoring / update as three timed calls
   c.wandb_project = ""  # log to Weights & Biases too (needs `pip install 'ppojax[wandb]'`)
