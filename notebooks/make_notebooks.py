@@ -119,17 +119,17 @@ print(f"{cfg.num_layers} layers, d={cfg.hidden_size}, {cfg.num_heads} heads / "
 print(policy.tokenizer.apply_chat_template(
     [{"role": "user", "content": "What is 23 + 45?"}], tokenize=False,
     add_generation_prompt=True))
-del policy  # build_lib.build loads its own copy'''),
+del policy  # build.build loads its own copy'''),
       md('''\
 ## Config and build
 
-`build_lib.load_config` reads a config file's `get_config()`; keyword overrides use `__` for
-nesting (`rl__kl_coef=0.1` is the CLI's `--config.rl.kl_coef=0.1`). `build_lib.build` loads the
+`build.load_config` reads a config file's `get_config()`; keyword overrides use `__` for
+nesting (`rl__kl_coef=0.1` is the CLI's `--config.rl.kl_coef=0.1`). `build.build` loads the
 policy (and a critic initialised from it), shards the train state over the mesh and builds the
 compiled PPO step.'''),
       code('''\
 import ppojax
-from ppojax.run import runner
+from ppojax.run import build, runner
 
 
 def find_config(name):
@@ -151,12 +151,12 @@ if SMALL:
 else:
   overrides = {}  # configs/quickstart.py as it is: 20 iterations of 32 prompts
   n_eval = None  # all 112 held-out problems
-config = build_lib.load_config(find_config("quickstart.py"), **overrides)
+config = build.load_config(find_config("quickstart.py"), **overrides)
 print({k: config.rl[k] for k in ("batch_size", "num_minibatches", "kl_coef")},
       "iterations:", config.num_iterations, "new tokens:", config.sampling.max_new_tokens)
 
 t0 = time.perf_counter()
-run = build_lib.build(config)
+run = build.build(config)
 print(f"built in {time.perf_counter() - t0:.1f} s")'''),
       md('''\
 ## Held-out accuracy before training
@@ -290,8 +290,7 @@ import jax.numpy as jnp
 import matplotlib.pyplot as plt
 import numpy as np
 
-from ppojax.core import advantages, kl, losses
-from ppojax.run import build as build_lib
+from ppojax import advantages, kl, losses
 
 print("backend:", jax.default_backend())'''),
       md('''\

@@ -15,7 +15,7 @@ import pytest
 
 from ppojax.core import advantages, algorithms, kl
 from ppojax.learner import step as step_lib
-from ppojax.learner import update as update_lib
+from ppojax.learner import loss as loss_lib
 from ppojax.models import CausalLM, init_params
 from ppojax.models import passes as passes_lib
 from ppojax.rollout import rollout as rollout_lib
@@ -120,7 +120,7 @@ def test_critic_free_step_holds_and_runs_no_critic(monkeypatch, algorithm, split
   """No critic parameters or optimizer state, no value forward pass (the value functions are
   booby-trapped while the step traces), still one compiled function; trl's GRPO metric
   names."""
-  for module in (rollout_lib, update_lib):
+  for module in (rollout_lib, loss_lib):
     _forbid(monkeypatch, module, "response_values")
   changes = {} if split == "two_pass" else {"rl__num_epochs": 1, "rl__num_minibatches": 1}
   run = build_lib.build(toy(algorithm, **changes))

@@ -152,7 +152,7 @@ def test_peak_rss_of_a_child_counts_the_child_only():
   if not pathlib.Path("/proc/self/status").exists():
     pytest.skip("VmHWM is Linux's")
   ballast = np.ones(600 * 2**20 // 8)  # 600 MB resident in this process
-  script = ("import resource; from ppojax import hostmem; "
+  script = ("import resource; from ppojax.infra import hostmem; "
             "print(hostmem.peak_rss_mb(), resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)")
   out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
                        check=True).stdout.split()

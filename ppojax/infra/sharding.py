@@ -35,9 +35,9 @@ def make_mesh(shape: Sequence[int] = (-1, 1, 1), axes: Sequence[str] = AXES,
 
 def shard_rows(x: jax.Array, tensor_dim: int | None = None, row_dim: int = 0) -> jax.Array:
   """``x`` [B, ...] with its rows (dimension ``row_dim``) over the mesh's batch axes, and
-  dimension ``tensor_dim`` (e.g. a KV cache's heads) over "tensor", the rest replicated, when traced under a mesh that has
-  those axes (``jax.sharding.use_abstract_mesh``; ``step.make_step`` sets the run's) and
-  they divide; ``x`` unchanged where nothing would be split.
+  dimension ``tensor_dim`` (e.g. a KV cache's heads) over "tensor", the rest replicated, when
+  traced under a mesh that has those axes (``jax.sharding.use_abstract_mesh``;
+  ``step.make_step`` sets the run's) and they divide; ``x`` unchanged where nothing would be split.
 
   The activations need saying so: with FSDP the weights are sharded over "fsdp" along their
   feature dimension, and XLA's propagation may then keep activations whole on every device

@@ -50,12 +50,13 @@ def rollout(policy: nn.Module, critic: nn.Module | None, actor, reference_params
             reference: nn.Module | None = None, sampler_params=None) -> Rollout:
   """Sample responses from the actor (with the ``sampler`` module where given: the policy's
   architecture at another compute dtype), then score them with actor, reference and critic,
-  those forward passes in ``micro_batches`` parts (``map_rows``). ``sampling.num_samples_per_prompt`` = n
-  samples per prompt: the rollout's B·n rows hold prompt i's samples at i·n … i·n + n − 1, each
-  with its prompt. Without a reference (``reference_params`` None) ``ref_logp`` is None; without a
-  critic (``critic`` None) so are the values. ``reference``: the module applying ``reference_params``
-  (default: ``policy``); ``sampler_params``: the sampler's params (default: ``actor``; with
-  LoRA, the merged weights of the base-model ``sampler``).
+  those forward passes in ``micro_batches`` parts (``map_rows``).
+  ``sampling.num_samples_per_prompt`` = n samples per prompt: the rollout's B·n rows hold prompt
+  i's samples at i·n … i·n + n − 1, each with its prompt. Without a reference
+  (``reference_params`` None) ``ref_logp`` is None; without a critic (``critic`` None) so are
+  the values. ``reference``: the module applying ``reference_params`` (default: ``policy``);
+  ``sampler_params``: the sampler's params (default: ``actor``; with LoRA, the merged weights of
+  the base-model ``sampler``).
 
   ``old_logp`` says where log π_old comes from:
 
