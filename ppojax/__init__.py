@@ -37,11 +37,11 @@ MOVED = {
     "ppojax.build": "ppojax.run.build", "ppojax.runner": "ppojax.run.runner",
     "ppojax.evaluation": "ppojax.run.evaluation", "ppojax.baselines": "ppojax.run.baselines",
     "ppojax.checkpoint": "ppojax.run.checkpoint", "ppojax.resume": "ppojax.run.resume",
-    "ppojax.reporting": "ppojax.run.reporting", "ppojax.supervised.supervised": "",
+    "ppojax.reporting": "ppojax.run.reporting",
 }
-# Also moved, but their old names are packages now: ppojax.data (-> ppojax.data.encoding) and
-# ppojax.tasks (-> ppojax.tasks.count); ppojax.supervised (-> ppojax.supervised.common).
-MOVED.pop("ppojax.supervised.supervised")
+# Also moved, but their old names are packages now, whose __getattr__ names the new home:
+# ppojax.data (-> ppojax.data.encoding), ppojax.tasks (-> ppojax.tasks.count) and
+# ppojax.supervised (-> ppojax.supervised.common).
 
 
 class _MovedModules(importlib.abc.MetaPathFinder):

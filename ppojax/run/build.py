@@ -305,7 +305,10 @@ def _import(path: str):
   module, _, name = path.partition(":")
   if not name:
     raise ValueError(f"reward.fn={path!r}: expected 'package.module:function'")
-  return getattr(importlib.import_module(module), name)
+  try:
+    return getattr(importlib.import_module(module), name)
+  except AttributeError as e:
+    raise ValueError(f"{path!r}: {e}") from None
 
 
 def _abstract(state, shardings):
