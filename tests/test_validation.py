@@ -201,12 +201,12 @@ def _loss_inputs():
 
 
 @pytest.mark.parametrize("kwargs, message", [
-    (dict(dual_clip=1.0), r"dual_clip=1\.0: dual-clip PPO needs c > 1 .*or None to turn it off"),
-    (dict(dual_clip=0.5), r"dual_clip=0\.5: .*zeroes the gradient of every negative-advantage"),
-    (dict(clip_eps=0.0), r"clip_eps=0\.0: the ratio clip ε must be in \(0, 1\)"),
-    (dict(clip_eps=1.5), r"clip_eps=1\.5: the ratio clip ε must be in \(0, 1\)"),
-    (dict(clip_eps_low=1.0), r"clip_eps_low=1\.0: the lower ratio clip must be in \(0, 1\)"),
-    (dict(clip_eps_high=-0.1), r"clip_eps_high=-0\.1: the upper ratio clip must be > 0"),
+    (dict(dual_clip=1.0), r"dual_clip=1\.0 must be > 1 .*or None to turn it off"),
+    (dict(dual_clip=0.5), r"dual_clip=0\.5 .*zeroes the gradient of every token with a negative"),
+    (dict(clip_eps=0.0), r"clip_eps=0\.0 must be in \(0, 1\)"),
+    (dict(clip_eps=1.5), r"clip_eps=1\.5 must be in \(0, 1\)"),
+    (dict(clip_eps_low=1.0), r"clip_eps_low=1\.0 must be in \(0, 1\)"),
+    (dict(clip_eps_high=-0.1), r"clip_eps_high=-0\.1 must be > 0"),
 ])
 def test_policy_loss_rejects_bad_options(kwargs, message):
   from ppojax.core import losses  # pylint: disable=import-outside-toplevel
@@ -220,13 +220,13 @@ def test_policy_loss_rejects_bad_options(kwargs, message):
 def test_other_losses_reject_bad_options():
   from ppojax.core import losses  # pylint: disable=import-outside-toplevel
   x, m = _loss_inputs()
-  with pytest.raises(ValueError, match=r"clip_range=0\.0: the value clip must be > 0"):
+  with pytest.raises(ValueError, match=r"clip_range=0\.0 must be > 0"):
     losses.value_loss(x, x, x, m, clip_range=0.0)
-  with pytest.raises(ValueError, match=r"clip_range=-1: the value clip must be > 0"):
+  with pytest.raises(ValueError, match=r"clip_range=-1 must be > 0"):
     losses.ppo_loss(x, x, x, x, x, x, m, value_clip=-1)
-  with pytest.raises(ValueError, match=r"vf_coef=-0\.1: the value-loss coefficient must be >= 0"):
+  with pytest.raises(ValueError, match=r"vf_coef=-0\.1 must be >= 0"):
     losses.ppo_loss(x, x, x, x, x, x, m, vf_coef=-0.1)
-  with pytest.raises(ValueError, match=r"coef=-0\.01: the KL coefficient β must be >= 0"):
+  with pytest.raises(ValueError, match=r"coef=-0\.01 must be >= 0 \(β of the KL"):
     losses.kl_loss(x, x, m, coef=-0.01)
 
 
@@ -256,3 +256,15 @@ def test_aggregation_choices_are_the_ones_ops_knows():
   for a in algorithms.ALGORITHMS.values():  # every default is a valid choice
     assert a.estimator in advantages.ESTIMATORS and a.aggregation in ops.AGGREGATIONS
     assert a.kl_estimator in kl.KL_ESTIMATORS and a.kl_in in algorithms.KL_PLACEMENTS
+
+
+def test_a_loss_option_has_one_range_and_one_message():
+  """The config's check and the loss's own check of an option read one table
+  (``options.OPTION_RANGES``): the same requirement, word for word."""
+  from ppojax.core import losses  # pylint: disable=import-outside-toplevel
+  x, m = _loss_inputs()
+  with pytest.raises(checks_lib.ConfigError) as from_config:
+    build_lib.validate(toy(rl__dual_clip=0.5))
+  with pytest.raises(ValueError) as from_loss:
+    losses.policy_loss(x, x, x, m, dual_clip=0.5)
+  assert str(from_config.value) == "rl." + str(from_loss.value)

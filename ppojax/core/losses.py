@@ -16,22 +16,12 @@ from __future__ import annotations
 import chex
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from ppojax.core import kl as kl_lib
 from ppojax.core import ops
+from ppojax.core.options import check_option
 
 Array = jax.Array
-
-
-def _check(name: str, value, ok, requirement: str) -> None:
-  """Raise ValueError where ``value`` is a Python (or NumPy) number that fails ``ok``; arrays and
-  tracers pass unchecked (under jit a check would need the value)."""
-  if isinstance(value, (bool, np.bool_)) or not isinstance(
-      value, (int, float, np.integer, np.floating)):
-    return
-  if not ok(value):
-    raise ValueError(f"{name}={value!r}: {requirement}")
 
 
 def _masked_inputs(mask: Array, *xs: Array, fill: float = 0.0):
@@ -113,19 +103,11 @@ def _clipped_surrogate(adv, ratio, mask, clip_eps, clip_eps_low, clip_eps_high, 
 
 def _check_policy_options(clip_eps=0.2, clip_eps_low=None, clip_eps_high=None,
                           dual_clip=None) -> None:
-  """``ValueError`` for a clipped-surrogate option that is a Python number out of its range:
-  ``clip_eps`` and ``clip_eps_low`` in (0, 1), ``clip_eps_high`` > 0, ``dual_clip`` > 1 or None
-  (Ye et al. 2020, "Mastering complex control in MOBA games with deep RL": c > 1)."""
-  _check("clip_eps", clip_eps, lambda v: 0 < v < 1,
-         "the ratio clip ε must be in (0, 1) (0.2 is usual)")
-  _check("clip_eps_low", clip_eps_low, lambda v: 0 < v < 1,
-         "the lower ratio clip must be in (0, 1): ρ is clipped at 1 − ε_low")
-  _check("clip_eps_high", clip_eps_high, lambda v: v > 0,
-         "the upper ratio clip must be > 0 (0.28 in DAPO's clip-higher)")
-  _check("dual_clip", dual_clip, lambda v: v > 1,
-         "dual-clip PPO needs c > 1 (Ye et al. 2020; 3 is usual), or None to turn it off: with "
-         "c <= 1 the cap −c·A undercuts the surrogate near ρ = 1 and zeroes the gradient of every "
-         "negative-advantage token")
+  """``ValueError`` for a clipped-surrogate option that is a Python number out of its range
+  (``options.OPTION_RANGES``)."""
+  for name, value in (("clip_eps", clip_eps), ("clip_eps_low", clip_eps_low),
+                      ("clip_eps_high", clip_eps_high), ("dual_clip", dual_clip)):
+    check_option(name, value)
 
 
 def truncated_is_weight(old_logp: Array, sampler_logp: Array, mask: Array, cap: float
@@ -177,8 +159,7 @@ def value_loss(
   """
   chex.assert_rank([values, old_values, returns, mask], 2)
   chex.assert_equal_shape([values, old_values, returns, mask])
-  _check("clip_range", clip_range, lambda v: v > 0,
-         "the value clip must be > 0 (0.2 is usual), or None for an unclipped value loss")
+  check_option("clip_range", clip_range, "value_clip")
   mask, values, old_values, returns = _masked_inputs(mask, values, old_values, returns)
   old_values, returns = jax.lax.stop_gradient((old_values, returns))
 
@@ -239,7 +220,7 @@ def ppo_loss(
   ``ent_coef`` other than a Python 0 without ``entropy`` raises ``ValueError``, as does a Python
   ``vf_coef`` < 0.
   """
-  _check("vf_coef", vf_coef, lambda v: v >= 0, "the value-loss coefficient must be >= 0")
+  check_option("vf_coef", vf_coef)
   pg_loss, pg = policy_loss(
       logp, old_logp, advantages, mask, clip_eps=clip_eps, clip_eps_low=clip_eps_low,
       clip_eps_high=clip_eps_high, dual_clip=dual_clip, aggregation=aggregation,
@@ -301,7 +282,7 @@ def kl_loss(
   """
   chex.assert_rank([logp, ref_logp, mask], 2)
   chex.assert_equal_shape([logp, ref_logp, mask])
-  _check("coef", coef, lambda v: v >= 0, "the KL coefficient β must be >= 0 (0: no KL term)")
+  check_option("coef", coef, "kl_coef")
   mask, logp, ref_logp = _masked_inputs(mask, logp, ref_logp)
   per_token = kl_lib.per_token_kl(logp, jax.lax.stop_gradient(ref_logp), estimator)
   per_token = jnp.where(mask, per_token, 0.0)

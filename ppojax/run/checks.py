@@ -16,7 +16,7 @@ import importlib.util
 import ml_collections
 import numpy as np
 
-from ppojax.core import advantages, algorithms, kl, ops
+from ppojax.core import advantages, algorithms, kl, ops, options
 
 # sections whose keys are the user's names
 FREE_FORM = ("eval.metrics", "eval.baselines", "data.rg.options")
@@ -160,21 +160,11 @@ def check_sizes(config: ml_collections.ConfigDict, num_devices: int,
 
 
 # (option, test, what it must be and what to do); None passes where the option allows it
+OPTIONAL = ("clip_eps_low", "clip_eps_high", "dual_clip", "value_clip")  # None: off / clip_eps
 RANGES = (
-    ("rl.clip_eps", lambda v: 0 < v < 1,
-     "must be in (0, 1): the policy ratio is clipped to [1 − ε, 1 + ε] (0.2 is usual)"),
-    ("rl.dual_clip", lambda v: v is None or v > 1,
-     "must be > 1 (dual-clip PPO, Ye et al. 2020; 3 is usual) or None to turn it off: with "
-     "c <= 1 the cap −c·A undercuts the clipped loss and silently zeroes the gradient of every "
-     "token with a negative advantage"),
-    ("rl.value_clip", lambda v: v is None or v > 0,
-     "must be > 0 (0.2 is usual), or None for an unclipped value loss"),
-    ("rl.vf_coef", lambda v: v >= 0, "must be >= 0 (the value loss's weight; 0.1 is trl's)"),
-    ("rl.ent_coef", lambda v: v >= 0,
-     "must be >= 0 (the entropy bonus's weight; 0: none): a negative one penalises entropy"),
-    ("rl.kl_coef", lambda v: v >= 0,
-     "must be >= 0 (β of the KL penalty; 0: none): a negative one rewards drifting from the "
-     "reference policy"),
+    # the loss options: their ranges and messages are the losses' (options.OPTION_RANGES)
+    *((f"rl.{name}", (lambda v, ok=ok: v is None or ok(v)) if name in OPTIONAL else ok, why)
+      for name, (ok, why) in options.OPTION_RANGES.items()),
     ("rl.gamma", lambda v: 0 <= v <= 1, "must be in [0, 1] (the discount; 1 is usual for LMs)"),
     ("rl.lam", lambda v: 0 <= v <= 1, "must be in [0, 1] (GAE's λ; 0.95 is usual)"),
     ("rl.score_clip", lambda v: v is None or v > 0,
