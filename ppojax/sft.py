@@ -29,9 +29,8 @@ flags.adopt_module_key_flags(cli)
 
 
 def check(config) -> None:
-  """The checks that need no model: the loss's aggregation, the packages options need."""
-  sft.aggregation(config)
-  checks.check_packages(config)
+  """The checks that need no model (``checks.validate_supervised``)."""
+  checks.validate_supervised(config)
 
 
 def main(argv):

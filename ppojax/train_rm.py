@@ -29,8 +29,8 @@ flags.adopt_module_key_flags(cli)
 
 
 def check(config) -> None:
-  """The checks that need no model: the packages options need."""
-  checks.check_packages(config)
+  """The checks that need no model (``checks.validate_supervised``)."""
+  checks.validate_supervised(config)
 
 
 def main(argv):

@@ -82,7 +82,17 @@ def test_debug_shows_the_traceback():
 @pytest.mark.parametrize("module", ["ppojax.sft", "ppojax.supervised.sft"])
 def test_sft_a_bad_config_value_is_one_message(module):
   result = _run(module, "--config", "configs/sft_arith.py", "--config.train.aggregation=bogus")
-  _assert_usage_error(result, "ppojax.sft", "train.aggregation='bogus' is not an aggregation")
+  _assert_usage_error(result, "ppojax.sft", "train.aggregation='bogus' is not one of "
+                      "'token_mean'")
+
+
+@pytest.mark.parametrize("option, message", [
+    ("train.batch_size=0", "train.batch_size=0 must be an integer >= 1"),
+    ("train.grad_accum=3", "train.batch_size=16 is not a multiple of train.grad_accum=3"),
+    ("optim.lr=-1", "optim.lr=-1.0 must be > 0")])
+def test_supervised_ranges_are_checked_before_any_model_loads(option, message):
+  result = _run("ppojax.sft", "--config", "configs/sft_arith.py", f"--config.{option}")
+  _assert_usage_error(result, "ppojax.sft", message)
 
 
 def test_train_rm_a_misspelt_option_is_one_message():

@@ -25,7 +25,7 @@ def _kind(config) -> str:
     return "rl"
   if "classic" in config:  # configs/cartpole.py: checked by tests/test_classic.py
     return "classic"
-  return "rm" if "head_lr_factor" in config.optim else "sft"
+  return "rm" if config.optim.head_lr_factor != 1.0 else "sft"  # a head trained from zero
 
 
 def _keys(node: ml_collections.ConfigDict, prefix: str = "") -> set[str]:

@@ -94,3 +94,18 @@ def test_an_old_function_path_in_a_config_names_its_new_home():
     build._import("ppojax.arith:reward")  # pylint: disable=protected-access
   with pytest.raises(ValueError, match=r"ppojax\.tasks is ppojax\.tasks\.count since"):
     build._import("ppojax.tasks:count_reward")  # pylint: disable=protected-access
+
+
+def test_config_options_keep_one_or_two_comment_lines():
+  """Each option of the config's defaults carries at most two comment lines; narrative lives
+  in docs/."""
+  lines = (PACKAGE / "run" / "config.py").read_text().splitlines()
+  runs, run = [], 0
+  for number, line in enumerate(lines, 1):
+    if line.strip().startswith("#"):
+      run += 1
+      continue
+    if run > 2:
+      runs.append(f"config.py:{number - run}: {run} comment lines")
+    run = 0
+  assert not runs, runs

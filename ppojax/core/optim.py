@@ -1,12 +1,15 @@
 """The optimizers of the trained models: a learning-rate schedule (linear warmup, then constant,
 linear or cosine decay) and AdamW after global-norm clipping, its moments optionally stored in
-bfloat16 (``stored_in``)."""
+bfloat16 (``stored_in``); and the gradient of a batch summed over its micro-batches
+(``accumulate``), which the RL update and the supervised stages share."""
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
 import optax
+
+from ppojax.infra.trees import cast_floats
 
 
 def lr_schedule(lr: float, total_steps: int, warmup_steps: int = 0, decay: str = "constant",
@@ -50,15 +53,26 @@ def stored_in(tx: optax.GradientTransformation, dtype) -> optax.GradientTransfor
   if dtype == jnp.float32:
     return tx
 
-  def cast(tree, to):
-    return jax.tree.map(
-        lambda x: x.astype(to) if jnp.issubdtype(x.dtype, jnp.floating) else x, tree)
-
   def init(params):
-    return cast(tx.init(params), dtype)
+    return cast_floats(tx.init(params), dtype)
 
   def update(grads, state, params=None):
-    updates, state = tx.update(grads, cast(state, jnp.float32), params)
-    return updates, cast(state, dtype)
+    updates, state = tx.update(grads, cast_floats(state, jnp.float32), params)
+    return updates, cast_floats(state, dtype)
 
   return optax.GradientTransformation(init, update)
+
+
+def accumulate(weighted_grad, zeros, micro_batches):
+  """(Σ_k g_k, aux stacked [K, ...]) over the micro-batches x_k (the leading axis of
+  ``micro_batches``), where (g_k, aux_k) = weighted_grad(x_k) and g_k is already scaled by
+  the micro-batch's weight w_k:
+
+      g = Σ_k w_k·∇L_k,   w_k = units(x_k) / units(batch)   ⇒   g = ∇L(batch)
+
+  a ``lax.scan``, so one micro-batch's activations are alive at a time; ``zeros`` (the
+  gradient's shape, laid out as the sum should be) starts the sum."""
+  def body(total, x):
+    g, aux = weighted_grad(x)
+    return jax.tree.map(jnp.add, total, g), aux
+  return jax.lax.scan(body, zeros, micro_batches)

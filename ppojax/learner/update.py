@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import optax
 
 from ppojax.core import ops
+from ppojax.core.optim import accumulate
 from ppojax.core.algorithms import Algorithm
 from ppojax.infra import sharding
 from ppojax.learner.experience import Experience, make_experience, take_rows
@@ -104,7 +105,7 @@ def _minibatch_grads(params, models: Models, exp: Experience, idx: Array, algori
     g, metrics = jax.grad(loss_on, has_aux=True)(*args)
     return sharding.constrain(g, shardings), metrics
 
-  def micro(grads, xs):
+  def micro(xs):  # (w·g, metrics weighted to add up to the minibatch's)
     micro_idx, key = xs
     part = take_rows(exp, micro_idx)
     w = _micro_weight(part.rollout.mask, mb_mask, algorithm.aggregation)
@@ -113,13 +114,13 @@ def _minibatch_grads(params, models: Models, exp: Experience, idx: Array, algori
                          ctx._replace(dropout_key=key))
     # losses and the entropy bonus add up with the aggregation's weights, token means by tokens
     metrics = {k: (w if k.startswith(AGGREGATED) else w_tokens) * v for k, v in metrics.items()}
-    return jax.tree.map(jnp.add, grads, jax.tree.map(lambda x: w * x, g)), metrics
+    return jax.tree.map(lambda x: w * x, g), metrics
 
   if idx.shape[0] == 1:  # no accumulation buffer
     return grad_fn(params, models, take_rows(exp, idx[0]), algorithm, cfg, temperature, ctx)
   keys = None if ctx.dropout_key is None else jax.random.split(ctx.dropout_key, idx.shape[0])
   zeros = sharding.constrain(jax.tree.map(jnp.zeros_like, params), shardings)
-  grads, metrics = jax.lax.scan(micro, zeros, (idx, keys))
+  grads, metrics = accumulate(micro, zeros, (idx, keys))
   return grads, jax.tree.map(lambda m: jnp.sum(m, axis=0), metrics)
 
 

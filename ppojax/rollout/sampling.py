@@ -31,6 +31,7 @@ import numpy as np
 
 from ppojax.core import ops
 from ppojax.infra.sharding import shard_rows
+from ppojax.infra.trees import cast_floats
 from ppojax.models.cache import KVCache, init_cache, positions_from_mask, with_shared_prefix
 from ppojax.models.kernels import columns_pay_off
 from ppojax.models.layout import fuse_projections, transpose_kernels, unstack_layers
@@ -87,13 +88,6 @@ class Generation(NamedTuple):
   sampling_logprobs: Array  # [B, R] float32, under the truncated distribution; 0 on padding
   mask: Array  # [B, R] bool, ops.response_mask(tokens, stop_ids)
   lengths: Array  # [B] int32, response lengths (stop token included)
-
-
-def _cast_floats(params, dtype):
-  """Floating-point leaves cast to ``dtype`` (what every layer would cast them to anyway)."""
-  dtype = jnp.dtype(dtype)
-  return jax.tree.map(
-      lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, params)
 
 
 class _LoopState(NamedTuple):
@@ -168,7 +162,7 @@ def decode_layout(module: nn.Module, params) -> tuple[nn.Module, dict]:
     params = transpose_kernels(params)
   module = module.clone(cfg=cfg.replace(scan_layers=False, remat=False, fused_projections=True,
                                         transposed_kernels=transposed))
-  return module, _cast_floats(params, module.cfg.compute_dtype)
+  return module, cast_floats(params, module.cfg.compute_dtype)  # as every layer would
 
 
 def _repeat_rows(tree, n: int, heads: int | None = None):

@@ -22,6 +22,7 @@ import numpy as np
 from ppojax.core import algorithms
 from ppojax.core.optim import lr_schedule, make_optimizer
 from ppojax.infra import sharding as sharding_lib
+from ppojax.infra.trees import cast_floats
 from ppojax.learner import state as state_lib
 from ppojax.learner import step as step_lib
 from ppojax.models import CausalLM, LoadedModel, ValueModel, lora, partition_rules
@@ -207,7 +208,7 @@ def _initial_params(config, algorithm, policy, critic, k_policy, abstract: bool)
   policy_cfg = _policy_config(config, policy)
   actor_params, base = policy.params, None
   if config.lora.rank:  # train adapters only; the frozen base rides in the state, uncopied
-    base = (cast_floats(policy.params, config.lora.base_dtype) if config.lora.base_dtype
+    base = (cast_floats(policy.params, config.lora.base_dtype, copy=True) if config.lora.base_dtype
             else policy.params)
     actor_params = _adapters(base, policy_cfg, jax.random.fold_in(k_policy, 2), abstract)
   critic_params = None if critic is None else critic.params
@@ -254,9 +255,9 @@ def _frozen(config, state, reward_params) -> state_lib.Frozen:
   ``model.frozen_dtype`` when set."""
   frozen_dtype = config.model.frozen_dtype
   with_copy = state_lib.needs_reference(config.rl) and not config.lora.rank  # else KL ≡ 0
-  return state_lib.Frozen(cast_floats(state.actor, frozen_dtype) if with_copy else None,
+  return state_lib.Frozen(cast_floats(state.actor, frozen_dtype, copy=True) if with_copy else None,
                           None if reward_params is None else (
-                              cast_floats(reward_params, frozen_dtype) if frozen_dtype
+                              cast_floats(reward_params, frozen_dtype, copy=True) if frozen_dtype
                               else reward_params))
 
 
@@ -288,17 +289,6 @@ def _text_reward(config, policy: LoadedModel):
 def _records_required(rollout):
   raise RuntimeError("a text reward needs the batch's records: score it through "
                      "runner.iteration(run, state, prompts, records)")
-
-
-def cast_floats(tree, dtype: str):
-  """``tree``'s floating-point leaves (arrays or ``jax.ShapeDtypeStruct``s, shardings kept) in
-  ``dtype``, new buffers; ``dtype`` "": copies as they are."""
-  def one(x):
-    to = jnp.dtype(dtype) if dtype and jnp.issubdtype(x.dtype, jnp.floating) else x.dtype
-    if isinstance(x, jax.ShapeDtypeStruct):
-      return jax.ShapeDtypeStruct(x.shape, to, sharding=x.sharding)
-    return x.astype(to) if to != x.dtype else jnp.copy(x)
-  return jax.tree.map(one, tree)
 
 
 def _import(path: str):

@@ -94,13 +94,24 @@ def _same_kind(value, default) -> bool:
   return isinstance(value, type(default))
 
 
-def check_choices(config: ml_collections.ConfigDict) -> None:
-  for name, allowed in CHOICES.items():
-    node = config
-    for part in name.split("."):
-      node = node[part]
-    if node not in allowed:
-      raise ConfigError(f"{name}={node!r} is not one of {', '.join(map(repr, allowed))}")
+_MISSING = object()
+
+
+def _option(config, name: str):
+  """The value of the dotted option ``name`` (``_MISSING`` where a config leaves it out)."""
+  node = config
+  for part in name.split("."):
+    if part not in node:
+      return _MISSING
+    node = node[part]
+  return node
+
+
+def check_choices(config: ml_collections.ConfigDict, choices=None) -> None:
+  """Options with a fixed set of values (``CHOICES``) hold one of them."""
+  for name, allowed in (CHOICES if choices is None else choices).items():
+    if (value := _option(config, name)) is not _MISSING and value not in allowed:
+      raise ConfigError(f"{name}={value!r} is not one of {', '.join(map(repr, allowed))}")
 
 
 def check_sizes(config: ml_collections.ConfigDict, num_devices: int,
@@ -187,19 +198,21 @@ RANGES = (
 )
 
 
-def check_ranges(config: ml_collections.ConfigDict) -> None:
-  """Numbers in their ranges (``RANGES``): the loss options, discounts, KL coefficients;
-  ``rl.target_kl`` and ``rl.kl_horizon`` > 0 with ``rl.adaptive_kl``."""
-  for name, ok, requirement in RANGES:
-    node = config
-    for part in name.split("."):
-      node = node[part]
+def check_ranges(config: ml_collections.ConfigDict, ranges=RANGES) -> None:
+  """Numbers in their ranges (``RANGES``): the loss options, discounts, KL coefficients."""
+  for name, ok, requirement in ranges:
+    if (value := _option(config, name)) is _MISSING:
+      continue
     try:
-      good = ok(node)  # NaN fails every test too
+      good = ok(value)  # NaN fails every test too
     except TypeError:  # None where a number is needed
       good = False
     if not good:
-      raise ConfigError(f"{name}={node!r} {requirement}")
+      raise ConfigError(f"{name}={value!r} {requirement}")
+
+
+def check_kl_controller(config: ml_collections.ConfigDict) -> None:
+  """``rl.target_kl`` and ``rl.kl_horizon`` > 0 with ``rl.adaptive_kl``."""
   rl = config.rl
   if rl.adaptive_kl:
     for name in ("target_kl", "kl_horizon"):
@@ -276,7 +289,53 @@ def validate(config: ml_collections.ConfigDict, num_devices: int,
   check_names_and_types(config)
   check_choices(config)
   check_ranges(config)
+  check_kl_controller(config)
   check_algorithm(config)
   check_sizes(config, num_devices, context_length)
   check_packages(config)
   check_tasks(config)
+
+
+def _is_int(v, low: int) -> bool:
+  return isinstance(v, int) and not isinstance(v, bool) and v >= low
+
+
+SUPERVISED_CHOICES = {
+    "model.dtype": CHOICES["model.dtype"], "data.truncate": CHOICES["data.truncate"],
+    "train.aggregation": ops.AGGREGATIONS, "optim.decay": ("constant", "linear", "cosine")}
+SUPERVISED_RANGES = (
+    ("train.batch_size", lambda v: _is_int(v, 1), "must be an integer >= 1"),
+    ("train.grad_accum", lambda v: _is_int(v, 1), "must be an integer >= 1"),
+    ("train.eval_batch_size", lambda v: _is_int(v, 1), "must be an integer >= 1"),
+    ("train.num_epochs", lambda v: v > 0, "must be > 0 (passes over the training rows)"),
+    ("train.log_every", lambda v: _is_int(v, 1), "must be an integer >= 1"),
+    ("train.eval_every", lambda v: _is_int(v, -1),
+     "must be an integer >= -1 (N: every N steps; 0: before and after only; -1: each epoch)"),
+    ("data.max_prompt_len", lambda v: _is_int(v, 1), "must be an integer >= 1 (tokens)"),
+    ("data.max_response_len", lambda v: _is_int(v, 1), "must be an integer >= 1 (tokens)"),
+    ("data.train_size", lambda v: _is_int(v, 0), "must be an integer >= 0 (0: all rows)"),
+    ("data.eval_size", lambda v: _is_int(v, 0), "must be an integer >= 0"),
+    ("optim.lr", lambda v: v > 0, "must be > 0"),
+    ("optim.warmup_steps", lambda v: _is_int(v, 0), "must be an integer >= 0"),
+    ("optim.end_factor", lambda v: 0 <= v <= 1, "must be in [0, 1] (final lr = end_factor·lr)"),
+    ("optim.weight_decay", lambda v: v >= 0, "must be >= 0"),
+    ("optim.head_lr_factor", lambda v: v > 0, "must be > 0 (the score head's lr = factor × lr)"),
+    ("optim.max_grad_norm", lambda v: v > 0, "must be > 0 (the global norm gradients are "
+     "clipped to; 1.0 is usual)"),
+    ("keep", lambda v: _is_int(v, 1), "must be an integer >= 1 (checkpoints kept)"),
+)
+
+
+def validate_supervised(config: ml_collections.ConfigDict) -> None:
+  """The checks of an SFT or reward-model config (``config.supervised_defaults()``) that need
+  no model: names and types, choices, ranges, the micro-batches in the batch, packages."""
+  from ppojax.run.config import supervised_defaults  # pylint: disable=import-outside-toplevel
+  check_names_and_types(config, supervised_defaults())
+  check_choices(config, SUPERVISED_CHOICES)
+  check_ranges(config, SUPERVISED_RANGES)
+  train = config.train
+  if train.batch_size % train.grad_accum:
+    raise ConfigError(f"train.batch_size={train.batch_size} is not a multiple of "
+                      f"train.grad_accum={train.grad_accum}: each micro-batch holds "
+                      "batch_size / grad_accum examples")
+  check_packages(config)

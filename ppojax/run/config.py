@@ -30,10 +30,8 @@ def defaults() -> ml_collections.ConfigDict:
   c.sample_table_rows = 4  # rows in each sample table
   c.save_every = 50  # checkpoint every N iterations (and at the end), with --workdir
   c.keep = 2  # checkpoints kept (>= 2: a corrupt latest one falls back to the one before)
-  # Rerunning a workdir resumes only the run its checkpoint comes from: a changed seed, batch,
-  # model, data, ... stops with an error listing the fields (ppojax/run/resume.py; how long to
-  # train, logging, evaluation and memory options may change). To accept such changes
-  # deliberately, name them here, comma-separated: "seed,rl.batch_size" ("rl": a section).
+  # a rerun resumes only its own run (docs/design.md, resume); changes accepted deliberately,
+  # comma-separated fields or sections: "seed,rl.batch_size"
   c.resume_allow_changes = ""
   c.phase_timing = False  # True: run sampling / scoring / update as three timed calls
   c.wandb_project = ""  # log to Weights & Biases too (needs `pip install 'ppojax[wandb]'`)
@@ -54,9 +52,8 @@ def defaults() -> ml_collections.ConfigDict:
   # with remat: what each layer keeps for the backward pass ("nothing": recompute all of it;
   # "dots": keep matmul outputs; "dots_no_batch": keep weight-matmul outputs only)
   c.model.remat_policy = "nothing"
-  # the reference policy and the reward model (which never train) stored in this dtype
-  # ("": as the trained models, float32; "bfloat16": half their memory, and with bfloat16
-  # compute the same numbers up to the float32 value head's rounding)
+  # the reference and the reward model (never trained) stored in this dtype ("": as the
+  # trained models; "bfloat16": half their memory; docs/scale.md)
   c.model.frozen_dtype = ""
   # layers as one nn.scan (one compiled layer body, faster compile) or unrolled (False: no
   # stacked per-layer weights and activations to slice and update; longer compile)
@@ -65,21 +62,18 @@ def defaults() -> ml_collections.ConfigDict:
       vocab_size=16, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
       num_kv_heads=2, max_position_embeddings=64))
 
-  # LoRA (ppojax/models/lora.py): the policy is its frozen base plus trained low-rank adapters; the
-  # reference is the base itself (no second copy), only the adapters get optimizer state and
-  # go into checkpoints, and the run exports the merged model and the adapters in peft's layout
+  # LoRA: a frozen base plus trained low-rank adapters, the base also the reference
+  # (docs/lora.md)
   c.lora = ml_collections.ConfigDict()
   c.lora.rank = 0  # r (0: full fine-tuning)
   c.lora.alpha = 16.0  # the adapters' output is scaled by alpha / rank
-  # dropout p on the adapters' input, y = x·W + (α/r)·(dropout_p(x)·A)·B (peft's lora_dropout),
-  # in the policy update only (and a LoRA critic's): sampling, old and reference log-probs and
-  # evaluation run without. 0: none (the update's forward then also gives the old log-probs
-  # and values where rl.reuse_update_forward allows; with p > 0 the rollout computes them)
+  # dropout p on the adapters' input in the update only, y = x·W + (α/r)·(dropout_p(x)·A)·B
+  # (peft's lora_dropout); p > 0 turns rl.reuse_update_forward off
   c.lora.dropout = 0.0
   c.lora.targets = "all-linear"  # layers: q,k,v,o,gate,up,down (or peft's q_proj, ...)
   c.lora.base_dtype = ""  # the frozen base's dtype ("bfloat16": half its memory; "": float32)
-  # the critic as its own adapters + value head on the policy's frozen base (model.critic_init
-  # "policy"): the whole PPO run then holds one copy of the base weights
+  # the critic as its own adapters + value head on the policy's frozen base: one copy of the
+  # base weights in the whole run
   c.lora.critic = False
 
   c.data = ml_collections.ConfigDict()
@@ -94,13 +88,12 @@ def defaults() -> ml_collections.ConfigDict:
   c.data.truncate = "left"  # or "error": a too-long prompt stops the run
   c.data.chat_template = True  # render prompts with the tokenizer's chat template
   c.data.system = ""  # a system message for every prompt ("" : the template's default)
-  c.data.shared_prefix = True  # run the tokens every prompt begins with (the chat template's
-  # header) once per batch, not once per row: the same numbers, about 30% fewer FLOPs for
-  # SmolLM2's 24-token header on 44-token prompts
+  # the tokens every prompt begins with (the chat template's header) run once per batch, not
+  # once per row: the same numbers, fewer FLOPs (docs/design.md)
+  c.data.shared_prefix = True
   c.data.eval_per_digits = 64  # task "arith": held-out problems per digit count
   # task "reasoning_gym": reasoning_gym.create_dataset(dataset, seed=..., size=..., **options);
-  # the held-out set is the dataset of eval_seed and eval_size (repeats dropped), and training
-  # batches skip its questions (ppojax/tasks/reasoning.py)
+  # held out: the dataset of eval_seed and eval_size, skipped in training (tasks/reasoning.py)
   c.data.rg = ml_collections.ConfigDict()
   c.data.rg.dataset = ""  # e.g. "chain_sum", "basic_arithmetic", "gsm_symbolic"
   c.data.rg.options = ml_collections.ConfigDict()  # the dataset's config fields
@@ -111,9 +104,8 @@ def defaults() -> ml_collections.ConfigDict:
   c.data.rg.extract = "last_line"
 
   c.reward = ml_collections.ConfigDict()
-  # "jax": a jnp rule (prompts, prompt_mask, responses, mask) -> [B], traced into the step;
-  # "python": a host function of the rollout's NumPy arrays; "text": a trl-style function
-  # fn(prompts, completions, **columns) -> list[float] of decoded text; "model": model.reward
+  # "jax": a jnp rule (prompts, prompt_mask, responses, mask) -> [B] traced into the step;
+  # "python": on NumPy arrays; "text": trl-style fn(prompts, completions, **columns); "model"
   c.reward.kind = "text"
   c.reward.fn = "ppojax.tasks.arith:reward"
 
@@ -124,10 +116,8 @@ def defaults() -> ml_collections.ConfigDict:
   c.eval.metrics = ml_collections.ConfigDict({"score": "ppojax.tasks.arith:reward"})  # name: fn
   c.eval.monitor = False  # also score every iteration's sampled responses ("monitor/NAME")
   c.eval.every = 0  # also evaluate after every N-th iteration (0: only before and after)
-  # Baselines: before training, the untrained policy is also evaluated with each of these
-  # instructions appended to every held-out prompt ("PROMPT INSTRUCTION"; for chat messages,
-  # to the last user message), as eval.json phase "before_NAME" and metrics "eval_NAME/..."
-  # e.g. {"instructed": "Reply with just the number."}
+  # the untrained policy also evaluated with each instruction appended to every held-out
+  # prompt (docs/learning.md), e.g. {"instructed": "Reply with just the number."}
   c.eval.baselines = ml_collections.ConfigDict()
 
   c.sampling = ml_collections.ConfigDict()
@@ -149,21 +139,18 @@ def defaults() -> ml_collections.ConfigDict:
 
   c.rl = ml_collections.ConfigDict()
   c.rl.batch_size = 64  # prompts per iteration (× sampling.num_samples_per_prompt responses)
-  # "" below: the algorithm's (ppojax/core/algorithms.py)
-  # the advantage estimator (ppojax/core/advantages.py ESTIMATORS): gae (with a critic), grpo,
-  # dr_grpo, rloo, reinforce_pp (no critic: none is allocated)
+  # the advantage estimator (core/advantages.py): gae (with a critic), grpo, dr_grpo, rloo,
+  # reinforce_pp; "" here and below: the algorithm's (core/algorithms.py)
   c.rl.estimator = ""
   c.rl.kl_in = ""  # the KL penalty β·KL as a reward ("reward", PPO) or a loss term ("loss", GRPO)
   c.rl.num_epochs = 1
   c.rl.num_minibatches = 1
   c.rl.grad_accum = 1  # micro-batches per minibatch (gradients summed exactly)
-  # parts the rollout's forward passes (old / reference log-probs, values, reward model) run
-  # in, one after the other: less memory, the same numbers (0: the update's micro-batches per
-  # batch, num_minibatches × grad_accum, so both phases hold the same rows at a time)
+  # parts the rollout's forward passes run in, one after another: less memory, the same
+  # numbers (0: num_minibatches × grad_accum, the update's micro-batches)
   c.rl.forward_micro_batches = 0
-  # Truncated importance sampling (losses.truncated_is_weight): each token's policy term
-  # weighted by min(π_old/π_sampler, tis_cap), for a sampler whose log-probs differ from the
-  # learner's (sampling.dtype); None: off
+  # truncated importance sampling: each token's policy term weighted by
+  # min(π_old/π_sampler, tis_cap), for a sampler in another dtype; None: off
   c.rl.tis_cap = config_dict.placeholder(float)
   c.rl.gamma = 1.0
   c.rl.lam = 0.95
@@ -185,26 +172,17 @@ def defaults() -> ml_collections.ConfigDict:
   c.rl.missing_stop_penalty = 0.0
   c.rl.whiten_rewards = False
   c.rl.whiten_advantages = True
-  # How token losses become one loss (ops.aggregate), "" the algorithm's: "token_mean" (over
-  # all response tokens), "seq_mean_token_mean" (= "seq_mean": each sequence's token mean, then
-  # the mean over sequences; GRPO's original) or "seq_mean_token_sum_norm" (token sums over the
-  # constant sampling.max_new_tokens, then the mean over sequences; Dr. GRPO)
+  # how token losses become one (ops.aggregate; docs/algorithms.md): "token_mean",
+  # "seq_mean_token_mean" (= "seq_mean", GRPO) or "seq_mean_token_sum_norm" (Dr. GRPO)
   c.rl.aggregation = ""
-  # Where log π_old(token) comes from: "recompute" (a forward pass of the actor over prompt +
-  # response after sampling) or "sampler" (the log-probs generate() computed while sampling:
-  # the same params and temperature, as trl's PPOTrainer does; one policy forward pass fewer
-  # per iteration, equal to "recompute" up to float rounding of the KV-cache decode)
+  # log π_old from "recompute" (a forward pass after sampling) or "sampler" (generate()'s own,
+  # as trl's; one forward pass fewer, equal up to the KV-cache decode's rounding)
   c.rl.old_logprobs = "recompute"
-  # With 1 epoch × 1 minibatch × 1 micro-batch the update's one gradient step runs at the
-  # rollout's params, so its forward pass gives the old values (and, with "recompute", the old
-  # log-probs) that a rollout forward would: take them from there (one critic forward and one
-  # policy forward pass fewer per iteration; the same iteration up to float rounding). False:
-  # always run the rollout's forward passes. No effect with more epochs, minibatches or
-  # micro-batches.
+  # with 1 epoch × 1 minibatch × 1 micro-batch, the old log-probs and values from the update's
+  # own forward pass (two forward passes fewer; docs/design.md); False: the rollout's
   c.rl.reuse_update_forward = True
-  # An iteration whose scores, advantages, losses or gradient norms hold a NaN or Inf is
-  # skipped (no update; counted in skipped/nonfinite); after this many in a row the run saves
-  # its last good state and stops with runner.NonFiniteError (0: never stop, only skip)
+  # a non-finite iteration is skipped (skipped/nonfinite); after this many in a row the run
+  # saves its last good state and stops (0: never stop)
   c.rl.max_bad_steps = 3
 
   c.optim = ml_collections.ConfigDict()
@@ -232,9 +210,8 @@ def supervised_defaults() -> ml_collections.ConfigDict:
   c.resume_allow_changes = ""  # as in defaults(): fields a resumed run may change deliberately
 
   c.model = ml_collections.ConfigDict()
-  # "smollm2", a GGUF file, a Hugging Face directory or hub id (for a reward model a policy
-  # checkpoint gets a zero score head, a reward checkpoint keeps its head), or "tiny" (random
-  # init from model.tiny).
+  # "smollm2", a GGUF file, a Hugging Face directory or hub id, or "tiny"; a reward model
+  # from a policy checkpoint gets a zero score head
   c.model.init = "smollm2"
   c.model.tokenizer = ""  # where the tokenizer comes from (HF dir, GGUF); needed with "tiny"
   c.model.dtype = "float32"  # compute dtype ("bfloat16" on accelerators)
@@ -245,8 +222,8 @@ def supervised_defaults() -> ml_collections.ConfigDict:
       max_position_embeddings=128))
 
   c.data = ml_collections.ConfigDict()
-  # "arith" (generated), a JSONL/JSON/parquet file or a datasets save_to_disk directory with
-  # "prompt" and "response" fields (SFT) or "prompt", "chosen" and "rejected" (reward model).
+  # "arith" (generated), a JSONL/JSON/parquet file or a datasets directory: "prompt" and
+  # "response" (SFT) or "prompt", "chosen" and "rejected" (reward model)
   c.data.train = "arith"
   c.data.eval = "arith"  # held-out data, same kinds of source
   c.data.train_split = "train"  # the split of a DatasetDict directory (and of "arith")
@@ -275,4 +252,5 @@ def supervised_defaults() -> ml_collections.ConfigDict:
   c.optim.end_factor = 0.1  # final lr = end_factor * lr
   c.optim.weight_decay = 0.0
   c.optim.max_grad_norm = 1.0
+  c.optim.head_lr_factor = 1.0  # a reward model's score head: lr × factor (it starts at zero)
   return c

@@ -30,6 +30,7 @@ import numpy as np
 import optax
 
 from ppojax.core import optim as optim_lib
+from ppojax.core.optim import accumulate
 from ppojax.data import encoding
 from ppojax.data import records as records_lib
 from ppojax.models import LoadedModel
@@ -164,15 +165,16 @@ def make_train_step(loss_fn: LossFn, tx: optax.GradientTransformation, grad_accu
       g, metrics = grads(params, batch)
     else:
       micro = jax.tree.map(lambda x: x.reshape(grad_accum, -1, *x.shape[1:]), batch)
-      shapes = jax.eval_shape(grads, params, jax.tree.map(lambda x: x[0], micro))
-      zero = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
       total = jnp.maximum(units(batch), 1.0)
 
-      def body(acc, mb):
+      def weighted(mb):  # (w·g, w·metrics)
         w = units(mb) / total
-        return jax.tree.map(lambda a, x: a + w * x, acc, grads(params, mb)), None
+        g, metrics = grads(params, mb)
+        return jax.tree.map(lambda x: w * x, g), jax.tree.map(lambda x: w * x, metrics)
 
-      (g, metrics), _ = jax.lax.scan(body, zero, micro)
+      zeros = jax.tree.map(jnp.zeros_like, params)
+      g, metrics = accumulate(weighted, zeros, micro)
+      metrics = jax.tree.map(lambda m: jnp.sum(m, axis=0), metrics)
     updates, opt_state = tx.update(g, opt_state, params)
     metrics = dict(metrics, grad_norm=optax.tree.norm(g))
     return optax.apply_updates(params, updates), opt_state, metrics
