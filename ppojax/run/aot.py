@@ -138,15 +138,22 @@ def abstract_prompts(config, mesh) -> Prompts:
                  jax.ShapeDtypeStruct((b, p), jnp.bool_, sharding=rows))
 
 
-def compile_step(config, devices) -> Compiled:
-  """The fused PPO iteration of ``config``, built abstractly on ``devices`` and compiled."""
+PROGRAMS = ("step", "rollout", "learn")  # the fused iteration, or one of its two halves
+
+
+def compile_step(config, devices, program: str = "step") -> Compiled:
+  """``program`` of ``config``'s iteration, built abstractly on ``devices`` and compiled: the
+  fused "step", or its halves "rollout" (sampling and the rollout's forward passes) and "learn"
+  (experience and update), as a run with a host reward compiles them."""
+  if program not in PROGRAMS:
+    raise AotError(f"program={program!r}: choose one of {', '.join(PROGRAMS)}")
   if config.reward.kind not in ("model", "jax"):
     raise AotError(f"reward.kind={config.reward.kind!r} runs on the host between two compiled "
                    "halves; compile the fused step with reward.kind='model' (a reward model of "
                    "the same shapes) or 'jax'")
   run = build_lib.build(config, devices=devices, abstract=True)
   t0 = time.perf_counter()
-  lowered = run.step.fused.lower(run.state, run.frozen, abstract_prompts(config, run.mesh))
+  lowered = _lower(run, config, program)
   try:
     compiled = lowered.compile()
   except jax.errors.JaxRuntimeError as e:
@@ -155,6 +162,21 @@ def compile_step(config, devices) -> Compiled:
       raise
     return Compiled(None, run, time.perf_counter() - t0, out_of_memory)
   return Compiled(compiled, run, time.perf_counter() - t0)
+
+
+def _lower(run, config, program: str):
+  """The lowered ``program``; "learn" takes the rollout's output shapes and shardings."""
+  prompts = abstract_prompts(config, run.mesh)
+  if program == "step":
+    return run.step.fused.lower(run.state, run.frozen, prompts)
+  rollout = run.step.rollout.lower(run.state, run.frozen, prompts)
+  if program == "rollout":
+    return rollout
+  r = jax.tree.map(lambda o: jax.ShapeDtypeStruct(o.shape, o.dtype, sharding=o.sharding),
+                   rollout.out_info)
+  rows = jax.ShapeDtypeStruct(r.responses.shape[:1], jnp.float32,
+                              sharding=sharding_lib.batch_sharding(run.mesh, ndim=1))
+  return run.step.learn.lower(run.state, r, rows)
 
 
 def _param_bytes(trees) -> tuple[int, int, int]:
