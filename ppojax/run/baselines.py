@@ -10,8 +10,9 @@ held-out records are evaluated with each instruction appended to their prompt:
 
 (for chat-message prompts: appended to the content of the last user message). The instruction
 goes into the user's turn, not a system message, so the chat template's default system prompt
-stays as in training. The instructed prompts are padded to the longest of them (at least
-``data.max_prompt_len``), so none is cut. Results: eval.json phase ``before_NAME`` (the same
+stays as in training. The instructed prompts are never cut; every held-out evaluation of a run
+("before", each baseline's, "after") pads to one length (``eval_length``), so all of them run
+one compiled generate program. Results: eval.json phase ``before_NAME`` (the same
 ``eval/...`` keys as every other phase), metrics rows ``eval_NAME/...`` at step 0, and
 eval_samples_before_NAME.jsonl.
 """
@@ -22,6 +23,7 @@ from typing import Sequence
 
 from ppojax.data import encoding
 from ppojax.data import records as records_lib
+from ppojax.data.batch import bucket_length
 from ppojax.tasks import sources
 
 PHASE = "before_{}"  # eval.json phase of baseline NAME
@@ -70,11 +72,30 @@ def instruct(records: Sequence[dict], instruction: str, field: str = "prompt") -
   return out
 
 
-def instructed(config, tokenizer, records: Sequence[dict], instruction: str):
-  """(the instructed records, an encoder padding them to the longest, at least
-  ``data.max_prompt_len``): no instructed prompt is cut."""
+def _longest(config, tokenizer, records: Sequence[dict]) -> int:
+  """Tokens of the longest of the records' prompts, rendered as the run renders them (0 for
+  none)."""
   d = config.data
-  records = instruct(records, instruction, d.field)
-  longest = max(len(encoding.prompt_ids(tokenizer, r[d.field], system=d.system or None,
-                                    chat_template=d.chat_template)) for r in records)
-  return records, sources.prompt_encoder(config, tokenizer, max(longest, d.max_prompt_len))
+  return max((len(encoding.prompt_ids(tokenizer, r[d.field], system=d.system or None,
+                                      chat_template=d.chat_template)) for r in records), default=0)
+
+
+def instructed(config, tokenizer, records: Sequence[dict], instruction: str,
+               length: int | None = None):
+  """(the instructed records, an encoder that cuts none of them, padding them to ``length``;
+  default: the longest of them, at least ``data.max_prompt_len``)."""
+  records = instruct(records, instruction, config.data.field)
+  longest = max(_longest(config, tokenizer, records), config.data.max_prompt_len)
+  return records, sources.prompt_encoder(config, tokenizer, longest, length)
+
+
+def eval_length(config, tokenizer, records: Sequence[dict]) -> int:
+  """The one prompt length of every held-out evaluation of a run: L = ``bucket_length`` (step
+  ``data.prompt_bucket``) of the longest prompt, the held-out ones as cut to M =
+  ``data.max_prompt_len`` and every baseline's instructed ones whole, at most max(M, the
+  longest instructed prompt). "before", the baselines and "after" share one generate program."""
+  d = config.data
+  whole = [_longest(config, tokenizer, instruct(records, text, d.field))
+           for _, text in phases(config)]
+  longest = max([min(_longest(config, tokenizer, records), d.max_prompt_len), *whole])
+  return bucket_length(longest, d.get("prompt_bucket", 64), max([d.max_prompt_len, *whole]))

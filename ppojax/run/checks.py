@@ -195,6 +195,9 @@ RANGES = (
      "update (0: none, peft's default; 0.05-0.1 is usual)"),
     ("optim.max_grad_norm", lambda v: v > 0, "must be > 0 (gradients are clipped to this "
      "global norm; 1.0 is usual)"),
+    ("data.prompt_bucket", lambda v: _is_int(v, 0),
+     "must be an integer >= 0: a batch's prompts are padded to the next multiple of it (tokens; "
+     "0: always to data.max_prompt_len)"),
 )
 
 

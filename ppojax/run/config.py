@@ -85,6 +85,9 @@ def defaults() -> ml_collections.ConfigDict:
   c.data.field = "prompt"  # the prompt column (a string or a list of chat messages)
   c.data.prompt_len = 6  # task "count": tokens per prompt
   c.data.max_prompt_len = 128  # tokens; longer prompts are cut from the left and counted
+  # a batch pads to the next multiple of this ≥ its longest prompt (at most max_prompt_len): one
+  # compiled step per bucket; 0: always max_prompt_len
+  c.data.prompt_bucket = 64
   c.data.truncate = "left"  # or "error": a too-long prompt stops the run
   c.data.chat_template = True  # render prompts with the tokenizer's chat template
   c.data.system = ""  # a system message for every prompt ("" : the template's default)

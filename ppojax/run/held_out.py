@@ -10,6 +10,7 @@ import json
 import pathlib
 import time
 
+from ppojax.data import encoding
 from ppojax.data import records as records_lib
 from ppojax.infra import files, hostmem
 from ppojax.learner import state as state_lib
@@ -17,6 +18,7 @@ from ppojax.models import lora
 from ppojax.run import baselines, evaluation
 from ppojax.run.build import Run, _import
 from ppojax.run.reporting import METRICS_FILE
+from ppojax.tasks import sources
 
 
 def policy_model(r: Run, state) -> tuple:
@@ -36,9 +38,12 @@ def evaluate(r: Run, state, phase: str, workdir, writer, it: int, say=print,
   (``eval.baselines``: each prompt with ``instruction`` appended, ppojax/run/baselines.py)."""
   e = r.config.eval
   metrics = {name: _import(path) for name, path in e.metrics.items()}
-  records, encode = r.source.eval_records, r.source.encode
-  if instruction is not None:
-    records, encode = baselines.instructed(r.config, r.policy.tokenizer, records, instruction)
+  records, encode, tokenizer = r.source.eval_records, r.source.encode, r.policy.tokenizer
+  length = baselines.eval_length(r.config, tokenizer, records)  # one program for all phases
+  if instruction is None:
+    encode = sources.padded(encode, length, encoding.pad_token_id(tokenizer))
+  else:
+    records, encode = baselines.instructed(r.config, tokenizer, records, instruction, length)
   scorer = None  # RLHF: the reward model's score (the proxy) beside the true metrics
   if r.models.reward is not None:
     scorer = evaluation.reward_model_scorer(r.models.reward, r.frozen.reward)

@@ -39,7 +39,7 @@ ALLOWED = (
     "data.path",  # the file may move: its contents are fingerprinted (data.contents)
     "data.eval_path", "data.eval_per_digits",  # held-out data only
     # memory and speed options that give the same numbers (up to float rounding)
-    "mesh.shape", "model.remat", "model.remat_policy", "data.shared_prefix",
+    "mesh.shape", "model.remat", "model.remat_policy", "data.shared_prefix", "data.prompt_bucket",
     "rl.grad_accum", "rl.forward_micro_batches", "rl.reuse_update_forward",
     "rl.max_bad_steps",
     # the supervised stages (ppojax.supervised.common): how long to train, logging and evaluation,

@@ -5,7 +5,10 @@ function from the data position (the iteration number) to a batch of left-padded
 their records, so a resumed run gets exactly the batches the interrupted one would have got.
 With ``data.shared_prefix`` (default) the prompts carry the tokens every one of them begins
 with (the chat template's header: ``encoding.template_prefix``; BOS for the count task) as
-``Prompts.prefix``, so the step runs them once per batch instead of once per row.
+``Prompts.prefix``, so the step runs them once per batch instead of once per row. Each batch
+is padded to the bucket of its longest prompt (``data.prompt_bucket``: ``batch.bucket_length``),
+so the step compiles once per bucket, not once per run at the longest length; the count task's
+prompts keep their fixed length.
 
     data.task = "count"    the toy token task of ppojax/tasks/count.py (no tokenizer)
     data.task = "arith"    small-number arithmetic (ppojax/tasks/arith.py) through the chat template
@@ -25,7 +28,7 @@ import numpy as np
 
 from ppojax.data import encoding
 from ppojax.data import records as records_lib
-from ppojax.data.batch import Prompts, with_prefix
+from ppojax.data.batch import Prompts, repad, to_bucket, with_prefix
 from ppojax.tasks import arith, count, reasoning
 
 
@@ -76,28 +79,46 @@ def make_source(config, tokenizer, shared_prefix: bool | None = None) -> Source:
     held_out = (records_lib.read_records(d.eval_path, required=(d.field,)) if d.get("eval_path")
                 else None)
 
+  step = d.get("prompt_bucket", 64)
+
   def batch(pos: int) -> Batch:
     records = pick(pos)
     enc = encode(records)
-    return Batch(share(Prompts(enc.tokens, enc.mask), prefix), records,
-                 int(enc.truncated.sum()))
+    prompts = to_bucket(Prompts(enc.tokens, enc.mask), step, d.max_prompt_len)
+    return Batch(share(prompts, prefix), records, int(enc.truncated.sum()))
 
   return Source(batch, lambda t, m: decode_text(tokenizer, t, m), held_out, encode, prefix)
 
 
-def prompt_encoder(config, tokenizer, max_len: int | None = None
+def prompt_encoder(config, tokenizer, max_len: int | None = None, length: int | None = None
                    ) -> Callable[[list[dict]], encoding.Encoded]:
-  """records → left-padded prompts [N, max_len] (default ``data.max_prompt_len``) through the
-  config's chat template, system prompt and truncation rule."""
+  """records → left-padded prompts [N, length] through the config's chat template, system
+  prompt and truncation rule: each prompt cut to ``max_len`` tokens (default
+  ``data.max_prompt_len``), then padded to ``length`` (default ``max_len``; ``padded``)."""
   d = config.data
-  length = max_len or d.max_prompt_len
+  limit = max_len or d.max_prompt_len
 
   def encode(records: list[dict]) -> encoding.Encoded:
-    return encoding.encode_prompts(tokenizer, records, length, field=d.field,
-                               system=d.system or None, chat_template=d.chat_template,
-                               truncate=d.truncate)
+    return encoding.encode_prompts(tokenizer, records, limit, field=d.field,
+                                   system=d.system or None, chat_template=d.chat_template,
+                                   truncate=d.truncate)
 
-  return encode
+  if length is None or length == limit:
+    return encode
+  return padded(encode, length, encoding.pad_token_id(tokenizer))
+
+
+def padded(encode: Callable[[list[dict]], encoding.Encoded], length: int, pad_id: int
+           ) -> Callable[[list[dict]], encoding.Encoded]:
+  """``encode`` with its left-padded prompts re-padded to ``length`` columns (``batch.repad``:
+  padding cut or added on the left; a prompt longer than ``length`` raises)."""
+
+  def encode_padded(records: list[dict]) -> encoding.Encoded:
+    enc = encode(records)
+    tokens, mask = repad(enc.tokens, enc.mask, length, pad_id)
+    return enc._replace(tokens=tokens, mask=mask)
+
+  return encode_padded
 
 
 def reasoning_gym_task(config) -> tuple[Callable[[int], list[dict]], list[dict] | None]:
