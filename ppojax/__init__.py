@@ -7,10 +7,18 @@ Research code imports single pieces of the math (``ppojax.core``) from here::
 The package is layered (docs/design.md): infra, core, models, data, tasks, rollout, learner,
 run, supervised, classic; the command lines are ``ppojax.train``, ``ppojax.sft``,
 ``ppojax.train_rm``, ``ppojax.preferences`` and ``ppojax.aot``.
+
+Importing ppojax with ``JAX_PLATFORMS`` unset on a machine without a TPU sets it to the GPUs
+here and the CPU (``ppojax.infra.compile.choose_platforms``), so that an installed libtpu does
+not probe for a TPU and print its errors (docs/performance.md, "Compiling").
 """
 
 import importlib.abc
 import sys
+
+from ppojax.infra import compile as _compile
+
+_compile.choose_platforms()  # before JAX starts a back end
 
 from ppojax.core import advantages, kl, logprobs, losses, ops, rewards
 

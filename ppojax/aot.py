@@ -43,4 +43,5 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  cli.run(main, PROG, loaders=(build.build,), configs=(_CONFIG,))
+  # compiles for another machine's TPUs: nothing to keep in this machine's compilation cache
+  cli.run(main, PROG, loaders=(build.build,), configs=(_CONFIG,), compile_cache=False)

@@ -11,6 +11,8 @@ model or data is refused, naming the fields and the override
 config), metrics.jsonl, TensorBoard events, samples.jsonl, the held-out eval.json and
 eval_samples_*.jsonl, curves.png and the final policy/. A config with a ``classic`` section
 (configs/cartpole.py) trains a classic-control agent instead (``ppojax.classic.runner``).
+Compiled programs are kept in the persistent compilation cache (``--compile_cache=DIR|off``,
+``ppojax.infra.cli``); each metric row and the run's last line say what compiling cost.
 """
 
 from __future__ import annotations

@@ -18,6 +18,8 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("JAX_COMPILATION_CACHE_DIR",
                       str(pathlib.Path(tempfile.gettempdir()) / "ppojax-tests-jax-cache"))
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.5")
+# The CLIs' own cache (--compile_cache, on by default) is that one too, never the user's.
+os.environ.setdefault("PPOJAX_COMPILE_CACHE", os.environ["JAX_COMPILATION_CACHE_DIR"])
 
 
 @pytest.fixture(autouse=True, scope="module")

@@ -45,7 +45,7 @@ from ppojax.run.checkpoint import Checkpointer
 from ppojax.tasks import count
 
 ROOT = pathlib.Path(__file__).parents[1]
-VOLATILE = ("time/", "eps", "memory/")  # wall-clock figures differ between runs
+VOLATILE = ("time/", "eps", "memory/", "compile/")  # differ between runs and processes
 N = 24  # iterations of the CLI runs (ten kills must land before a run reaches N; at 16 a
 # faster step let the run finish after 9 kills in CI)
 CLI = [sys.executable, "-m", "ppojax.train", "--config", str(ROOT / "configs" / "toy.py"),

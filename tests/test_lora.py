@@ -218,7 +218,7 @@ def test_a_lora_run_resumes_exactly_saves_small_checkpoints_and_exports(tmp_path
   whole = runner.run(config, str(tmp_path / "whole")).history
   runner.run(config, str(tmp_path / "parts"), stop_after=2)
   runner.run(config, str(tmp_path / "parts"))
-  volatile = ("time/", "eps", "memory/")
+  volatile = ("time/", "eps", "memory/", "compile/")
   read = lambda d: [{k: v for k, v in row.items() if not k.startswith(volatile)}  # noqa: E731
                     for row in reporting.read_metrics(str(tmp_path / d / "metrics.jsonl"))]
   assert read("parts") == read("whole") and len(whole) == 4
@@ -475,7 +475,7 @@ def test_a_lora_dropout_run_resumes_exactly_and_exports_its_dropout(tmp_path):
   whole = runner.run(config, str(tmp_path / "whole")).history
   runner.run(config, str(tmp_path / "parts"), stop_after=2)
   runner.run(config, str(tmp_path / "parts"))
-  volatile = ("time/", "eps", "memory/")
+  volatile = ("time/", "eps", "memory/", "compile/")
   read = lambda d: [{k: v for k, v in row.items() if not k.startswith(volatile)}  # noqa: E731
                     for row in reporting.read_metrics(str(tmp_path / d / "metrics.jsonl"))]
   assert read("parts") == read("whole") and len(whole) == 4

@@ -19,6 +19,11 @@ Usage errors are
 
 The same types raised anywhere else (in training, in writing results) are bugs: traceback.
 ``PPOJAX_DEBUG=1`` or ``--debug`` shows the traceback of a usage error too (exit code 1).
+
+Every command but ``ppojax.aot`` keeps XLA's compiled programs in a persistent cache, so that a
+rerun does not compile them again: ``--compile_cache=DIR`` (or ``PPOJAX_COMPILE_CACHE=DIR``),
+``off`` to turn it off; by default ``JAX_COMPILATION_CACHE_DIR`` where set, else
+``$XDG_CACHE_HOME/ppojax/xla`` (``ppojax.infra.compile.cache_dir``).
 """
 
 from __future__ import annotations
@@ -33,6 +38,8 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from absl import app, flags
+
+from ppojax.infra import compile as compile_lib
 
 USAGE_EXIT = 2
 # "module:Class": ppojax's exceptions for bad input; named, not imported (infra is the lowest
@@ -53,6 +60,9 @@ _PACKAGE = pathlib.Path(__file__).resolve().parents[1]  # ppojax/
 
 DEBUG = flags.DEFINE_bool("debug", False,
                           "Show the traceback of a usage error (also: PPOJAX_DEBUG=1).")
+COMPILE_CACHE = flags.DEFINE_string(
+    "compile_cache", None, "Persistent XLA compilation cache: a directory, or 'off' (default: "
+    "$PPOJAX_COMPILE_CACHE, $JAX_COMPILATION_CACHE_DIR, else $XDG_CACHE_HOME/ppojax/xla).")
 
 
 class UsageError(Exception):
@@ -100,17 +110,31 @@ def fail(prog: str, message: str) -> None:
 
 
 def run(main: Callable[[list[str]], Any], prog: str, loaders: Iterable[Callable] = (),
-        configs: Iterable[Any] = ()) -> None:
+        configs: Iterable[Any] = (), compile_cache: bool = True) -> None:
   """``absl.app.run(main)`` with usage errors as one message (module docstring). ``loaders``:
   the functions that load the config, data and models; ``configs``: the holders of the
-  ``config_flags`` flags, loaded while the flags are parsed."""
+  ``config_flags`` flags, loaded while the flags are parsed; ``compile_cache``: whether the
+  persistent compilation cache is on (``--compile_cache``)."""
   loaders, configs = tuple(loaders), tuple(configs)
-  app.run(functools.partial(_guarded, main, prog, loaders),
+  app.run(functools.partial(_guarded, main, prog, loaders, compile_cache),
           flags_parser=functools.partial(parse_flags, prog, configs))
 
 
-def _guarded(main, prog: str, loaders: tuple, argv: list[str]):
+def use_compile_cache() -> str | None:
+  """Turns the persistent compilation cache on where ``--compile_cache`` and the environment
+  say (``compile.cache_dir``), or off; returns the directory (None: off)."""
+  where = compile_lib.cache_dir(COMPILE_CACHE.value)
   try:
+    return compile_lib.use_cache(where)
+  except OSError as e:
+    raise UsageError(f"cannot use {where!r} as the compilation cache ({e.strerror or e}): give "
+                     "another directory with --compile_cache=DIR, or --compile_cache=off") from e
+
+
+def _guarded(main, prog: str, loaders: tuple, compile_cache: bool, argv: list[str]):
+  try:
+    if compile_cache:
+      use_compile_cache()
     return main(argv)
   except Exception as e:  # pylint: disable=broad-except
     message = usage_message(e, loaders)

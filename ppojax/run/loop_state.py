@@ -10,6 +10,7 @@ import json
 import pathlib
 from typing import Any
 
+from ppojax.infra import compile as compile_lib
 from ppojax.infra import files
 from ppojax.infra.signals import StopSignals
 from ppojax.learner import update as update_lib
@@ -38,6 +39,8 @@ class LoopState:
   nonfinite_streak: int = 0  # the latest run of them,
   nonfinite: set[str] = dataclasses.field(default_factory=set)  # and what, over that run
   train_s: float = 0.0  # seconds in iterations so far (held-out evaluations and saves not counted)
+  # the process's XLA compiles at the run's start (the rows report those since)
+  compiles: compile_lib.Compiles = dataclasses.field(default_factory=compile_lib.Compiles)
 
   def open(self, workdir: pathlib.Path) -> None:
     """The checkpointer (resuming from the latest checkpoint), config.json, the metric writer
@@ -87,9 +90,11 @@ class LoopState:
         "train_seconds": self.train_s}, force=force)
 
   def evaluate(self, phase: str, it: int, say=print, instruction: str | None = None) -> None:
-    """The held-out evaluation ``phase`` of the current state, at iteration ``it``."""
-    self.evals[phase] = held_out.evaluate(self.r, self.state, phase, self.workdir, self.writer,
-                                          it, say=say, instruction=instruction)
+    """The held-out evaluation ``phase`` of the current state, at iteration ``it`` (its compiles:
+    the program "evaluate")."""
+    with compile_lib.program("evaluate"):
+      self.evals[phase] = held_out.evaluate(self.r, self.state, phase, self.workdir,
+                                            self.writer, it, say=say, instruction=instruction)
 
   def close(self) -> None:
     """Waits for the checkpoints and closes the files."""

@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ppojax.data.batch import Prompts
+from ppojax.infra import compile as compile_lib
 from ppojax.infra import hostmem
 from ppojax.infra import sharding as sharding_lib
 from ppojax.infra.signals import StopSignals
@@ -34,24 +35,29 @@ def iteration(run: Run, state, prompts: Prompts, records: list[dict] | None = No
   """One PPO iteration: (state, metrics as floats, rollout, scores). The fused step unless the
   reward runs on the host or ``phase_timing`` asks for the three phases timed apart;
   ``records`` (the batch's prompts' rows, one per prompt) are what a text reward reads its
-  columns from (each prompt's for all n of its samples)."""
+  columns from (each prompt's for all n of its samples). Its compiles are counted as the
+  programs "step" (fused), or "rollout", "score" and "update" (``ppojax.infra.compile``)."""
   step, frozen = run.step, run.frozen
   timings = {}
   t0 = time.perf_counter()
   if step.fused is not None and not phase_timing:
-    state, metrics, r, scores = hostmem.compiled_call(step.fused, state, frozen, prompts)
+    with compile_lib.program("step"):
+      state, metrics, r, scores = hostmem.compiled_call(step.fused, state, frozen, prompts)
     jax.block_until_ready(metrics)
   else:
-    r = jax.block_until_ready(hostmem.compiled_call(step.rollout, state, frozen, prompts))
+    with compile_lib.program("rollout"):
+      r = jax.block_until_ready(hostmem.compiled_call(step.rollout, state, frozen, prompts))
     t1 = time.perf_counter()
     if run.host_reward is not None:
       scores = jnp.asarray(run.host_reward(sharding_lib.to_host(r), per_sample(
           records, run.sampling.num_samples_per_prompt)), jnp.float32)
     else:
-      scores = jax.block_until_ready(hostmem.compiled_call(step.score, frozen, r))
+      with compile_lib.program("score"):
+        scores = jax.block_until_ready(hostmem.compiled_call(step.score, frozen, r))
     hostmem.release()  # the sampling's and scoring's holes, before the update's temporaries
     t2 = time.perf_counter()
-    state, metrics = hostmem.compiled_call(step.learn, state, r, scores)
+    with compile_lib.program("update"):
+      state, metrics = hostmem.compiled_call(step.learn, state, r, scores)
     jax.block_until_ready(metrics)
     timings = {"time/sampling": t1 - t0, "time/scoring": t2 - t1,
                "time/update": time.perf_counter() - t2}
@@ -95,10 +101,18 @@ def run(config, workdir: str | None = None, stop_after: int | None = None) -> Re
   ``rl.max_bad_steps`` in a row the last good state is saved and ``NonFiniteError`` raised.
   A process killed at any moment resumes from its last complete checkpoint, and metrics.jsonl
   ends up as that of an uninterrupted run.
+
+  Compiling: each row carries this process's XLA compiles so far, ``time/compile/PROGRAM``
+  (seconds: "build", "step" or "rollout"/"score"/"update", "evaluate", "other"),
+  ``compile/count`` and ``compile/cache_hits`` (read from the persistent cache); the run ends
+  with a line that sums them up (``ppojax.infra.compile``).
   """
   init_distributed(config)
+  before = compile_lib.start()
   with StopSignals() as signals:
-    return _run(config, workdir, stop_after, signals)
+    result = _run(config, workdir, stop_after, signals, before)
+  print(compile_lib.since(before).summary(), flush=True)
+  return result
 
 
 def init_distributed(config) -> None:
@@ -114,12 +128,15 @@ def init_distributed(config) -> None:
   jax.distributed.initialize(**{k: v for k, v in given.items() if v is not None})
 
 
-def _run(config, workdir, stop_after, signals: StopSignals) -> Result:
-  """``run`` under its signal handlers."""
-  r = build(config)
+def _run(config, workdir, stop_after, signals: StopSignals,
+         compiles: compile_lib.Compiles) -> Result:
+  """``run`` under its signal handlers; ``compiles``: the totals at the run's start."""
+  with compile_lib.program("build"):
+    r = build(config)
   hostmem.release()  # loading's freed buffers (see hostmem.release: a phase's holes would
   # otherwise stay resident under every later phase's peak)
-  loop = loop_state.LoopState(r, r.state, signals, held_out.read_evals(workdir))
+  loop = loop_state.LoopState(r, r.state, signals, held_out.read_evals(workdir),
+                              compiles=compiles)
   if workdir:
     loop.open(pathlib.Path(workdir))
   if loop.start == 0 and r.source.eval_records:  # the untrained policy, and its baselines
@@ -169,7 +186,8 @@ def _train(loop: loop_state.LoopState, stop_after: int | None) -> list[dict]:
 
 def _iterate(loop: loop_state.LoopState, it: int, loop_start: float) -> tuple[dict, Any, Any]:
   """Iteration ``it`` on its batch: (metrics, rollout, scores), the metrics with the run's
-  counters, episodes per second, peak memory and the ``eval.monitor`` metrics."""
+  counters, episodes per second, peak memory, the compiles so far and the ``eval.monitor``
+  metrics."""
   r, config = loop.r, loop.r.config
   batch = checks_lib.rollout_rows(config)  # episodes (responses) per iteration
   drawn = r.source.batch(it - 1)
@@ -184,7 +202,7 @@ def _iterate(loop: loop_state.LoopState, it: int, loop_start: float) -> tuple[di
   metrics.update(episode=it * batch, eps=eps,
                  **{"data/truncated_prompts": drawn.truncated,
                     "skipped/nonfinite_total": loop.nonfinite_total, "time/train_s": loop.train_s},
-                 **peak_memory())
+                 **peak_memory(), **compile_lib.since(loop.compiles).metrics())
   if config.eval.monitor and drawn.records:
     metrics.update(_monitor(r, rollout, drawn.records))
   return metrics, rollout, scores
