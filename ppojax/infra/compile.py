@@ -42,6 +42,11 @@ def tpu_attached() -> bool:
   return any(glob.glob(pattern) for pattern in TPU_DEVICES)
 
 
+def libtpu_installed() -> bool:
+  """Whether the libtpu package (what probes for a TPU when JAX starts) is installed."""
+  return importlib.util.find_spec("libtpu") is not None
+
+
 def _plugin_names() -> list[str]:
   """The installed JAX PJRT plugins' names (``jax_plugins.*`` modules and entry points)."""
   names = [e.name for e in importlib.metadata.entry_points(group="jax_plugins")]
@@ -61,12 +66,12 @@ def platforms_without_tpu() -> str:
 
 
 def choose_platforms(environ: dict | None = None) -> str | None:
-  """Sets ``JAX_PLATFORMS`` to ``platforms_without_tpu()`` when it is unset and no TPU is
-  attached, and returns it; None (nothing changed) otherwise. A JAX already imported with its
+  """Sets ``JAX_PLATFORMS`` to ``platforms_without_tpu()`` when it is unset, libtpu is installed
+  and no TPU is attached, and returns it; None (nothing changed) otherwise. A JAX already imported with its
   back ends not yet started gets the same through ``jax.config``."""
   environ = os.environ if environ is None else environ
-  if "JAX_PLATFORMS" in environ or tpu_attached():
-    return None
+  if "JAX_PLATFORMS" in environ or tpu_attached() or not libtpu_installed():
+    return None  # without libtpu nothing probes for a TPU: JAX's own choice stands
   chosen = environ["JAX_PLATFORMS"] = platforms_without_tpu()
   jax = sys.modules.get("jax")
   if jax is not None and environ is os.environ:
