@@ -451,10 +451,11 @@ def test_prefix_forward_rejects_a_cache_and_windows():
                           prefix=jnp.ones((1, 2), jnp.int32))
 
 
-def test_shared_prefix_needs_unrolled_layers_and_no_window():
+def test_shared_prefix_needs_one_layer_layout_and_no_window():
   scanned = C.init_cache(CACHE_CONFIGS["llama"], 1, 3)
-  with pytest.raises(ValueError, match="unrolled layers"):
-    C.with_shared_prefix(scanned, scanned)
+  unrolled = C.init_cache(CACHE_CONFIGS["llama"].replace(scan_layers=False), 1, 3)
+  with pytest.raises(ValueError, match="same layer layout"):
+    C.with_shared_prefix(scanned, unrolled)
   cfg = CACHE_CONFIGS["mistral-window"].replace(scan_layers=False)
   params = layout.unstack_layers(_random_params(CACHE_CONFIGS["mistral-window"]))
   one = C.init_cache(cfg, 1, 2)

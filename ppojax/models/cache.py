@@ -26,15 +26,16 @@ class KVCache(NamedTuple):
   [.., S, D], q·kᵀ contracted both operands' minor axis: XLA:CPU ran that decode product at a
   fifth of the speed of probs·v over the same bytes.
 
-  ``prefix_k`` / ``prefix_v`` (unrolled layers only; ``with_shared_prefix``): the keys and
-  values of C tokens that precede every row, one copy for the whole batch, tuples of L
-  [H_kv, D, C] / [H_kv, C, D]. Every query attends to all of them before its row's slots; their
-  scores are one [B·G·T, D]·[D, C] matmul per KV head instead of B matrix-vector products."""
+  ``prefix_k`` / ``prefix_v`` (``with_shared_prefix``): the keys and values of C tokens that
+  precede every row, one copy for the whole batch, in the layout of ``k`` / ``v``: [L, H_kv, D,
+  C] / [L, H_kv, C, D], or tuples of L [H_kv, D, C] / [H_kv, C, D]. Every query attends to all of
+  them before its row's slots; their scores are one [B·G·T, D]·[D, C] matmul per KV head instead
+  of B matrix-vector products."""
 
   k: Array | tuple[Array, ...]  # [(L,) B, H_kv, D, S]
   v: Array | tuple[Array, ...]  # [(L,) B, H_kv, S, D]
-  prefix_k: tuple[Array, ...] | None = None  # L × [H_kv, D, C]
-  prefix_v: tuple[Array, ...] | None = None  # L × [H_kv, C, D]
+  prefix_k: Array | tuple[Array, ...] | None = None  # [(L,) H_kv, D, C]
+  prefix_v: Array | tuple[Array, ...] | None = None  # [(L,) H_kv, C, D]
 
 
 def init_cache(cfg: ModelConfig, batch: int, max_length: int, dtype=None) -> KVCache:
@@ -54,16 +55,43 @@ def init_cache(cfg: ModelConfig, batch: int, max_length: int, dtype=None) -> KVC
 
 
 def with_shared_prefix(cache: KVCache, prefix_cache: KVCache) -> KVCache:
-  """``cache`` (unrolled layers) extended by the keys and values of a prefix shared by all of
-  its rows: ``prefix_cache`` holds them for one row (its C slots all real tokens, positions
-  0 … C − 1, e.g. a prefill of the prefix alone). The rows' own tokens then take positions
-  C, C + 1, …, and their slots are numbered from 0 as without a prefix."""
-  if not isinstance(cache.k, tuple) or not isinstance(prefix_cache.k, tuple):
-    raise ValueError("a shared prefix needs unrolled layers (scan_layers=False) in both caches")
-  if prefix_cache.k[0].shape[0] != 1:
-    raise ValueError(f"prefix_cache must hold one row, got {prefix_cache.k[0].shape[0]}")
-  return cache._replace(prefix_k=tuple(k[0] for k in prefix_cache.k),
-                        prefix_v=tuple(v[0] for v in prefix_cache.v))
+  """``cache`` extended by the keys and values of a prefix shared by all of its rows:
+  ``prefix_cache`` (the same layer layout) holds them for one row (its C slots all real tokens,
+  positions 0 … C − 1, e.g. a prefill of the prefix alone). The rows' own tokens then take
+  positions C, C + 1, …, and their slots are numbered from 0 as without a prefix."""
+  unrolled = isinstance(cache.k, tuple)
+  if unrolled != isinstance(prefix_cache.k, tuple):
+    raise ValueError("cache and prefix_cache must have the same layer layout (both stacked, "
+                     "scan_layers=True, or both unrolled)")
+  rows = prefix_cache.k[0].shape[0] if unrolled else prefix_cache.k.shape[1]
+  if rows != 1:
+    raise ValueError(f"prefix_cache must hold one row, got {rows}")
+  if unrolled:
+    return cache._replace(prefix_k=tuple(k[0] for k in prefix_cache.k),
+                          prefix_v=tuple(v[0] for v in prefix_cache.v))
+  return cache._replace(prefix_k=prefix_cache.k[:, 0], prefix_v=prefix_cache.v[:, 0])
+
+
+def layer_prefix(cache: KVCache | None, layer) -> tuple[Array, Array] | None:
+  """The shared prefix's keys [H_kv, D, C] and values [H_kv, C, D] at ``layer`` (a Python int
+  for unrolled layers, traced in a layer scan), or None without one."""
+  if cache is None or cache.prefix_k is None:
+    return None
+  if isinstance(cache.prefix_k, tuple):
+    return cache.prefix_k[layer], cache.prefix_v[layer]
+  return tuple(jax.lax.dynamic_index_in_dim(c, layer, 0, keepdims=False)
+               for c in (cache.prefix_k, cache.prefix_v))
+
+
+def repeat_rows(cache: KVCache, n: int) -> KVCache:
+  """``cache`` with each row's keys and values repeated n times, [B·n, ...] (row i's copies at
+  i·n … i·n + n − 1), rows over the mesh's batch axes and KV heads over "tensor"; the shared
+  prefix is one copy for all rows and stays as it is."""
+  lead = 0 if isinstance(cache.k, tuple) else 1  # the layer axis of stacked buffers
+
+  def repeat(x):
+    return shard_rows(jnp.repeat(x, n, axis=lead), tensor_dim=lead + 1, row_dim=lead)
+  return cache._replace(k=jax.tree.map(repeat, cache.k), v=jax.tree.map(repeat, cache.v))
 
 
 def positions_from_mask(mask: Array) -> Array:
@@ -84,8 +112,9 @@ def update_cache(cache: KVCache, layer, cache_index, k_t: Array, v: Array):
       return tuple(buffers)
     cache = cache._replace(k=write(cache.k, k_t, k_start), v=write(cache.v, v, v_start))
     return cache, cache.k[layer], cache.v[layer]
-  cache = KVCache(*(jax.lax.dynamic_update_slice(c, new[None].astype(c.dtype), (layer,) + start)
-                    for c, new, start in zip(cache[:2], (k_t, v), (k_start, v_start))))
+  cache = cache._replace(**{
+      name: jax.lax.dynamic_update_slice(c, new[None].astype(c.dtype), (layer,) + start)
+      for name, c, new, start in zip(("k", "v"), cache[:2], (k_t, v), (k_start, v_start))})
   k_t, v = (jax.lax.dynamic_index_in_dim(c, layer, 0, keepdims=False) for c in cache[:2])
   return cache, k_t, v
 

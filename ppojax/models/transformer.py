@@ -16,11 +16,11 @@ Calling convention (``CausalLM`` and ``ValueModel`` alike)::
   S, D]): the T new tokens are written at slots ``cache_index … cache_index + T − 1``; ``kv_mask``
   [B, S] marks every slot holding a real token (prompt and generated so far, the new ones
   included); the returned cache is the updated one. Prefill is ``cache_index=0`` with the whole
-  prompt (a Python 0 with unrolled layers: the prompt then attends over its own keys and reads no
-  other slot), decode ``T=1``. The cache travels through the layer scan as part of the carry, so a
+  prompt (a Python 0: the prompt then attends over its own keys and reads no other slot),
+  decode ``T=1``. The cache travels through the layer scan as part of the carry, so a
   decode step writes only its new slot in place.
-* a prefix shared by every row (``with_shared_prefix``, unrolled layers): its keys and values
-  are held once for the batch and every query attends to them; the rows' own tokens take
+* a prefix shared by every row (``with_shared_prefix``): its keys and values are held once for
+  the batch and every query attends to them; the rows' own tokens take
   positions C, C + 1, … and slots 0, 1, … as before. Without a cache, ``prefix=`` [C] token ids
   does the same in one forward pass: the prefix runs through every layer once, not once per
   row.
@@ -36,8 +36,8 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from ppojax.infra.sharding import shard_rows, vocab_parallel_logits
-from ppojax.models.attention import allowed_keys, attend, cached_prefix, check_prefix
-from ppojax.models.cache import fills_from_start, update_cache
+from ppojax.models.attention import allowed_keys, attend, check_prefix
+from ppojax.models.cache import fills_from_start, layer_prefix, update_cache
 from ppojax.models.config import REMAT_POLICIES, ModelConfig
 from ppojax.models.kernels import (
   dot_f32_accumulate,
@@ -166,7 +166,7 @@ class Attention(nn.Module):
       kv_mask = kv_mask[:, :t]
       q_slots = kv_slots = jnp.arange(t)
     allowed = allowed_keys(q_slots, kv_slots, window, kv_mask)
-    shared, out_p = cached_prefix(cache, layer, window), None  # a prefix every row attends to
+    shared, out_p = layer_prefix(cache, layer), None  # a prefix every row attends to
     if prefix is not None:  # the prefix's own causal attention, then its keys for every row
       xp, rope_p = prefix
       qp, kp, vp = heads(xp, rope_p)
@@ -269,8 +269,12 @@ class Decoder(nn.Module):
         xp = xp + self.wpe(positions_p)
       else:
         rope_p = model_rope(cfg, positions_p)
+    if cache is not None and cache.prefix_k is not None and any(windows):
+      raise ValueError("a shared prefix cannot be used with a sliding attention window: "
+                       "prepend it to every prompt instead")
     if cfg.scan_layers:
-      cache_index = jnp.asarray(cache_index, jnp.int32)
+      if not isinstance(cache_index, int):  # a Python 0 stays static (``fills_from_start``)
+        cache_index = jnp.asarray(cache_index, jnp.int32)
       layer_ids = jnp.arange(cfg.num_layers, dtype=jnp.int32)
       (x, cache, _), _ = self.layers((x, cache, xp), layer_ids, jnp.asarray(windows, jnp.int32),
                                      rope, kv_mask, cache_index, rope_p)

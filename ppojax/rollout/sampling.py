@@ -32,13 +32,25 @@ import numpy as np
 from ppojax.core import ops
 from ppojax.infra.sharding import shard_rows
 from ppojax.infra.trees import cast_floats
-from ppojax.models.cache import KVCache, init_cache, positions_from_mask, with_shared_prefix
-from ppojax.models.kernels import columns_pay_off
-from ppojax.models.layout import fuse_projections, transpose_kernels, unstack_layers
+from ppojax.models.cache import (
+  KVCache,
+  init_cache,
+  positions_from_mask,
+  repeat_rows,
+  with_shared_prefix,
+)
+from ppojax.models import lora
+from ppojax.models.layout import (
+  fuse_projections,
+  stack_layers,
+  transpose_kernels,
+  unstack_layers,
+)
 from ppojax.models.rope import model_rope
 from ppojax.rollout.draw import sample_token
 
 Array = jax.Array
+LAYERS = ("auto", "scan", "unroll")  # SamplingConfig.layers
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,6 +69,9 @@ class SamplingConfig:
   # samples per prompt: prompt i's n samples are rows i·n … i·n + n − 1 of the output (a
   # group, contiguous), all decoding from one prefill of the prompt
   num_samples_per_prompt: int = 1
+  # the decode's layers (``decode_layers``): "scan" (one compiled layer body), "unroll" (each
+  # layer its own code: faster per token on CPU, slow to compile), "auto" (unroll on CPU only)
+  layers: str = "auto"
 
   def __post_init__(self):
     object.__setattr__(self, "stop_ids", tuple(int(i) for i in self.stop_ids))  # hashable
@@ -76,6 +91,9 @@ class SamplingConfig:
     if not 0 < self.top_p <= 1 or not 0 <= self.min_p < 1 or self.top_k < 0:
       raise ValueError(f"need 0 < top_p <= 1, 0 <= min_p < 1, top_k >= 0; got "
                        f"top_p={self.top_p}, min_p={self.min_p}, top_k={self.top_k}")
+    if self.layers not in LAYERS:
+      raise ValueError(f"layers must be one of {', '.join(map(repr, LAYERS))}, got "
+                       f"{self.layers!r}")
 
   @property
   def truncates(self) -> bool:
@@ -140,36 +158,66 @@ def _shared_prefix_cache(apply, cfg, prefix: Array, cache: KVCache, size: int) -
   return with_shared_prefix(cache, prefix_cache)
 
 
-def decode_layout(module: nn.Module, params) -> tuple[nn.Module, dict]:
-  """(module, params) as ``generate`` decodes with them: unrolled layers (they read their
-  weights in place; a scanned decode step copies every weight out of the stacked arrays), q/k/v
-  and gate/up joined (``fused_projections``: the split copies the weights anyway), no remat (no
-  gradient flows through sampling), floats in the compute dtype, and on CPU the kernels stored
-  [out, in] (``transposed_kernels``: a decode step's few rows then take ``columns_matmul``).
+def compile_platform(params) -> str:
+  """The platform ("cpu", "gpu", "tpu", ...) that a program over ``params`` is compiled for:
+  that of the devices their first leaf is placed on — a concrete array's or a
+  ``ShapeDtypeStruct``'s sharding, or, traced, the mesh of its sharding or the abstract mesh
+  traced under (a deviceless TPU compile traces on a CPU host) — else ``jax.default_backend()``."""
+  for leaf in jax.tree.leaves(params)[:1]:
+    if not isinstance(leaf, jax.core.Tracer) and getattr(leaf, "sharding", None) is not None:
+      return next(iter(leaf.sharding.device_set)).platform
+    mesh = getattr(getattr(jax.typeof(leaf), "sharding", None), "mesh", None)
+    if mesh is not None and not mesh.empty:
+      return mesh.abstract_device.platform
+  mesh = jax.sharding.get_abstract_mesh()
+  return jax.default_backend() if mesh.empty else mesh.abstract_device.platform
+
+
+def decode_layers(layers: str, params) -> str:
+  """``SamplingConfig.layers`` resolved for ``params``: "auto" is "unroll" where they are
+  compiled for the CPU (``compile_platform``), "scan" elsewhere; "scan" and "unroll" stay."""
+  if layers not in LAYERS:
+    raise ValueError(f"layers must be one of {', '.join(map(repr, LAYERS))}, got {layers!r}")
+  if layers != "auto":
+    return layers
+  return "unroll" if compile_platform(params) == "cpu" else "scan"
+
+
+def decode_layout(module: nn.Module, params, layers: str = "auto") -> tuple[nn.Module, dict]:
+  """(module, params) as ``generate`` decodes with them: LoRA adapters merged into their kernels
+  (``lora.merge``), layers as ``decode_layers(layers, params)`` says — unrolled (each reads its
+  weights in place; a scanned step copies every layer's weights out of the stacked arrays, but
+  its program holds one layer body, compiled and tuned once) or stacked for one ``nn.scan`` —,
+  q/k/v and gate/up joined (``fused_projections``: the split copies the weights anyway), no
+  remat (no gradient flows through sampling), floats in the compute dtype, and for the CPU the
+  kernels stored [out, in] (``transposed_kernels``: a decode step's few rows then take
+  ``columns_matmul``).
 
   ``generate`` applies it on every call, which copies every weight. Call it once and pass its
   result to reuse one set of params across calls (evaluation, serving, benchmarks); on params
   already in this layout it copies nothing. Timings: docs/performance.md."""
   cfg = module.cfg
-  transposed = columns_pay_off()
+  scan = decode_layers(layers, params) == "scan"
+  transposed = compile_platform(params) == "cpu"
+  if cfg.lora_rank:  # sample from W + (α/r)·A·B, as the training step's sampler does
+    params, cfg = lora.merge(params, cfg), lora.base_config(cfg)
   if cfg.transposed_kernels and not cfg.fused_projections:  # fuse in the [in, out] layout
     params, cfg = transpose_kernels(params), cfg.replace(transposed_kernels=False)
-  if cfg.scan_layers:
-    params = unstack_layers(params)
+  if cfg.scan_layers != scan:
+    params = stack_layers(params) if scan else unstack_layers(params)
   if not cfg.fused_projections:
     params = fuse_projections(params)
   if cfg.transposed_kernels != transposed:
     params = transpose_kernels(params)
-  module = module.clone(cfg=cfg.replace(scan_layers=False, remat=False, fused_projections=True,
+  module = module.clone(cfg=cfg.replace(scan_layers=scan, remat=False, fused_projections=True,
                                         transposed_kernels=transposed))
   return module, cast_floats(params, module.cfg.compute_dtype)  # as every layer would
 
 
-def _repeat_rows(tree, n: int, heads: int | None = None):
+def _repeat_rows(tree, n: int):
   """Every [B, ...] array of ``tree`` with each row repeated n times, [B·n, ...] (row i's copies
-  at i·n … i·n + n − 1), the rows over the mesh's batch axes and dimension ``heads`` (a KV
-  cache's) over "tensor" (``sharding.shard_rows``)."""
-  return jax.tree.map(lambda x: shard_rows(jnp.repeat(x, n, axis=0), tensor_dim=heads), tree)
+  at i·n … i·n + n − 1), the rows over the mesh's batch axes (``sharding.shard_rows``)."""
+  return jax.tree.map(lambda x: shard_rows(jnp.repeat(x, n, axis=0)), tree)
 
 
 @functools.partial(jax.jit, static_argnames=("module", "config"))
@@ -181,8 +229,8 @@ def generate(module: nn.Module, params, prompts: Array, prompt_mask: Array, key:
 
   Args:
     module: a ``CausalLM`` (its ``cfg`` sizes the KV cache). Decoding always runs in
-      ``decode_layout`` (unrolled layers, fused projections), converted here on every call
-      unless ``module`` and ``params`` already are.
+      ``decode_layout`` (layers scanned or unrolled as ``config.layers`` says, fused
+      projections), converted here on every call unless ``module`` and ``params`` already are.
     params: its parameters (may be sharded; the batch too).
     prompts, prompt_mask: [B, P], left-padded (real tokens at the end of each row; at least one
       per row).
@@ -194,7 +242,7 @@ def generate(module: nn.Module, params, prompts: Array, prompt_mask: Array, key:
 
   The prefill's logits give token 0; each loop step feeds token t − 1 and samples token t, so
   the last token costs no forward pass. With n > 1 the prefill runs once per prompt; its cache
-  rows and last logits are then repeated n times (``_repeat_rows``) and the n samples of a
+  rows and last logits are then repeated n times (``repeat_rows``) and the n samples of a
   prompt differ from their first token on (each row draws its own noise).
   """
   if prefix is not None and prefix.ndim != 1:
@@ -203,7 +251,7 @@ def generate(module: nn.Module, params, prompts: Array, prompt_mask: Array, key:
   # the last token is sampled but never fed back: P + R − 1 cache slots
   slots = prompts.shape[1] + config.max_new_tokens - 1
   prompt_mask = prompt_mask.astype(jnp.bool_)
-  module, params = decode_layout(module, params)
+  module, params = decode_layout(module, params, config.layers)
   apply = functools.partial(module.apply, {"params": params})
   logits, cache, kv_mask, first_position = _prefill(
       apply, module.cfg, prompts, prompt_mask, prefix, shared, slots,
@@ -234,8 +282,7 @@ def _prefill(apply, cfg, prompts: Array, prompt_mask: Array, prefix: Array | Non
   first_position = shared + jnp.sum(prompt_mask, axis=1, dtype=jnp.int32)  # first new token
   if n > 1:  # each prompt's prefill serves its n samples
     logits, kv_mask, first_position = _repeat_rows((logits, kv_mask, first_position), n)
-    cache = cache._replace(k=_repeat_rows(cache.k, n, heads=1),
-                           v=_repeat_rows(cache.v, n, heads=1))
+    cache = repeat_rows(cache, n)
   return logits, cache, kv_mask, first_position
 
 

@@ -269,7 +269,8 @@ def sampling_config(config, policy: LoadedModel) -> SamplingConfig:
   return SamplingConfig(max_new_tokens=s.max_new_tokens, stop_ids=stop_ids, pad_id=pad_id,
                         temperature=s.temperature, top_k=s.top_k, top_p=s.top_p,
                         min_new_tokens=s.min_new_tokens,
-                        num_samples_per_prompt=s.get("num_samples_per_prompt", 1))
+                        num_samples_per_prompt=s.get("num_samples_per_prompt", 1),
+                        layers=s.get("decode_layers", "auto"))
 
 
 def _eos_ids(policy: LoadedModel) -> tuple[int, ...]:

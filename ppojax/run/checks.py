@@ -35,6 +35,7 @@ CHOICES = {
     "model.remat_policy": ("nothing", "dots", "dots_no_batch"),
     "model.frozen_dtype": ("", "float32", "bfloat16", "float16"),
     "sampling.dtype": ("", "float32", "bfloat16", "float16"),
+    "sampling.decode_layers": ("auto", "scan", "unroll"),
     "lora.base_dtype": ("", "float32", "bfloat16", "float16"),
     "optim.state_dtype": ("float32", "bfloat16"),
     "optim.actor.decay": ("constant", "linear", "cosine"),
