@@ -1,6 +1,9 @@
 """Attention arithmetic: which keys each query may see, and softmax(q·kᵀ/√D)·v over them
-(grouped-query, the KV cache's key layout, a prefix shared by every row). ``transformer.Attention``
-projects the heads and calls these.
+(grouped-query, the KV cache's key layout, a prefix shared by every row), by one of two paths:
+``attend`` (einsums; every case) or ``jax.nn.dot_product_attention`` (``attend_fused``: cuDNN's
+fused flash attention on GPU; several query rows, no shared prefix). ``attention_path`` picks
+one from ``ModelConfig.attention``; ``transformer.Attention`` projects the heads and calls
+``attention``.
 """
 
 from __future__ import annotations
@@ -11,6 +14,84 @@ import jax
 import jax.numpy as jnp
 
 Array = jax.Array
+FUSED_DTYPES = ("bfloat16", "float16")  # the dtypes cuDNN's fused attention takes
+FUSED_MAX_HEAD_DIM = 128  # and head dims: a multiple of 8, at most this
+
+
+def attention_path(choice: str, dtype, head_dim: int, platform: str | None = None) -> str:
+  """The attention path of a model with ``ModelConfig.attention`` = ``choice`` on ``platform``
+  ("cpu", "cuda" ("gpu"), "rocm", "tpu"; None: ``accelerator_platform()``, this process's
+  default backend): "einsum" (``attend``), "xla"
+  or "cudnn" (``jax.nn.dot_product_attention``'s implementations). "auto": "cudnn" on an
+  NVIDIA GPU for a bfloat16/float16 compute dtype and a head dim that is a multiple of 8 up to
+  ``FUSED_MAX_HEAD_DIM``, "einsum" otherwise."""
+  platform = accelerator_platform() if platform is None else platform
+  fits = jnp.dtype(dtype).name in FUSED_DTYPES and head_dim % 8 == 0 \
+      and head_dim <= FUSED_MAX_HEAD_DIM
+  on_gpu = platform in ("gpu", "cuda")
+  if choice == "auto":
+    return "cudnn" if on_gpu and fits else "einsum"
+  if choice == "cudnn" and not (on_gpu and fits):
+    raise ValueError(
+        f"attention='cudnn' needs an NVIDIA GPU (platform is {platform!r}), compute dtype "
+        f"bfloat16 or float16 (got {jnp.dtype(dtype).name}) and a head_dim that is a multiple "
+        f"of 8 up to {FUSED_MAX_HEAD_DIM} (got {head_dim}): use attention='auto'")
+  if choice not in ("einsum", "xla", "cudnn"):
+    raise ValueError(f"attention={choice!r}: choose auto, einsum, xla or cudnn")
+  return choice
+
+
+def attention(path: str, q: Array, k: Array, v: Array, slots: tuple[Array, Array], window,
+              kv_mask: Array, keys_transposed: bool = False,
+              shared: tuple[Array, Array] | None = None) -> Array:
+  """Attention of q [B, T, H, D] at query slots ``slots[0]`` [T] over keys and values at slots
+  ``slots[1]`` [S] (k, v, ``keys_transposed``, ``shared``: as ``attend``), causal, within
+  ``window``, over real tokens (``kv_mask`` [B, S]) → [B, T, H, D] in q's dtype. ``path``
+  (``attention_path``) "xla"/"cudnn" takes ``attend_fused`` where it applies
+  (``fused_applies``), ``attend`` otherwise."""
+  q_slots, kv_slots = slots
+  k, v = k.astype(q.dtype), v.astype(q.dtype)
+  if not fused_applies(path, q.shape[1], kv_slots.shape[0], shared is not None):
+    allowed = allowed_keys(q_slots, kv_slots, window, kv_mask)
+    return attend(q, k, v, allowed, keys_transposed, shared)
+  allowed = allowed_keys(q_slots, kv_slots, window, kv_mask, see_self=True)
+  k = k.transpose(0, 3, 1, 2) if keys_transposed else k.transpose(0, 2, 1, 3)
+  return attend_fused(q, k, v.transpose(0, 2, 1, 3), allowed, path,
+                      aligned=not keys_transposed, window=window)
+
+
+def fused_applies(path: str, t: int, s: int, shared: bool) -> bool:
+  """Whether ``path`` takes ``attend_fused`` for T queries over S keys: "xla"/"cudnn", T > 1
+  (a decode step keeps ``attend``), no shared prefix (two key sets); "cudnn" with a mask also
+  needs T and S even (its backward's condition)."""
+  if path == "einsum" or t == 1 or shared:
+    return False
+  return path != "cudnn" or (t % 2 == 0 and s % 2 == 0)
+
+
+def accelerator_platform() -> str:
+  """``jax.default_backend()``, a GPU named "cuda" or "rocm" (cuDNN is NVIDIA's only)."""
+  backend = jax.default_backend()
+  if backend != "gpu":
+    return backend
+  version = str(getattr(jax.devices()[0].client, "platform_version", ""))
+  return "rocm" if "rocm" in version.lower() else "cuda"
+
+
+def attend_fused(q: Array, k: Array, v: Array, allowed: Array, implementation: str,
+                 aligned: bool, window=0) -> Array:
+  """softmax(q·kᵀ/√D masked by ``allowed`` [B, T, S])·v by ``jax.nn.dot_product_attention``
+  (``implementation`` "xla" or "cudnn"), q [B, T, H, D], k and v [B, S, H_kv, D] → [B, T, H, D].
+
+  ``aligned``: query t sits at key slot t, so ``allowed`` is causal and within ``window`` (a
+  Python int there enables the implementation's causal and sliding-window forms; a traced one
+  stays in the mask). ``allowed`` should let every query see at least one key (``allowed_keys``'
+  ``see_self``): a row with none would depend on the implementation's masked-score constant."""
+  static_window = isinstance(window, int) and window > 0
+  return jax.nn.dot_product_attention(
+      q, k, v, mask=allowed[:, None], is_causal=aligned,
+      local_window_size=(window - 1, 0) if aligned and static_window else None,
+      implementation=implementation)
 
 
 def attend(q: Array, k: Array, v: Array, allowed: Array, keys_transposed: bool = False,
@@ -55,12 +136,18 @@ def attend(q: Array, k: Array, v: Array, allowed: Array, keys_transposed: bool =
   return out.transpose(0, 3, 1, 2, 4).reshape(b, t, h, d)
 
 
-def allowed_keys(q_slots: Array, kv_slots: Array, window, kv_mask: Array) -> Array:
+def allowed_keys(q_slots: Array, kv_slots: Array, window, kv_mask: Array,
+                 see_self: bool = False) -> Array:
   """Bool [B, T, S]: query slot q_slots[t] may see key slot kv_slots[s]: causal over the slots,
-  within the sliding ``window`` (0: no window), and a real token (``kv_mask`` [B, S])."""
+  within the sliding ``window`` (0: no window), and a real token (``kv_mask`` [B, S]) — or,
+  with ``see_self``, its own slot even where that is padding (a left-padded row's padding then
+  sees itself, not nothing; a real token's own slot is real, so its row is unchanged)."""
   allowed = kv_slots[None, :] <= q_slots[:, None]  # causal, over cache slots
   allowed &= (window == 0) | (kv_slots[None, :] > q_slots[:, None] - window)  # sliding window
-  return allowed[None] & kv_mask[:, None, :].astype(jnp.bool_)
+  allowed = allowed[None] & kv_mask[:, None, :].astype(jnp.bool_)
+  if see_self:
+    allowed |= (kv_slots[None, :] == q_slots[:, None])[None]
+  return allowed
 
 
 def cached_prefix(cache, layer, window) -> tuple[Array, Array] | None:

@@ -25,6 +25,7 @@ REMAT_POLICIES = {
         _POLICIES.dots_saveable, _POLICIES.save_only_these_names("weight_matmul")),
     "dots_no_batch": _POLICIES.save_only_these_names("weight_matmul"),  # the weights' matmuls
 }
+ATTENTION_CHOICES = ("auto", "einsum", "xla", "cudnn")  # ModelConfig.attention
 _HF_ARCH = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
             "qwen2": "Qwen2ForCausalLM", "gpt2": "GPT2LMHeadModel"}
 
@@ -60,6 +61,9 @@ class ModelConfig:
   # whole layer), "dots" (keep every matmul output), "dots_no_batch" (keep the weight matmuls'
   # outputs, recompute attention scores)
   remat_policy: str = "nothing"
+  # attention over several query rows (``attention.attention_path``): "auto" (cuDNN's fused
+  # attention on GPU in bf16/fp16, else "einsum"), "einsum", "xla" or "cudnn" (jax.nn's API)
+  attention: str = "auto"
   scan_layers: bool = True  # stacked layer params in one nn.scan; False: layers_0 … layers_{L−1}
   # q/k/v as one ``qkv`` matmul and gate/up as one ``gate_up`` (``fuse_projections`` converts
   # the parameters); the decode layout of ``sampling.generate``, never a checkpoint's
@@ -88,6 +92,9 @@ class ModelConfig:
     if self.remat_policy not in REMAT_POLICIES:
       raise ValueError(f"remat_policy {self.remat_policy!r}: choose one of "
                        f"{', '.join(REMAT_POLICIES)}")
+    if self.attention not in ATTENTION_CHOICES:
+      raise ValueError(f"attention {self.attention!r}: choose one of "
+                       f"{', '.join(ATTENTION_CHOICES)}")
     if self.lora_rank and (self.fused_projections or not self.lora_targets):
       raise ValueError("LoRA (lora_rank > 0) needs lora_targets and separate projections "
                        "(fused_projections=False; merge the adapters before decoding: "

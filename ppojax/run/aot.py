@@ -68,8 +68,11 @@ def topology_devices(name: str) -> list:
   except ImportError as e:
     raise AotError(f"compiling for TPU topology {name!r} needs libtpu, which is not installed: "
                    f"{TPU_INSTALL}") from e
+  # a single chip is smaller than libtpu's default host (2x2): say the host is one chip
+  one_chip = {"chips_per_host_bounds": [1, 1, 1]} if name.endswith(":1x1") else {}
   try:
-    return list(topologies.get_topology_desc(platform="tpu", topology_name=name).devices)
+    return list(topologies.get_topology_desc(platform="tpu", topology_name=name,
+                                             **one_chip).devices)
   except Exception as e:  # libtpu raises plain RuntimeErrors / XlaRuntimeErrors
     raise AotError(f"libtpu could not describe the TPU topology {name!r} ({type(e).__name__}: "
                    f"{str(e).splitlines()[0] if str(e) else ''}); topology names look like "
