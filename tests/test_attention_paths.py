@@ -98,8 +98,10 @@ def test_fully_masked_rows_are_finite_with_finite_gradients():
   mask = jnp.asarray(_left_padded())
   q, k, v = _qkv(jnp.bfloat16)
   slots = (jnp.arange(TQ), jnp.arange(TQ))
-  fn = lambda q, k, v: jnp.sum(A.attention("xla", q, k, v, slots, 0, mask).astype(jnp.float32))  # noqa: E731
-  grads = jax.grad(fn, argnums=(0, 1, 2))(q, k, v)
+
+  def total(q, k, v):
+    return jnp.sum(A.attention("xla", q, k, v, slots, 0, mask).astype(jnp.float32))
+  grads = jax.grad(total, argnums=(0, 1, 2))(q, k, v)
   assert all(np.isfinite(np.asarray(g, np.float32)).all() for g in grads)
 
 
@@ -200,7 +202,7 @@ MODELS = {
 }
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _params(cfg):
   """Random params (float32) of the flax shapes, norm scales ≈ 1."""
   tokens = jnp.zeros((1, 4), jnp.int32)

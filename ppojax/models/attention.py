@@ -150,19 +150,6 @@ def allowed_keys(q_slots: Array, kv_slots: Array, window, kv_mask: Array,
   return allowed
 
 
-def cached_prefix(cache, layer, window) -> tuple[Array, Array] | None:
-  """The keys [H_kv, D, C] and values [H_kv, C, D] of the cache's shared prefix at ``layer``
-  (``with_shared_prefix``), or None without one; it needs unrolled layers and no window."""
-  if cache is None or cache.prefix_k is None:
-    return None
-  if not isinstance(layer, int):
-    raise ValueError("a shared prefix needs unrolled layers (scan_layers=False)")
-  if window:
-    raise ValueError("a shared prefix cannot be used with a sliding attention window: "
-                     "prepend it to every prompt instead")
-  return cache.prefix_k[layer], cache.prefix_v[layer]
-
-
 def check_prefix(prefix, cache, windows) -> None:
   """A cache-free forward pass's ``prefix``: one row [C], no cache, no sliding window."""
   if prefix.ndim != 1:

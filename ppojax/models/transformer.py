@@ -36,7 +36,7 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from ppojax.infra.sharding import shard_rows, vocab_parallel_logits
-from ppojax.models.attention import allowed_keys, attend, check_prefix
+from ppojax.models.attention import attend, attention, attention_path, check_prefix
 from ppojax.models.cache import fills_from_start, layer_prefix, update_cache
 from ppojax.models.config import REMAT_POLICIES, ModelConfig
 from ppojax.models.kernels import (
@@ -165,7 +165,6 @@ class Attention(nn.Module):
       k = k.transpose(0, 2, 1, 3)  # [B, H_kv, T, D]
       kv_mask = kv_mask[:, :t]
       q_slots = kv_slots = jnp.arange(t)
-    allowed = allowed_keys(q_slots, kv_slots, window, kv_mask)
     shared, out_p = layer_prefix(cache, layer), None  # a prefix every row attends to
     if prefix is not None:  # the prefix's own causal attention, then its keys for every row
       xp, rope_p = prefix
@@ -175,7 +174,8 @@ class Attention(nn.Module):
       out_p = attend(qp, kp.transpose(0, 2, 1, 3).astype(qp.dtype), vp.astype(qp.dtype), causal)
       out_p = o_proj(out_p.reshape(1, c, h * d))
       shared = kp[0].transpose(1, 2, 0), vp[0]  # [H_kv, D, C], [H_kv, C, D]
-    out = attend(q, k.astype(q.dtype), v.astype(q.dtype), allowed, keys_transposed, shared)
+    path = attention_path(cfg.attention, cfg.compute_dtype, d)
+    out = attention(path, q, k, v, (q_slots, kv_slots), window, kv_mask, keys_transposed, shared)
     return o_proj(out.reshape(b, t, h * d)), cache, out_p
 
 
