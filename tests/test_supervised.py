@@ -293,6 +293,7 @@ def test_reward_model_learns_preferences_and_reloads(tokenizer_dir, tmp_path):
   assert rows[0]["data/truncated_prompts"] == 0 and rows[0]["data/truncated_responses"] == 0
   assert rows[-1]["step"] == 16 and rows[-1]["eval/accuracy"] == after
   assert "train/loss" in rows[-1] and "lr" in rows[-1]
+  assert rows[-1]["compile/count"] > 0 and rows[-1]["time/compile/train"] > 0
 
   reloaded = load_model(tmp_path / "run" / "reward_model", head="value")
   assert reloaded.head == "value" and len(reloaded.tokenizer) == len(result.model.tokenizer)

@@ -32,6 +32,7 @@ from test_supervised import (
 )
 
 from ppojax.data import records as records_lib
+from ppojax.infra import compile as compile_lib
 from ppojax.run import reporting, resume
 from ppojax.run.checkpoint import CheckpointWarning
 from ppojax.supervised import sft, train_rm
@@ -52,7 +53,8 @@ def _stage_config(stage: str, tokenizer, tmp_path, **overrides):
 
 
 def _rows(workdir: pathlib.Path) -> list[dict]:
-  return reporting.read_metrics(str(workdir / "metrics.jsonl"))
+  return [compile_lib.without_compiles(row)
+          for row in reporting.read_metrics(str(workdir / "metrics.jsonl"))]
 
 
 def _weights(workdir: pathlib.Path, stage: str) -> bytes:

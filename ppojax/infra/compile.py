@@ -218,6 +218,12 @@ RECORDER = Recorder()
 program = RECORDER.program
 
 
+def without_compiles(row: Mapping) -> dict:
+  """A metrics row without its compile keys (``Compiles.metrics``: they differ between a run and
+  its resume, which compiles again)."""
+  return {k: v for k, v in row.items() if not k.startswith(("compile/", "time/compile/"))}
+
+
 def start() -> Compiles:
   """Installs the recorder and returns the totals so far (to subtract: ``since``)."""
   return RECORDER.install().snapshot()

@@ -17,6 +17,7 @@ import ml_collections
 import numpy as np
 
 from ppojax.core import advantages, algorithms, kl, ops, options
+from ppojax.models.config import ATTENTION_CHOICES
 
 # sections whose keys are the user's names
 FREE_FORM = ("eval.metrics", "eval.baselines", "data.rg.options")
@@ -33,6 +34,7 @@ CHOICES = {
     "rl.kl_estimator": ("", *kl.KL_ESTIMATORS),
     "model.dtype": ("float32", "bfloat16", "float16"),
     "model.remat_policy": ("nothing", "dots", "dots_no_batch"),
+    "model.attention": ATTENTION_CHOICES,
     "model.frozen_dtype": ("", "float32", "bfloat16", "float16"),
     "sampling.dtype": ("", "float32", "bfloat16", "float16"),
     "sampling.decode_layers": ("auto", "scan", "unroll"),

@@ -58,6 +58,9 @@ def defaults() -> ml_collections.ConfigDict:
   # layers as one nn.scan (one compiled layer body, faster compile) or unrolled (False: no
   # stacked per-layer weights and activations to slice and update; longer compile)
   c.model.scan_layers = True
+  # attention in prefills and full-sequence passes: "auto" (cuDNN's fused kernel on NVIDIA GPUs
+  # in bf16/fp16, else "einsum"), "einsum", "xla" (jax.nn.dot_product_attention) or "cudnn"
+  c.model.attention = "auto"
   c.model.tiny = ml_collections.ConfigDict(dict(  # model.policy = "tiny": a random-init model
       vocab_size=16, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
       num_kv_heads=2, max_position_embeddings=64))

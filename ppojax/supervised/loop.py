@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import ml_collections
 
 from ppojax.data import encoding
+from ppojax.infra import compile as compile_lib
 from ppojax.infra import hostmem
 from ppojax.infra.signals import StopSignals
 from ppojax.models import LoadedModel
@@ -68,6 +69,7 @@ def fit(config: ml_collections.ConfigDict, workdir: str | pathlib.Path | None, m
       train_step=common.make_train_step(loss_fn, tx, t.grad_accum, units),
       evaluation=functools.partial(_evaluation, eval_fn, held_out, t.eval_batch_size),
       shown=shown)
+  loop.compiles = compile_lib.start()
   loop.open(workdir, model, tx)
   try:
     with StopSignals() as signals:
@@ -79,6 +81,7 @@ def fit(config: ml_collections.ConfigDict, workdir: str | pathlib.Path | None, m
   after = _eval_stats(loop.history[-1]) if finished else {}
   if finished:
     print(_summary("after training", after), flush=True)
+  print(compile_lib.since(loop.compiles).summary(), flush=True)
   return Result(model._replace(params=jax.device_get(loop.state["params"])), before, after,
                 loop.history, finished)
 
@@ -94,7 +97,8 @@ def _check(t: ml_collections.ConfigDict) -> None:
 
 def _evaluation(eval_fn: common.EvalFn, held_out: common.Arrays, batch_size: int,
                 params) -> dict[str, float]:
-  stats = common.evaluate(eval_fn, params, held_out, batch_size)
+  with compile_lib.program("evaluate"):
+    stats = common.evaluate(eval_fn, params, held_out, batch_size)
   hostmem.release()  # as the PPO run: the freed holes of a phase given back between phases
   return {f"eval/{k}": v for k, v in stats.items()}
 
@@ -115,6 +119,7 @@ class _Loop:
   state: dict | None = None  # {"params", "opt_state"}
   ckpt: checkpoint.Checkpointer | None = None
   writer: reporting.MetricWriter | None = None
+  compiles: compile_lib.Compiles = dataclasses.field(default_factory=compile_lib.Compiles)
   fingerprint: dict | None = None  # saved with every checkpoint
   history: list[dict] = dataclasses.field(default_factory=list)
   start: int = 0  # the step resumed from
@@ -175,8 +180,9 @@ class _Loop:
     ``log_every`` steps and with each evaluation (every ``eval_every`` steps and the last)."""
     t, n = self.config.train, common.rows(self.train)
     batch = common.take(self.train, encoding.batch_indices(n, t.batch_size, self.config.seed, i))
-    self.state["params"], self.state["opt_state"], metrics = hostmem.compiled_call(
-        self.train_step, self.state["params"], self.state["opt_state"], batch)
+    with compile_lib.program("train"):
+      self.state["params"], self.state["opt_state"], metrics = hostmem.compiled_call(
+          self.train_step, self.state["params"], self.state["opt_state"], batch)
     self.last = it = i + 1
     evaluate_now = it == self.steps or (self.eval_every and it % self.eval_every == 0)
     if it % t.log_every == 0 or evaluate_now:
@@ -191,9 +197,11 @@ class _Loop:
                                      _eval_stats(metrics)))
 
   def log(self, step: int, metrics: dict) -> None:
+    """``metrics`` into the history; into metrics.jsonl with this process's compiles so far
+    (``time/compile/PROGRAM``, ``compile/count``: they differ between a run and its resume)."""
     self.history.append({"step": step, **metrics})
     if self.writer:
-      self.writer.write(step, metrics)
+      self.writer.write(step, {**metrics, **compile_lib.since(self.compiles).metrics()})
 
   def save(self, step: int, force: bool) -> bool:
     return bool(self.ckpt) and self.ckpt.save(
@@ -225,7 +233,7 @@ def _resume(config, workdir: pathlib.Path, state: dict, fingerprint: dict):
   print(f"resumed from {workdir / 'checkpoints'} at step {step}", flush=True)
   path = workdir / reporting.METRICS_FILE
   rows_ = reporting.read_metrics(str(path)) if path.exists() else []
-  return ckpt, state, step, [r for r in rows_ if r["step"] <= step]
+  return ckpt, state, step, [compile_lib.without_compiles(r) for r in rows_ if r["step"] <= step]
 
 
 def _eval_stats(row: dict) -> dict[str, float]:
