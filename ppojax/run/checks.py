@@ -285,7 +285,8 @@ def check_algorithm(config: ml_collections.ConfigDict) -> None:
 
 
 def prompt_length(config) -> int:
-  """Prompt tokens per row: the compiled step's static P."""
+  """The largest prompt width P a batch is padded to (a batch of short prompts pads to a smaller
+  bucket, ``data.prompt_bucket``): what the sizes are checked and the AOT step compiled for."""
   return config.data.prompt_len if config.data.task == "count" else config.data.max_prompt_len
 
 
