@@ -15,7 +15,7 @@ import chex
 import jax
 import jax.numpy as jnp
 
-from ppojax.infra.sharding import shard_rows
+from ppojax.infra.sharding import compile_platform, shard_rows
 
 Array = jax.Array
 
@@ -42,10 +42,7 @@ def _bf16_as_bits() -> bool:
   # copy there, never an f32 one. Other backends handle bf16 natively and need no trick. The
   # platform is the mesh's the step is traced under (a TPU topology compiled on a CPU host:
   # ``ppojax.run.aot``), else the default backend's.
-  mesh = jax.sharding.get_abstract_mesh()
-  device = None if mesh.empty else getattr(mesh, "abstract_device", None)
-  platform = getattr(device, "platform", None) or jax.default_backend()
-  return platform == "cpu"
+  return compile_platform() == "cpu"
 
 
 def _to_bits(a: Array) -> Array:

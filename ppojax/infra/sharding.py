@@ -195,3 +195,19 @@ def place(tree, shardings):
     host = np.asarray(x)
     return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
   return jax.tree.map(one, tree, shardings)
+
+
+def compile_platform(params=None) -> str:
+  """The platform ("cpu", "gpu", "tpu", ...) that a program over ``params`` (a tree of arrays,
+  ShapeDtypeStructs or tracers; None: none) is compiled for:
+  that of the devices their first leaf is placed on — a concrete array's or a
+  ``ShapeDtypeStruct``'s sharding, or, traced, the mesh of its sharding or the abstract mesh
+  traced under (a deviceless TPU compile traces on a CPU host) — else ``jax.default_backend()``."""
+  for leaf in jax.tree.leaves(params)[:1]:
+    if not isinstance(leaf, jax.core.Tracer) and getattr(leaf, "sharding", None) is not None:
+      return next(iter(leaf.sharding.device_set)).platform
+    mesh = getattr(getattr(jax.typeof(leaf), "sharding", None), "mesh", None)
+    if mesh is not None and not mesh.empty:
+      return mesh.abstract_device.platform
+  mesh = jax.sharding.get_abstract_mesh()
+  return jax.default_backend() if mesh.empty else mesh.abstract_device.platform

@@ -13,6 +13,8 @@ import math
 import jax
 import jax.numpy as jnp
 
+from ppojax.infra.sharding import compile_platform
+
 Array = jax.Array
 FUSED_DTYPES = ("bfloat16", "float16")  # the dtypes cuDNN's fused attention takes
 FUSED_MAX_HEAD_DIM = 128  # and head dims: a multiple of 8, at most this
@@ -70,8 +72,9 @@ def fused_applies(path: str, t: int, s: int, shared: bool) -> bool:
 
 
 def accelerator_platform() -> str:
-  """``jax.default_backend()``, a GPU named "cuda" or "rocm" (cuDNN is NVIDIA's only)."""
-  backend = jax.default_backend()
+  """The platform compiled for (``sharding.compile_platform``), a GPU named "cuda" or "rocm"
+  (cuDNN is NVIDIA's only)."""
+  backend = compile_platform()
   if backend != "gpu":
     return backend
   version = str(getattr(jax.devices()[0].client, "platform_version", ""))

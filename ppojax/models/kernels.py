@@ -15,6 +15,8 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from ppojax.infra.sharding import compile_platform
+
 Array = jax.Array
 
 
@@ -67,8 +69,9 @@ FEW_ROWS = 64
 
 def columns_pay_off() -> bool:
   """Whether ``columns_matmul`` (and so the [out, in] decode kernels it needs, which
-  ``sampling.decode_layout`` makes) pays off here: on the CPU backend (decided at trace time)."""
-  return jax.default_backend() == "cpu"
+  ``sampling.decode_layout`` makes) pays off: where the program is compiled for the CPU
+  (``sharding.compile_platform``, decided at trace time)."""
+  return compile_platform() == "cpu"
 
 
 def few_rows(x: Array) -> bool:

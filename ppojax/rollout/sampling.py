@@ -30,7 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ppojax.core import ops
-from ppojax.infra.sharding import shard_rows
+from ppojax.infra.sharding import compile_platform, shard_rows
 from ppojax.infra.trees import cast_floats
 from ppojax.models.cache import (
   KVCache,
@@ -156,21 +156,6 @@ def _shared_prefix_cache(apply, cfg, prefix: Array, cache: KVCache, size: int) -
                           init_cache(cfg, 1, length), 0, last_only=True,
                           rope=model_rope(cfg, positions, size))
   return with_shared_prefix(cache, prefix_cache)
-
-
-def compile_platform(params) -> str:
-  """The platform ("cpu", "gpu", "tpu", ...) that a program over ``params`` is compiled for:
-  that of the devices their first leaf is placed on — a concrete array's or a
-  ``ShapeDtypeStruct``'s sharding, or, traced, the mesh of its sharding or the abstract mesh
-  traced under (a deviceless TPU compile traces on a CPU host) — else ``jax.default_backend()``."""
-  for leaf in jax.tree.leaves(params)[:1]:
-    if not isinstance(leaf, jax.core.Tracer) and getattr(leaf, "sharding", None) is not None:
-      return next(iter(leaf.sharding.device_set)).platform
-    mesh = getattr(getattr(jax.typeof(leaf), "sharding", None), "mesh", None)
-    if mesh is not None and not mesh.empty:
-      return mesh.abstract_device.platform
-  mesh = jax.sharding.get_abstract_mesh()
-  return jax.default_backend() if mesh.empty else mesh.abstract_device.platform
 
 
 def decode_layers(layers: str, params) -> str:
