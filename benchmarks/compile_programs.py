@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import subprocess
 import sys
@@ -60,20 +61,14 @@ def compile_one(model: str, program: str, topology: str, overrides: list[str]) -
   t0 = time.perf_counter()
   done = subprocess.run([sys.executable, "-c", CHILD, model, program, topology, *overrides],
                         cwd=ROOT, capture_output=True, text=True, check=False,
-                        env={"JAX_PLATFORMS": "cpu", "ALLOW_MULTIPLE_LIBTPU_LOAD": "1",
-                             "PATH": "/usr/bin:/bin", **_python_env()})
+                        env={**os.environ, "JAX_PLATFORMS": "cpu",
+                             "ALLOW_MULTIPLE_LIBTPU_LOAD": "1", "JAX_ENABLE_COMPILATION_CACHE": "false"})
   if done.returncode:
     return {"model": model, "program": program, "topology": topology,
             "error": done.stderr.strip().splitlines()[-1] if done.stderr.strip() else "failed"}
   row = json.loads(done.stdout.strip().splitlines()[-1])
   row["process_seconds"] = round(time.perf_counter() - t0, 1)
   return row
-
-
-def _python_env() -> dict:
-  import os  # pylint: disable=import-outside-toplevel
-  keep = ("HOME", "VIRTUAL_ENV", "PYTHONPATH", "XDG_CACHE_HOME", "PPOJAX_COMPILE_CACHE")
-  return {k: os.environ[k] for k in keep if k in os.environ}
 
 
 def main() -> None:
