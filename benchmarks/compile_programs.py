@@ -62,7 +62,8 @@ def compile_one(model: str, program: str, topology: str, overrides: list[str]) -
   done = subprocess.run([sys.executable, "-c", CHILD, model, program, topology, *overrides],
                         cwd=ROOT, capture_output=True, text=True, check=False,
                         env={**os.environ, "JAX_PLATFORMS": "cpu",
-                             "ALLOW_MULTIPLE_LIBTPU_LOAD": "1", "JAX_ENABLE_COMPILATION_CACHE": "false"})
+                             "ALLOW_MULTIPLE_LIBTPU_LOAD": "1",
+                             "JAX_ENABLE_COMPILATION_CACHE": "false"})
   if done.returncode:
     return {"model": model, "program": program, "topology": topology,
             "error": done.stderr.strip().splitlines()[-1] if done.stderr.strip() else "failed"}
