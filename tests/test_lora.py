@@ -303,6 +303,31 @@ def test_lora_on_a_mesh_shards_the_base_replicates_adapters_and_matches_one_devi
   run_on_8_cpu_devices(MESH_SCRIPT.replace("ROOT", str(root)).replace("DROPOUT", str(dropout)))
 
 
+@pytest.mark.parametrize("transposed", [False, True])
+def test_a_lora_layer_and_its_merge_scale_the_adapters_by_alpha_over_r(transposed):
+  """Linear's output against y = x·W + (α/r)·(x·A)·B written out in float64 NumPy on the layer's
+  own parameters, and ``lora.merge``'s kernel against W + (α/r)·A·B; B ≠ 0 (the adapter term
+  counts) and α = 12 ≠ r = 4 (a scale of α or 1 instead of α/r = 3 gives another output)."""
+  rank, alpha, d_in, d_out = 4, 12.0, 16, 8
+  cfg = lora.adapted_config(_cfg(transposed_kernels=transposed), rank=rank, alpha=alpha,
+                            names="q")
+  rng = np.random.default_rng(0)
+  w, a, b = (rng.standard_normal(s) for s in ((d_in, d_out), (d_in, rank), (rank, d_out)))
+  x = rng.standard_normal((2, 3, d_in))
+  f32 = lambda v: jnp.asarray(v, jnp.float32)  # noqa: E731
+  params = {"kernel": f32(w.T if transposed else w), "lora_a": f32(a), "lora_b": f32(b)}
+  y = T.Linear(cfg, d_out, False, name="q").apply({"params": params}, f32(x))
+  adapter = (x @ a) @ b
+  np.testing.assert_allclose(y, x @ w + (alpha / rank) * adapter, rtol=1e-4, atol=1e-4)
+  for wrong in (alpha, 1.0):  # the scales of a mistake are far from the output
+    assert np.abs(y - (x @ w + wrong * adapter)).max() > 1.0
+  merged = lora.merge({"q": params}, cfg)["q"]
+  assert set(merged) == {"kernel"}
+  want = w + (alpha / rank) * a @ b
+  np.testing.assert_allclose(merged["kernel"], want.T if transposed else want, rtol=1e-5,
+                             atol=1e-5)
+
+
 @pytest.mark.parametrize("w_axis", [0, 1])
 def test_lora_matmul_gradients_equal_autodiff_of_the_plain_formula(w_axis):
   rng = np.random.RandomState(0)
@@ -405,9 +430,9 @@ def test_lora_dropout_only_with_an_rng_and_p_0_is_the_path_without():
 
 
 def test_lora_dropout_0_compiles_the_update_without_random_bits():
-  """p = 0 draws nothing (the update's program is the one without dropout; its lowered text
-  was also compared with the one before dropout existed); p > 0 draws in the gradient, and a
-  module with p > 0 given no key is again the program without dropout."""
+  """p = 0 draws nothing (no random-bit operation in the update's gradient jaxpr); p > 0 draws
+  in the gradient, and a module with p > 0 given no key traces the same jaxpr as p = 0; a
+  one-step update is single-pass only without dropout."""
   import dataclasses  # pylint: disable=import-outside-toplevel
 
   from ppojax.core import algorithms
