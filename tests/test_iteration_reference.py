@@ -16,7 +16,9 @@ update at another temperature than the sampler) would pass them all. Here the st
 
 and the step's metrics, rollout and updated parameters must equal the reference's. The step is
 built with SGD (lr 0.2) instead of Adam so that its parameter change *is* the gradient. The
-mis-wired twins below must fail the same check.
+mis-wired twins below must fail the same check. GRPO, Dr. GRPO, RLOO and REINFORCE++ go through
+the same check, each algorithm's estimator, KL placement, KL estimator and aggregation as the
+reference reads them (``ALGORITHMS``, written out here), never from the resolved config.
 """
 
 from __future__ import annotations
@@ -136,10 +138,34 @@ def _pullback(fn, model, params, rows, cotangent, static):
   return jax.vjp(lambda p: fn(model, p, rows, *static), params)[1](cotangent)[0]
 
 
+# Each algorithm as the reference reads it (docs/algorithms.md's table), written out here and
+# never taken from the resolved config: (advantage estimator, the KL as a loss term (else in the
+# token rewards), KL estimator, aggregation).
+ALGORITHMS = {
+    "ppo": ("gae", False, "k1", "token_mean"),
+    "grpo": ("grpo", True, "k3", "seq_mean_token_mean"),
+    "dr_grpo": ("dr_grpo", True, "k3", "seq_mean_token_sum_norm"),
+    "rloo": ("rloo", False, "k1", "token_mean"),
+    "reinforce_pp": ("reinforce_pp", False, "k2", "token_mean"),
+}
+
+
+def _advantages(estimator, rewards, old_values, mask, rl, n):
+  """(advantages, returns or None) of the reference's estimator on the shaped token rewards."""
+  if estimator == "gae":
+    return ref.gae(rewards, old_values, mask, rl.gamma, rl.lam, whiten=rl.whiten_advantages)
+  if estimator == "reinforce_pp":  # discounted returns, whitened over every token of the batch
+    return ref.reinforce_pp(rewards, mask, rl.gamma)[0], None
+  # a sequence estimator on the groups of n: the sequence reward Σ_t r_t
+  group = {"grpo": ref.grpo, "dr_grpo": ref.dr_grpo, "rloo": ref.rloo}[estimator]
+  return group(rewards.sum(axis=1), mask, n), None
+
+
 def reference_iteration(run, config, state, r):
   """(metrics, actor, critic, rollout fields) of one iteration from the step's sampled
-  ``r.responses``, computed by the reference."""
+  ``r.responses``, computed by the reference (the algorithm's settings from ``ALGORITHMS``)."""
   rl, temperature = config.rl, config.sampling.temperature
+  estimator, kl_in_loss, kl_estimator, aggregation = ALGORITHMS[config.algorithm]
   policy, critic = run.models.policy, run.models.critic  # critic None: critic-free
   responses = np.asarray(r.responses)
   n_resp = responses.shape[1]
@@ -153,17 +179,12 @@ def reference_iteration(run, config, state, r):
       mask, np.asarray(_values(critic, state.critic, rows, n_resp), np.float64), 0.0)
   scores = count.count_reward_numpy(r).astype(np.float64)
   beta = float(state.kl.beta)
-  kl_in_loss = rl.kl_in == "loss"
   rewards, kl_metrics = ref.shape_rewards(
       scores, old_logp, ref_logp, mask, 0.0 if kl_in_loss else beta, has_stop,
-      rl.kl_estimator, rl.score_clip, rl.missing_stop_penalty, rl.whiten_rewards)
-  if rl.estimator == "gae":
-    adv, ret = ref.gae(rewards, old_values, mask, rl.gamma, rl.lam,
-                       whiten=rl.whiten_advantages)
-  else:  # a sequence estimator on the groups of n: the sequence reward Σ_t r_t
-    group = {"grpo": ref.grpo, "dr_grpo": ref.dr_grpo, "rloo": ref.rloo}[rl.estimator]
-    adv, ret = group(rewards.sum(axis=1), mask, run.sampling.num_samples_per_prompt), None
-  agg = dict(aggregation=rl.aggregation, max_len=n_resp)
+      kl_estimator, rl.score_clip, rl.missing_stop_penalty, rl.whiten_rewards)
+  adv, ret = _advantages(estimator, rewards, old_values, mask, rl,
+                         run.sampling.num_samples_per_prompt)
+  agg = dict(aggregation=aggregation, max_len=n_resp)
 
   # The update: the rows of minibatch j of epoch e are permutation_e(rows)[j·n : (j+1)·n], the
   # permutations drawn from the third key of split(state.key, 3) (step._keys).
@@ -185,11 +206,11 @@ def reference_iteration(run, config, state, r):
                "policy/clipfrac": pm["clipfrac"], "policy/dual_clipfrac": pm["dual_clipfrac"],
                "val/ratio_masked": pm["ratio"], "policy/entropy_masked": ent}
     if kl_in_loss:  # + β·agg(KL_t) and its gradient
-      kl_term, km, d_kl = ref.kl_loss(logp, ref_logp[idx], mask[idx], beta, rl.kl_estimator,
+      kl_term, km, d_kl = ref.kl_loss(logp, ref_logp[idx], mask[idx], beta, kl_estimator,
                                       **agg)
       total, d_logp = total + kl_term, d_logp + d_kl
       metrics.update({"loss/kl": kl_term, "policy/kl": km["kl"]})
-    d_entropy = -rl.ent_coef * ref.aggregate_weights(mask[idx], rl.aggregation, n_resp)
+    d_entropy = -rl.ent_coef * ref.aggregate_weights(mask[idx], aggregation, n_resp)
     f32 = lambda x: jnp.asarray(x, jnp.float32)  # noqa: E731
     g_actor = _pullback(_policy_outputs.__wrapped__, policy, actor, sub,
                         (f32(d_logp), f32(d_entropy)), (n_resp, temperature))
@@ -261,10 +282,10 @@ def test_step_equals_the_reference_iteration(trained, split):
     assert abs(want["val/ratio_masked_avg"] - 1) > 1e-3
 
 
-# The critic-free algorithms: 4 prompts × 4 samples, the KL as a loss term (GRPO, Dr. GRPO) or
-# in the sequence reward (RLOO), each with its own aggregation (seq_mean_token_mean,
-# seq_mean_token_sum_norm, token_mean).
-@pytest.fixture(scope="module", params=["grpo", "dr_grpo", "rloo"])
+# The critic-free algorithms: 4 prompts × 4 samples, the KL as a loss term (GRPO, Dr. GRPO), in
+# the sequence reward (RLOO) or in the token rewards (REINFORCE++, k2), each with its own
+# aggregation (seq_mean_token_mean, seq_mean_token_sum_norm, token_mean, token_mean).
+@pytest.fixture(scope="module", params=["grpo", "dr_grpo", "rloo", "reinforce_pp"])
 def trained_grouped(request):
   return _moved(build_lib.build(_config("two_pass", 0.7, request.param)))
 
@@ -279,7 +300,7 @@ def test_critic_free_step_equals_the_reference_iteration(trained_grouped, split)
   want = check_iteration(run, _config(split, 0.7, algorithm), state, prompts)
   assert abs(want["objective/kl"]) > 1e-4
   assert want["reward_std"] > 0  # the groups' scores differ: the advantages are not all 0
-  if run.config.rl.kl_in == "loss":
+  if ALGORITHMS[algorithm][1]:  # the KL as a loss term
     assert want["loss/kl_avg"] > 1e-5
   if split == "two_pass":
     assert want["policy/clipfrac_avg"] > 0
