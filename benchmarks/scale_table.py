@@ -73,13 +73,21 @@ def compile_row(model: str, topology: str, options: tuple[str, ...]) -> dict:
   return report
 
 
+def verdict_of(r: dict) -> str:
+  """The fit column: "**fits**", "does not fit" (the estimate is over the HBM), "refused by
+  the compiler" (XLA:TPU stopped it: out of memory) or "unknown" (the chip's HBM is not known)."""
+  if r.get("compiler_out_of_memory"):
+    return "refused by the compiler"
+  return {True: "**fits**", False: "does not fit", None: "unknown"}[r["fits"]]
+
+
 def markdown(r: dict) -> str:
   name = r["config"] + "".join(f" `{o.removeprefix('--config.')}`" for o in r["options"])
   if "error" in r:
     return f"| {name} | {r['topology']} | error: {r['error']} |"
   gib = lambda b: "?" if b is None else f"{b / 2**30:.2f}"  # noqa: E731
   mesh = "×".join(str(r["mesh"][a]) for a in ("data", "fsdp", "tensor"))
-  verdict = "**fits**" if r["fits"] else "does not fit"
+  verdict = verdict_of(r)
   at40 = r["seconds_per_iteration_at_40pct"]
   return (f"| {name} | {r['topology']} | {mesh} | {gib(r['per_device_bytes'])} / "
           f"{gib(r['hbm_bytes_per_device'])} | {verdict} | {gib(r['argument_bytes'])} | "

@@ -28,6 +28,10 @@ PROG = "ppojax.aot"
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Training config file.")
 _TOPOLOGY = flags.DEFINE_string("topology", "v5e:2x4",
                                 "TPU topology, e.g. v5e:2x4, v4:2x2x2, v5p:2x2x1.")
+_PREFIX = flags.DEFINE_integer(
+    "prefix_len", None, "Tokens of the prompts' shared prefix (data.shared_prefix). Default: a "
+    "training run's, where it can be known here (no prefix, the count task's BOS, or the chat "
+    "template's header from a local tokenizer); a public model name has no tokenizer here.")
 flags.mark_flag_as_required("config")
 flags.adopt_module_key_flags(cli)
 
@@ -36,7 +40,8 @@ def main(argv):
   if len(argv) > 1:
     raise cli.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
   config = _CONFIG.value
-  result = aot.compile_step(config, aot.topology_devices(_TOPOLOGY.value))
+  result = aot.compile_step(config, aot.topology_devices(_TOPOLOGY.value),
+                            prefix_len=_PREFIX.value)
   r = aot.report(config, _TOPOLOGY.value, result)
   print(aot.format_report(r), flush=True)
   print(json.dumps(r), flush=True)

@@ -35,13 +35,16 @@ from typing import Any, NamedTuple  # noqa: E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
 
+from ppojax.data import encoding  # noqa: E402
 from ppojax.data.batch import Prompts  # noqa: E402
 from ppojax.infra import flops
 from ppojax.infra import sharding as sharding_lib  # noqa: E402
 from ppojax.learner import update as update_lib
 from ppojax.run import build as build_lib
 from ppojax.run import checks as checks_lib
+from ppojax.run import models as models_lib
 
 TPU_INSTALL = 'pip install -e ".[tpu]"  (jax[tpu]: the libtpu that matches the installed jax)'
 
@@ -96,6 +99,10 @@ class Compiled(NamedTuple):
   seconds: float
   # when out of HBM: what the compiler's message named (``OutOfMemory``)
   out_of_memory: OutOfMemory | None = None
+  prefix_len: int = 0  # the shared prefix compiled with (``abstract_prompts``)
+  # where that length came from: "training run" (``training_prefix_len``), "given", or
+  # "unknown" (a training run's prefix only its tokenizer, not here, can measure: 0 used)
+  prefix_from: str = "given"
 
 
 class OutOfMemory(NamedTuple):
@@ -133,21 +140,55 @@ def _bytes(number: str, unit: str) -> int:
   return int(float(number) * 1024 ** "KMGT".index(unit) * 1024)
 
 
-def abstract_prompts(config, mesh) -> Prompts:
-  """The shapes of a batch of prompts, [B, P], placed over the mesh's batch axes."""
+def abstract_prompts(config, mesh, prefix_len: int = 0) -> Prompts:
+  """The shapes of a batch of prompts, [B, P], placed over the mesh's batch axes, and with
+  ``prefix_len`` > 0 the [C] ids of the prefix they share (``Prompts.prefix``), replicated."""
   b, p = config.rl.batch_size, checks_lib.prompt_length(config)
   rows = sharding_lib.batch_sharding(mesh)
+  prefix = None
+  if prefix_len:
+    if not 0 < prefix_len < p:
+      raise AotError(f"prefix_len={prefix_len}: a shared prefix is 1 to {p - 1} tokens long "
+                     f"(prompts of {p} tokens keep at least one of their own)")
+    prefix = jax.ShapeDtypeStruct((prefix_len,), jnp.int32,
+                                  sharding=jax.sharding.NamedSharding(mesh, P()))
   return Prompts(jax.ShapeDtypeStruct((b, p), jnp.int32, sharding=rows),
-                 jax.ShapeDtypeStruct((b, p), jnp.bool_, sharding=rows))
+                 jax.ShapeDtypeStruct((b, p), jnp.bool_, sharding=rows), prefix)
+
+
+def local_tokenizer(config):
+  """The tokenizer a training run of ``config`` reads, where it is here: ``model.tokenizer``,
+  else ``model.policy`` when that is a local path; None otherwise (a public model name)."""
+  name = config.model.tokenizer or config.model.policy
+  if not name or not os.path.exists(str(name)):
+    return None
+  return models_lib.load_tokenizer(name)
+
+
+def training_prefix_len(config, tokenizer) -> int | None:
+  """How many tokens the shared prefix of a training run of ``config`` has (``data.
+  shared_prefix``: ``tasks.sources.make_source``): 0 without one, None where only the
+  tokenizer, not here, could tell (a public model name: its chat template's header)."""
+  d = config.data
+  if not d.get("shared_prefix", True):
+    return 0
+  if d.task == "count":
+    return 1  # its BOS
+  if tokenizer is None:
+    return None
+  return len(encoding.template_prefix(tokenizer, system=d.system or None,
+                                      chat_template=d.chat_template))
 
 
 PROGRAMS = ("step", "rollout", "learn")  # the fused iteration, or one of its two halves
 
 
-def compile_step(config, devices, program: str = "step") -> Compiled:
+def compile_step(config, devices, program: str = "step", prefix_len: int | None = None
+                 ) -> Compiled:
   """``program`` of ``config``'s iteration, built abstractly on ``devices`` and compiled: the
   fused "step", or its halves "rollout" (sampling and the rollout's forward passes) and "learn"
-  (experience and update), as a run with a host reward compiles them."""
+  (experience and update), as a run with a host reward compiles them. ``prefix_len``: the
+  shared prefix's length; None: a training run's (``training_prefix_len``), 0 where unknown."""
   if program not in PROGRAMS:
     raise AotError(f"program={program!r}: choose one of {', '.join(PROGRAMS)}")
   if config.reward.kind not in ("model", "jax"):
@@ -155,21 +196,26 @@ def compile_step(config, devices, program: str = "step") -> Compiled:
                    "halves; compile the fused step with reward.kind='model' (a reward model of "
                    "the same shapes) or 'jax'")
   run = build_lib.build(config, devices=devices, abstract=True)
+  prefix_from = "given"
+  if prefix_len is None:
+    known = training_prefix_len(config, local_tokenizer(config))
+    prefix_from = "training run" if known is not None else "unknown"
+    prefix_len = known or 0
   t0 = time.perf_counter()
-  lowered = _lower(run, config, program)
+  lowered = _lower(run, config, program, prefix_len)
   try:
     compiled = lowered.compile()
   except jax.errors.JaxRuntimeError as e:
     out_of_memory = parse_out_of_memory(str(e))
     if out_of_memory is None:
       raise
-    return Compiled(None, run, time.perf_counter() - t0, out_of_memory)
-  return Compiled(compiled, run, time.perf_counter() - t0)
+    return Compiled(None, run, time.perf_counter() - t0, out_of_memory, prefix_len, prefix_from)
+  return Compiled(compiled, run, time.perf_counter() - t0, None, prefix_len, prefix_from)
 
 
-def _lower(run, config, program: str):
+def _lower(run, config, program: str, prefix_len: int):
   """The lowered ``program``; "learn" takes the rollout's output shapes and shardings."""
-  prompts = abstract_prompts(config, run.mesh)
+  prompts = abstract_prompts(config, run.mesh, prefix_len)
   if program == "step":
     return run.step.fused.lower(run.state, run.frozen, prompts)
   rollout = run.step.rollout.lower(run.state, run.frozen, prompts)
@@ -192,7 +238,7 @@ def _param_bytes(trees) -> tuple[int, int, int]:
   return count, total, device
 
 
-def iteration_flops(run) -> float:
+def iteration_flops(run, prefix_len: int = 0) -> float:
   """Model FLOPs of one iteration (``ppojax.infra.flops``; XLA's ``cost_analysis`` counts a loop's
   body once, so it cannot give them for a scanned, decoding step)."""
   config = run.config
@@ -203,7 +249,7 @@ def iteration_flops(run) -> float:
       config.rl.old_logprobs == "recompute", critic_fwd=not one_pass,
       epochs=config.rl.num_epochs, samples=config.sampling.num_samples_per_prompt,
       critic=run.models.critic is not None, reference=run.frozen.reference is not None,
-      reward_model=run.models.reward is not None)
+      reward_model=run.models.reward is not None, shared=prefix_len)
   return sum(parts.values())
 
 
@@ -229,7 +275,7 @@ def report(config, topology: str, result: Compiled) -> dict[str, Any]:
     sizes = (_param_bytes((run.state, run.frozen))[2], None, oom.temp, None)
     # the compiler's own total where its message names one
     per_device = oom.used if oom.used is not None else sizes[0] + oom.temp
-  total_flops = iteration_flops(run)
+  total_flops = iteration_flops(run, result.prefix_len)
   seconds_40 = None if not chip["peak_flops"] else (
       total_flops / (0.4 * chip["peak_flops"] * len(devices)))
   return {
@@ -239,6 +285,7 @@ def report(config, topology: str, result: Compiled) -> dict[str, Any]:
       "batch": config.rl.batch_size, "prompt_len": checks_lib.prompt_length(config),
       "response_len": config.sampling.max_new_tokens, "dtype": config.model.dtype,
       "remat": bool(config.model.remat), "compile_seconds": round(result.seconds, 1),
+      "prefix_len": result.prefix_len, "prefix_from": result.prefix_from,
       "argument_bytes": sizes[0], "output_bytes": sizes[1], "temp_bytes": sizes[2],
       "alias_bytes": sizes[3], "per_device_bytes": per_device, "hbm_bytes_per_device": hbm,
       # a program the compiler refused does not fit, whatever the estimate below says
@@ -260,13 +307,21 @@ def _trained(r: dict[str, Any]) -> str:
   return "" if trained == r["params"] else f", {trained / 1e9:.2f}B of them trained"
 
 
+def _prefix(r: dict[str, Any]) -> str:
+  """How the prompts' shared prefix was compiled, for the report's first line."""
+  if r.get("prefix_from") == "unknown":
+    return ("; compiled without the shared prefix a training run has (its length needs the "
+            "tokenizer: --prefix_len=N)")
+  return f", a shared prefix of {r['prefix_len']} tokens" if r.get("prefix_len") else ""
+
+
 def format_report(r: dict[str, Any]) -> str:
   gib = lambda b: "?" if b is None else f"{b / 2**30:.2f} GiB"  # noqa: E731
   verdict = {True: "fits", False: "DOES NOT FIT", None: "unknown HBM"}[r["fits"]]
   lines = [
       f"{r['model']} ({r['params'] / 1e9:.2f}B params{_trained(r)}), {r['batch']} x "
       f"({r['prompt_len']} + {r['response_len']}) tokens, {r['dtype']}"
-      f"{', remat' if r['remat'] else ''}",
+      f"{', remat' if r['remat'] else ''}{_prefix(r)}",
       f"{r['topology']}: {r['devices']} x {r['device_kind']}, mesh {r['mesh']}, "
       f"compiled in {r['compile_seconds']:.0f} s",
       f"  per device  {gib(r['per_device_bytes'])} of {gib(r['hbm_bytes_per_device'])}: {verdict}",
