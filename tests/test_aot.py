@@ -98,16 +98,6 @@ def test_shard_rows_constrains_only_under_a_mesh_that_divides_the_rows():
     assert "sharding_constraint" not in str(jax.make_jaxpr(shard_rows)(x))
 
 
-def test_flops_count_the_documented_smollm2_iteration():
-  cfg = model_config("smollm2")
-  parts = flops.model_flops(cfg, 16, 44, 32, old_logp_fwd=False, critic_fwd=False)
-  assert sum(parts.values()) / 1e12 == pytest.approx(2.494, abs=0.001)
-  shared = flops.model_flops(cfg, 16, 44, 32, old_logp_fwd=False, critic_fwd=False, shared=24)
-  assert sum(shared.values()) / 1e12 == pytest.approx(1.804, abs=0.001)
-  two = flops.model_flops(cfg, 16, 44, 32, old_logp_fwd=False, critic_fwd=False, epochs=2)
-  assert two["policy fwd+bwd"] == 2 * parts["policy fwd+bwd"]
-
-
 def test_tiny_step_compiles_for_a_tpu_topology_and_shards_its_parameters():
   out = _compile_deviceless(ppo={})["ppo"]
   r, (arguments, outputs, temporaries, aliased) = out["report"], out["memory"]
