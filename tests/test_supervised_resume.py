@@ -1,7 +1,7 @@
 """SFT and reward-model training checkpoint and resume as the PPO run does
 (ppojax/supervised/loop.py ``fit``, ppojax/run/resume.py): a run stopped in the middle, or
-SIGKILLed on the command line (in the middle of a checkpoint save after a random number of
-steps), resumes from its latest complete checkpoint and ends with the metrics.jsonl rows and the
+SIGKILLed on the command line (in the middle of a checkpoint save after a number of steps drawn
+at random for each run), resumes from its latest complete checkpoint and ends with the metrics.jsonl rows and the
 exported weights of an uninterrupted run, byte for byte; a corrupt latest checkpoint falls back
 to the one before; a rerun with another config or training data is refused and changes nothing.
 
@@ -181,16 +181,18 @@ def _wait(proc, ready, timeout=300.0) -> bool:
 
 @pytest.mark.parametrize("reference", ["sft"], indirect=True)  # the loop is fit's, as for rm
 def test_sigkill_in_the_middle_loses_nothing(reference, tokenizer_dir, tmp_path):  # noqa: F811
-  """A kill in the middle of a checkpoint save after a random number of steps (the step's
-  metrics row written, its checkpoint not); the rerun removes what the kill left, drops the
-  row and ends with the uninterrupted run's metrics and weights."""
+  """A kill in the middle of a checkpoint save after a number of steps drawn at random for each
+  run (2 to 5; named in every failure message), with the step's metrics row written and its
+  checkpoint not; the rerun removes what the kill left, drops the row and ends with the
+  uninterrupted run's metrics and weights."""
   stage, where, done, _ = reference
   env = dict(os.environ, JAX_PLATFORMS="cpu", JAX_COMPILATION_CACHE_DIR=str(where / "cache"),
              JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
              JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
   work = tmp_path / "run"
   ckpts = work / "checkpoints"
-  after = int(np.random.default_rng(27).integers(2, 6))  # the kill: in a save from this step on
+  after = int(np.random.default_rng().integers(2, 6))  # the kill: in a save from this step on
+  drawn = f"the kill from step {after} on (drawn for this run)"
 
   def leftovers() -> list[str]:
     return [n for n in os.listdir(ckpts) if TMP in n] if ckpts.exists() else []
@@ -198,16 +200,17 @@ def test_sigkill_in_the_middle_loses_nothing(reference, tokenizer_dir, tmp_path)
   log = tmp_path / "log_killed.txt"
   proc = _cli(stage, tokenizer_dir, where, work, env, log)
   assert _wait(proc, lambda: (work / "metrics.jsonl").exists() and len(_rows(work)) > after), \
-      log.read_text()[-3000:]
-  assert _wait(proc, lambda: bool(leftovers())), log.read_text()[-3000:]
+      (drawn, log.read_text()[-3000:])
+  assert _wait(proc, lambda: bool(leftovers())), (drawn, log.read_text()[-3000:])
   proc.send_signal(signal.SIGKILL)
-  assert proc.wait(timeout=60) == -signal.SIGKILL
+  assert proc.wait(timeout=60) == -signal.SIGKILL, drawn
   steps, rows, cut_short = _steps(work), len(_rows(work)), leftovers()
-  assert cut_short and steps and after - 1 <= steps[-1] < STEPS - 1, (steps, cut_short)
-  assert rows == steps[-1] + 2, rows  # steps 0 … latest + the row of the step being saved
+  assert cut_short and steps and after - 1 <= steps[-1] < STEPS - 1, (drawn, steps, cut_short)
+  assert rows == steps[-1] + 2, (drawn, rows)  # steps 0 … latest + the row of the step saved
   log = tmp_path / "log_final.txt"
   proc = _cli(stage, tokenizer_dir, where, work, env, log)
-  assert proc.wait(timeout=300) == 0, log.read_text()[-3000:]
-  assert f"resumed from {ckpts} at step {steps[-1]}" in log.read_text()
-  assert leftovers() == []
-  assert _rows(work) == _rows(done) and _weights(work, stage) == _weights(done, stage)
+  assert proc.wait(timeout=300) == 0, (drawn, log.read_text()[-3000:])
+  assert f"resumed from {ckpts} at step {steps[-1]}" in log.read_text(), drawn
+  assert leftovers() == [], drawn
+  assert _rows(work) == _rows(done), drawn
+  assert _weights(work, stage) == _weights(done, stage), drawn
