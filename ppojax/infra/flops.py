@@ -5,7 +5,7 @@ D = head_dim, V = vocab_size; B rows, P prompt slots (padding included: it is co
 response tokens, T = P + R.
 
     N_body   = L·(d·H·D + 2·d·H_kv·D + H·D·d + 3·d·f)   matmul parameters per token (q, k, v, o,
-                                                          gate, up, down)
+                                                          gate, up, down; GPT-2: 2·d·f, fc, proj)
     N_lm     = d·V (the LM head),  N_score = d (the 1-wide value/score head)
     attn(c)  = 4·L·H·D·c  per token that attends to c positions (q·kᵀ and probs·v)
 
@@ -45,7 +45,8 @@ def model_flops(cfg, batch: int, prompt_len: int, response_len: int, lm_head: st
   instead of 3× (the rank-r adapters' own matmuls, ~2r/d of the layer's, are not counted)."""
   d, f, n_layers = cfg.hidden_size, cfg.intermediate_size, cfg.num_layers
   h, hk, hd, vocab = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.vocab_size
-  n_body = n_layers * (d * h * hd + 2 * d * hk * hd + h * hd * d + 3 * d * f)
+  mlp = 2 if cfg.model_type == "gpt2" else 3  # fc, proj; or SwiGLU's gate, up, down
+  n_body = n_layers * (d * h * hd + 2 * d * hk * hd + h * hd * d + mlp * d * f)
   n_lm, n_score = (0 if lm_head == "none" else d * vocab), d
   attn = lambda c: 4 * n_layers * h * hd * c  # noqa: E731
   p, r = prompt_len, response_len
