@@ -765,6 +765,74 @@ def test_adaptive_kl_controller_large_step_keeps_beta_positive():
   np.testing.assert_allclose(float(state.beta), 0.05, rtol=1e-6)
 
 
+def test_adaptive_kl_controller_refuses_zero_target_or_horizon_and_takes_small_ones():
+  """target ≤ 0 or horizon ≤ 0 raises (KL/target and n/horizon would divide by 0 or flip the
+  rule's sign); target = horizon = 0.5 is accepted and follows the rule, checked in float64:
+  β·max(1 + clip(KL/target − 1, ±0.2)·n/horizon, ½)."""
+  for target, horizon in ((0.0, 1.0), (1.0, 0.0), (-1.0, 1.0), (1.0, -1.0)):
+    with pytest.raises(ValueError, match="target > 0 and horizon > 0"):
+      kl.adaptive_kl_controller(0.1, target, horizon)
+  ctrl = kl.adaptive_kl_controller(0.1, 0.5, 0.5)
+  beta = 0.1
+  state = ctrl.init()
+  for kl_value, n in ((0.55, 1), (0.45, 1), (0.4, 2), (5.0, 1)):
+    e = min(max(kl_value / 0.5 - 1.0, -0.2), 0.2)
+    beta = beta * max(1.0 + e * n / 0.5, 0.5)
+    state = ctrl.update(state, F32(kl_value), n)
+    np.testing.assert_allclose(float(state.beta), beta, rtol=1e-5)
+
+
+def test_loss_targets_are_constants_no_gradient_reaches_them():
+  """The targets of each loss are constants (stop_gradient): the gradient with respect to
+  old_logp and the advantages (policy_loss), old values and returns (value_loss), the reference
+  log-probs (kl_loss) and the importance weights is exactly 0, whatever the inputs."""
+  rng = np.random.default_rng(5)
+  shape = (3, 4)
+  mask = jnp.asarray(prefix_mask([4, 2, 3], 4))
+  x = [jnp.asarray(rng.normal(size=shape).astype(F32)) for _ in range(4)]
+  w = jnp.asarray(rng.uniform(0.5, 1.5, size=shape).astype(F32))
+
+  def zero(g):
+    np.testing.assert_array_equal(np.asarray(g), np.zeros(shape, F32))
+
+  grads = jax.grad(lambda old, adv, w: losses.policy_loss(
+      x[0], old, adv, mask, clip_eps=0.1, is_weight=w)[0], argnums=(0, 1, 2))(x[1], x[2], w)
+  for g in grads:
+    zero(g)
+  clip_range = 0.1
+  for clip in (clip_range, None):
+    grads = jax.grad(lambda old, ret, c=clip: losses.value_loss(
+        x[0], old, ret, mask, clip_range=c)[0], argnums=(0, 1))(x[1], x[2])
+    for g in grads:
+      zero(g)
+  for est in ("k1", "k3"):
+    zero(jax.grad(lambda ref, e=est: losses.kl_loss(x[0], ref, mask, coef=0.5, estimator=e)[0])(
+        x[1]))
+  zero(jax.grad(lambda old, smp: jnp.sum(losses.truncated_is_weight(old, smp, mask, 1.2)[0]))(
+      x[1], x[2]))
+
+
+def test_value_clipfrac_counts_only_a_strictly_larger_clipped_error():
+  """value_loss by hand, with a tie: V = 2, V_old = 0, c = 0.5, R = 1.25 gives V_clip = 0.5 and
+  (V − R)² = (V_clip − R)² = 0.5625 exactly, which is not clipping (the clipped error must be the
+  larger); the loss and clipfrac against a float64 loop."""
+  values = np.array([[2.0, 0.25, -1.0, 1.0]], F32)
+  old = np.zeros((1, 4), F32)
+  returns = np.array([[1.25, 0.0, 0.0, 3.0]], F32)
+  c = 0.5
+  terms, active = [], []
+  for v, vo, r in zip(values[0].astype(float), old[0].astype(float), returns[0].astype(float)):
+    v_clip = vo + min(max(v - vo, -c), c)
+    err, err_clip = (v - r) ** 2, (v_clip - r) ** 2
+    terms.append(max(err, err_clip))
+    active.append(abs(v - vo) > c and err_clip > err)
+  loss, metrics = losses.value_loss(jnp.asarray(values), jnp.asarray(old), jnp.asarray(returns),
+                                    jnp.ones((1, 4), bool), clip_range=c)
+  assert active == [False, False, False, True]
+  np.testing.assert_allclose(float(loss), 0.5 * np.mean(terms), rtol=1e-6)
+  assert float(metrics["clipfrac"]) == 0.25
+
+
 def test_policy_gradient_dual_clip_examples():
   """A < 0: with dual clip c the gradient is 0 above c, nonzero between 1 + ε_high and c."""
   old = jnp.zeros((1, 4))
