@@ -18,7 +18,7 @@ from absl import flags, logging
 from ml_collections import config_flags
 
 from ppojax.infra import cli, hostmem
-from ppojax.run import checks
+from ppojax.supervised import checks as supervised_checks
 from ppojax.supervised import common, train_rm
 
 PROG = "ppojax.train_rm"
@@ -29,8 +29,8 @@ flags.adopt_module_key_flags(cli)
 
 
 def check(config) -> None:
-  """The checks that need no model (``checks.validate_supervised``)."""
-  checks.validate_supervised(config)
+  """The checks that need no model (``supervised_checks.validate_supervised``)."""
+  supervised_checks.validate_supervised(config)
 
 
 def main(argv):

@@ -7,6 +7,8 @@ works in float64 on NumPy arrays; masks are read as booleans.
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 # ----------------------------------------------------------------------------------------------
@@ -466,6 +468,67 @@ def policy_loss(logp, old_logp, advantages, mask, clip_eps=0.2, clip_eps_low=Non
       "ratio_var": masked_var(ratio, m, unbiased=True),
   }
   return loss, metrics, w * dtok
+
+
+def _clip_branch(a, x, lo, hi):
+  """PPO's pessimistic term at ratio x: (ℓ, ∂ℓ/∂x, clipped) with ℓ = max(−a·x, −a·clip(x))."""
+  x_c = min(max(x, 1.0 - lo), 1.0 + hi)
+  if -a * x_c > -a * x:
+    return -a * x_c, (0.0 if x_c != x else -a), True
+  return -a * x, -a, False
+
+
+def gspo_loss(logp, old_logp, advantages, mask, clip_eps_low=0.2, clip_eps_high=0.2,
+              aggregation="seq_mean_token_mean", max_len=None, token=False):
+  """GSPO, written out: s_b = exp((1/|y_b|)·Σ_t (logp − old)), ℓ_{b,t} = max(−A·s_b,
+  −A·clip(s_b)); loss = agg(ℓ). Gradient: the sequence form spreads each token's ∂ℓ/∂s over the
+  row (∂s_b/∂logp_{b,u} = s_b/|y_b|); the token form (GSPO-token) keeps it on its own token
+  (∂s_{b,t}/∂logp_{b,t} = s_b). Returns (loss, metrics, dloss/dlogp)."""
+  m = _b(mask)
+  logp, old, A = _f64(logp), _f64(old_logp), _f64(advantages)
+  B, T = m.shape
+  w = aggregate_weights(m, aggregation, max_len)
+  per_tok, grad = np.zeros((B, T)), np.zeros((B, T))
+  clipped, ratio = np.zeros((B, T), dtype=bool), np.ones((B, T))
+  for b in range(B):
+    n = int(m[b].sum())
+    if n == 0:
+      continue
+    s = math.exp(sum(logp[b, t] - old[b, t] for t in range(T) if m[b, t]) / n)
+    d_s = np.zeros(T)  # ∂ℓ_{b,t}/∂s
+    for t in range(T):
+      if m[b, t]:
+        per_tok[b, t], d_s[t], clipped[b, t] = _clip_branch(A[b, t], s, clip_eps_low,
+                                                            clip_eps_high)
+        ratio[b, t] = s
+    for u in range(T):
+      if m[b, u]:
+        grad[b, u] = (w[b, u] * d_s[u] * s if token
+                      else sum(w[b, t] * d_s[t] for t in range(T) if m[b, t]) * s / n)
+  return aggregate(per_tok, m, aggregation, max_len), _surrogate_metrics(
+      logp - old, m, clipped, ratio), grad
+
+
+def cispo_loss(logp, old_logp, advantages, mask, clip_eps_low=0.2, clip_eps_high=0.2,
+               aggregation="token_mean", max_len=None):
+  """CISPO, written out: ℓ_t = −w_t·A_t·(logp − old) with the constant w_t = clip(ρ_t, 1 − lo,
+  1 + hi); ∂ℓ_t/∂logp_t = −w_t·A_t. Returns (loss, metrics, dloss/dlogp)."""
+  m = _b(mask)
+  logp, old, A = _f64(logp), _f64(old_logp), _f64(advantages)
+  lr = np.where(m, logp - old, 0.0)
+  ratio = np.exp(lr)
+  weight = np.clip(ratio, 1.0 - clip_eps_low, 1.0 + clip_eps_high)
+  clipped = m & ((ratio < 1.0 - clip_eps_low) | (ratio > 1.0 + clip_eps_high))
+  per_tok = np.where(m, -weight * A * lr, 0.0)
+  grad = aggregate_weights(m, aggregation, max_len) * np.where(m, -weight * A, 0.0)
+  return aggregate(per_tok, m, aggregation, max_len), _surrogate_metrics(
+      lr, m, clipped, ratio), grad
+
+
+def _surrogate_metrics(logratio, m, clipped, ratio):
+  return {"approxkl": 0.5 * _token_mean(logratio ** 2, m),
+          "clipfrac": _token_mean(clipped.astype(float), m), "dual_clipfrac": 0.0,
+          "ratio": _token_mean(ratio, m), "ratio_var": masked_var(ratio, m, unbiased=True)}
 
 
 def value_loss(values, old_values, returns, mask, clip_range=0.2, aggregation="token_mean",

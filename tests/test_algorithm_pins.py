@@ -1,6 +1,7 @@
 """Each algorithm's defining settings, pinned against docs/algorithms.md's table written out
 here (not imported): the names ``algorithms.resolve`` gives a config that sets only
-``algorithm`` (advantage estimator, where the KL goes, KL estimator, aggregation), whether the
+``algorithm`` (advantage estimator, where the KL goes, KL estimator, aggregation, policy term
+``rl.loss_mode``), whether the
 record has a critic, and what the resolved pieces compute on small hand-made inputs against
 NumPy lines in this file: the KL estimator on given log-probs, the aggregation of a loss over a
 ragged mask, the advantages of hand-made scores and rewards."""
@@ -13,24 +14,28 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from ppojax.core import advantages, algorithms, ops
+from ppojax.core import advantages, algorithms, ops, surrogates
 from ppojax.run import build as build_lib
 
 _TOY = pathlib.Path(__file__).parents[1] / "configs" / "toy.py"
 
-# docs/algorithms.md's table, one row per algorithm:
-# advantage (rl.estimator) | KL (rl.kl_in, rl.kl_estimator) | aggregation (rl.aggregation) | critic
+# docs/algorithms.md's table, one row per algorithm: advantage (rl.estimator) | KL (rl.kl_in,
+# rl.kl_estimator) | aggregation (rl.aggregation) | policy term (rl.loss_mode) | critic
 TABLE = {
     "ppo": dict(estimator="gae", kl_in="reward", kl_estimator="k1",
-                aggregation="token_mean", critic=True),
+                aggregation="token_mean", loss_mode="clip", critic=True),
     "grpo": dict(estimator="grpo", kl_in="loss", kl_estimator="k3",
-                 aggregation="seq_mean_token_mean", critic=False),
+                 aggregation="seq_mean_token_mean", loss_mode="clip", critic=False),
     "dr_grpo": dict(estimator="dr_grpo", kl_in="loss", kl_estimator="k3",
-                    aggregation="seq_mean_token_sum_norm", critic=False),
+                    aggregation="seq_mean_token_sum_norm", loss_mode="clip", critic=False),
     "rloo": dict(estimator="rloo", kl_in="reward", kl_estimator="k1",
-                 aggregation="token_mean", critic=False),
+                 aggregation="token_mean", loss_mode="clip", critic=False),
     "reinforce_pp": dict(estimator="reinforce_pp", kl_in="reward", kl_estimator="k2",
-                         aggregation="token_mean", critic=False),
+                         aggregation="token_mean", loss_mode="clip", critic=False),
+    "gspo": dict(estimator="grpo", kl_in="loss", kl_estimator="k3",
+                 aggregation="seq_mean_token_mean", loss_mode="gspo", critic=False),
+    "cispo": dict(estimator="grpo", kl_in="loss", kl_estimator="k3",
+                  aggregation="token_mean", loss_mode="cispo", critic=False),
 }
 N_GROUP = 4  # samples per prompt of the hand-made batch (2 groups)
 
@@ -49,9 +54,10 @@ def test_the_table_covers_every_algorithm():
 def test_a_config_naming_only_the_algorithm_resolves_to_the_documented_settings(name):
   want = TABLE[name]
   rl = algorithms.resolve(_config(name)).rl
-  got = {k: rl[k] for k in ("estimator", "kl_in", "kl_estimator", "aggregation")}
+  got = {k: rl[k] for k in ("estimator", "kl_in", "kl_estimator", "aggregation", "loss_mode")}
   assert got == {k: v for k, v in want.items() if k != "critic"}
   record = algorithms.from_config(_config(name))
+  assert record.surrogate is surrogates.SURROGATES[want["loss_mode"]]  # tests/test_surrogates.py
   assert record.needs_critic is want["critic"]
   assert record.kl_in_loss is (want["kl_in"] == "loss")
   assert record.aggregation == want["aggregation"]

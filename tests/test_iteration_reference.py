@@ -140,14 +140,25 @@ def _pullback(fn, model, params, rows, cotangent, static):
 
 # Each algorithm as the reference reads it (docs/algorithms.md's table), written out here and
 # never taken from the resolved config: (advantage estimator, the KL as a loss term (else in the
-# token rewards), KL estimator, aggregation).
+# token rewards), KL estimator, aggregation, policy term).
 ALGORITHMS = {
-    "ppo": ("gae", False, "k1", "token_mean"),
-    "grpo": ("grpo", True, "k3", "seq_mean_token_mean"),
-    "dr_grpo": ("dr_grpo", True, "k3", "seq_mean_token_sum_norm"),
-    "rloo": ("rloo", False, "k1", "token_mean"),
-    "reinforce_pp": ("reinforce_pp", False, "k2", "token_mean"),
+    "ppo": ("gae", False, "k1", "token_mean", "clip"),
+    "grpo": ("grpo", True, "k3", "seq_mean_token_mean", "clip"),
+    "dr_grpo": ("dr_grpo", True, "k3", "seq_mean_token_sum_norm", "clip"),
+    "rloo": ("rloo", False, "k1", "token_mean", "clip"),
+    "reinforce_pp": ("reinforce_pp", False, "k2", "token_mean", "clip"),
+    "gspo": ("grpo", True, "k3", "seq_mean_token_mean", "gspo"),
+    "cispo": ("grpo", True, "k3", "token_mean", "cispo"),
 }
+
+
+def _policy_term(mode, logp, old_logp, adv, mask, clip_eps, agg):
+  """(loss, metrics, dloss/dlogp) of the reference's policy term ``mode`` (clip ε both sides)."""
+  if mode == "clip":
+    return ref.policy_loss(logp, old_logp, adv, mask, clip_eps, **agg)
+  if mode == "cispo":
+    return ref.cispo_loss(logp, old_logp, adv, mask, clip_eps, clip_eps, **agg)
+  return ref.gspo_loss(logp, old_logp, adv, mask, clip_eps, clip_eps, **agg)
 
 
 def _advantages(estimator, rewards, old_values, mask, rl, n):
@@ -165,7 +176,7 @@ def reference_iteration(run, config, state, r):
   """(metrics, actor, critic, rollout fields) of one iteration from the step's sampled
   ``r.responses``, computed by the reference (the algorithm's settings from ``ALGORITHMS``)."""
   rl, temperature = config.rl, config.sampling.temperature
-  estimator, kl_in_loss, kl_estimator, aggregation = ALGORITHMS[config.algorithm]
+  estimator, kl_in_loss, kl_estimator, aggregation, mode = ALGORITHMS[config.algorithm]
   policy, critic = run.models.policy, run.models.critic  # critic None: critic-free
   responses = np.asarray(r.responses)
   n_resp = responses.shape[1]
@@ -198,8 +209,8 @@ def reference_iteration(run, config, state, r):
     sub = tuple(x[idx] for x in rows)
     logp, entropy = _policy_outputs(policy, actor, sub, n_resp, temperature)
     logp, entropy = np.asarray(logp, np.float64), np.asarray(entropy, np.float64)
-    pg, pm, d_logp = ref.policy_loss(logp, old_logp[idx], adv[idx], mask[idx], rl.clip_eps,
-                                     **agg)
+    pg, pm, d_logp = _policy_term(mode, logp, old_logp[idx], adv[idx], mask[idx], rl.clip_eps,
+                                  agg)
     ent = ref.entropy_bonus(entropy, mask[idx], **agg)
     total = pg - rl.ent_coef * ent
     metrics = {"loss/policy": pg, "policy/approxkl_masked": pm["approxkl"],
@@ -229,6 +240,10 @@ def reference_iteration(run, config, state, r):
     # a variance does not add up over micro-batches: the step's val/ratio_token_var is the
     # token-weighted mean of its K micro-batches' variances (micro-batch k: rows k·n/K ...)
     ratio = np.exp(logp - old_logp[idx])
+    if mode.startswith("gspo"):  # the sequence's ratio on each of its tokens
+      lengths = np.maximum(mask[idx].sum(axis=1, keepdims=True), 1)
+      ratio = np.broadcast_to(np.exp(np.where(mask[idx], logp - old_logp[idx], 0.0).sum(
+          axis=1, keepdims=True) / lengths), ratio.shape)
     micro = np.array_split(np.arange(n), rl.grad_accum)
     metrics["val/ratio_token_var"] = sum(
         mask[idx][i].sum() * ref.masked_var(ratio[i], mask[idx][i]) for i in micro
@@ -284,8 +299,10 @@ def test_step_equals_the_reference_iteration(trained, split):
 
 # The critic-free algorithms: 4 prompts × 4 samples, the KL as a loss term (GRPO, Dr. GRPO), in
 # the sequence reward (RLOO) or in the token rewards (REINFORCE++, k2), each with its own
-# aggregation (seq_mean_token_mean, seq_mean_token_sum_norm, token_mean, token_mean).
-@pytest.fixture(scope="module", params=["grpo", "dr_grpo", "rloo", "reinforce_pp"])
+# aggregation (seq_mean_token_mean, seq_mean_token_sum_norm, token_mean, token_mean); GSPO and
+# CISPO: GRPO's advantages under the sequence-ratio and the clipped-weight policy terms.
+@pytest.fixture(scope="module", params=["grpo", "dr_grpo", "rloo", "reinforce_pp", "gspo",
+                                        "cispo"])
 def trained_grouped(request):
   return _moved(build_lib.build(_config("two_pass", 0.7, request.param)))
 

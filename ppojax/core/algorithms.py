@@ -3,19 +3,23 @@
     algorithm = algorithms.from_config(config)    # the only place that reads its name
     adv, ret = algorithm.estimate(inputs, params)  # the step calls it, never asks which it is
 
-| algorithm    | estimator    | KL goes into | aggregation             | KL estimator |
-|--------------|--------------|--------------|-------------------------|--------------|
-| ppo          | gae          | reward       | token_mean              | k1           |
-| grpo         | grpo         | loss         | seq_mean_token_mean     | k3           |
-| dr_grpo      | dr_grpo      | loss         | seq_mean_token_sum_norm | k3           |
-| rloo         | rloo         | reward       | token_mean              | k1           |
-| reinforce_pp | reinforce_pp | reward       | token_mean              | k2           |
+| algorithm    | estimator    | KL goes into | aggregation             | KL estimator | loss mode |
+|--------------|--------------|--------------|-------------------------|--------------|-----------|
+| ppo          | gae          | reward       | token_mean              | k1           | clip      |
+| grpo         | grpo         | loss         | seq_mean_token_mean     | k3           | clip      |
+| dr_grpo      | dr_grpo      | loss         | seq_mean_token_sum_norm | k3           | clip      |
+| rloo         | rloo         | reward       | token_mean              | k1           | clip      |
+| reinforce_pp | reinforce_pp | reward       | token_mean              | k2           | clip      |
+| gspo         | grpo         | loss         | seq_mean_token_mean     | k3           | gspo      |
+| cispo        | grpo         | loss         | token_mean              | k3           | cispo     |
 
-Each of the four ``rl.*`` fields of the same names left at "" takes the algorithm's value; a value
+Each of the five ``rl.*`` fields of the same names left at "" takes the algorithm's value; a value
 set in the config wins (``--config.algorithm=grpo --config.rl.aggregation=token_mean``).
 KL in the reward: r_t = −β·KL_t (+ the score on the last token); KL in the loss: the rewards are
-the scores alone and the loss adds β·agg(KL_t) (``losses.kl_loss``). Adding an estimator is one
-function and one ``advantages.ESTIMATORS`` entry; adding an algorithm is one ``ALGORITHMS`` row.
+the scores alone and the loss adds β·agg(KL_t) (``losses.kl_loss``). The loss mode is the
+policy term's surrogate (``surrogates.SURROGATES``): PPO's token clip, GSPO's sequence ratio or
+CISPO's clipped-weight REINFORCE term. Adding an estimator is one function and one
+``advantages.ESTIMATORS`` entry; adding an algorithm is one ``ALGORITHMS`` row.
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ from typing import Callable, NamedTuple
 import jax
 import ml_collections
 
-from ppojax.core import advantages, kl
+from ppojax.core import advantages, kl, surrogates
 
 Array = jax.Array
 
@@ -38,6 +42,7 @@ class Defaults(NamedTuple):
   kl_in: str  # "reward" or "loss"
   aggregation: str  # ops.AGGREGATIONS
   kl_estimator: str  # kl.KL_ESTIMATORS
+  loss_mode: str = "clip"  # surrogates.SURROGATES
 
 
 ALGORITHMS: dict[str, Defaults] = {
@@ -46,6 +51,8 @@ ALGORITHMS: dict[str, Defaults] = {
     "dr_grpo": Defaults("dr_grpo", "loss", "seq_mean_token_sum_norm", "k3"),
     "rloo": Defaults("rloo", "reward", "token_mean", "k1"),
     "reinforce_pp": Defaults("reinforce_pp", "reward", "token_mean", "k2"),
+    "gspo": Defaults("grpo", "loss", "seq_mean_token_mean", "k3", "gspo"),
+    "cispo": Defaults("grpo", "loss", "token_mean", "k3", "cispo"),
 }
 KL_PLACEMENTS = ("reward", "loss")
 
@@ -65,6 +72,7 @@ class Algorithm(NamedTuple):
   kl: Callable[[Array, Array], Array]
   kl_in_loss: bool
   aggregation: str
+  surrogate: Callable[..., surrogates.Terms]
   needs_critic: bool
   needs_groups: bool
 
@@ -88,7 +96,8 @@ def resolve(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   return config
 
 
-def make(estimator: str, kl_in: str, aggregation: str, kl_estimator: str) -> Algorithm:
+def make(estimator: str, kl_in: str, aggregation: str, kl_estimator: str,
+         loss_mode: str = "clip") -> Algorithm:
   """The record from its four choices (names as in ``Defaults``); ``ValueError`` names a bad
   one."""
   est = advantages.estimator(estimator)
@@ -99,10 +108,10 @@ def make(estimator: str, kl_in: str, aggregation: str, kl_estimator: str) -> Alg
                      f"{sorted(kl.KL_ESTIMATORS)}")
   return Algorithm(estimate=est.fn, kl=kl.KL_ESTIMATORS[kl_estimator],
                    kl_in_loss=kl_in == "loss", aggregation=aggregation,
-                   needs_critic=est.needs_critic, needs_groups=est.needs_groups)
+                   surrogate=surrogates.surrogate(loss_mode), needs_critic=est.needs_critic, needs_groups=est.needs_groups)
 
 
 def from_config(config: ml_collections.ConfigDict) -> Algorithm:
   """The run's algorithm: ``config.algorithm``'s defaults, overridden by the ``rl`` fields set."""
   rl = resolve(config).rl
-  return make(rl.estimator, rl.kl_in, rl.aggregation, rl.kl_estimator)
+  return make(rl.estimator, rl.kl_in, rl.aggregation, rl.kl_estimator, rl.loss_mode)

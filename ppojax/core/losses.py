@@ -13,12 +13,14 @@ neither the loss nor its gradient (not even NaN/Inf there).
 
 from __future__ import annotations
 
+from typing import Callable
+
 import chex
 import jax
 import jax.numpy as jnp
 
 from ppojax.core import kl as kl_lib
-from ppojax.core import ops
+from ppojax.core import ops, surrogates
 from ppojax.core.options import check_option
 
 Array = jax.Array
@@ -34,6 +36,7 @@ def policy_loss(
     clip_eps_low: float | None = None, clip_eps_high: float | None = None,
     dual_clip: float | None = None, aggregation: str = "token_mean",
     max_len: float | None = None, is_weight: Array | None = None,
+    surrogate: Callable[..., surrogates.Terms] = surrogates.token_clip,
 ) -> tuple[Array, dict[str, Array]]:
   """Clipped surrogate: L = agg( max(−A·ρ, −A·clip(ρ, 1 − ε_low, 1 + ε_high)) ), ρ = e^{logp − old}.
 
@@ -41,8 +44,10 @@ def policy_loss(
   ``dual_clip`` = c > 1 (Ye et al. 2020), tokens with A < 0 have their loss capped at −c·A, so a
   huge ratio on a bad action cannot dominate the batch. Where the clip is active in the
   advantage's favour (A > 0, ρ > 1 + ε_high; or A < 0, ρ < 1 − ε_low) the gradient is exactly 0.
-  ``is_weight`` w [B, T] (constant; ``truncated_is_weight``) multiplies each token's term:
-  L = agg(w_t · max(...)), the importance correction for tokens sampled by another engine.
+  ``surrogate`` (``surrogates.SURROGATES``): the per-token term, PPO's token ratio by default,
+  or a sequence ratio (GSPO) or a clipped-weight REINFORCE term (CISPO); ``dual_clip`` only
+  with PPO's. ``is_weight`` w [B, T] (constant; ``truncated_is_weight``) multiplies each token's
+  term: L = agg(w_t · ℓ_t), the importance correction for tokens sampled by another engine.
   ``aggregation`` and ``max_len``: ``ops.aggregate``. Checked where given as Python numbers
   (``_check_policy_options``): ε and ε_low in (0, 1), ε_high > 0, c > 1.
 
@@ -55,19 +60,23 @@ def policy_loss(
 
   Returns:
     loss and metrics: ``loss``; ``approxkl`` = ½·mean((logp − old_logp)²); ``clipfrac``, the
-    fraction of tokens where the clipped term is the active one; ``dual_clipfrac``; ``ratio`` and
-    ``ratio_var``, mean and (unbiased) variance of ρ.
+    fraction of tokens where the clip decides the term (``Terms.clipped``); ``dual_clipfrac``;
+    ``ratio`` and ``ratio_var``, mean and (unbiased) variance of the surrogate's ratio.
   """
   chex.assert_rank([logp, old_logp, advantages, mask], 2)
   chex.assert_equal_shape([logp, old_logp, advantages, mask])
   _check_policy_options(clip_eps, clip_eps_low, clip_eps_high, dual_clip)
+  if dual_clip is not None and surrogate is not surrogates.token_clip:
+    raise ValueError("dual_clip caps PPO's token-ratio term only: set it to None with another "
+                     "loss mode (rl.loss_mode)")
   mask, logp, old_logp, adv = _masked_inputs(mask, logp, old_logp, advantages)
   old_logp, adv = jax.lax.stop_gradient((old_logp, adv))
 
   log_ratio = logp - old_logp
-  ratio = jnp.exp(log_ratio)
-  per_token, unclipped, clipped, dual_active = _clipped_surrogate(
-      adv, ratio, mask, clip_eps, clip_eps_low, clip_eps_high, dual_clip)
+  eps_low = clip_eps if clip_eps_low is None else clip_eps_low
+  eps_high = clip_eps if clip_eps_high is None else clip_eps_high
+  terms = surrogate(log_ratio, adv, mask, eps_low, eps_high)
+  per_token, dual_active = _dual_clip(terms.per_token, adv, dual_clip)
   if is_weight is not None:
     chex.assert_equal_shape([is_weight, mask])
     per_token = per_token * jax.lax.stop_gradient(jnp.where(mask, is_weight, 0.0))
@@ -76,29 +85,20 @@ def policy_loss(
   metrics = {
       "loss": loss,
       "approxkl": 0.5 * ops.masked_mean(jnp.square(log_ratio), mask),
-      "clipfrac": ops.masked_mean((clipped > unclipped).astype(jnp.float32), mask),
+      "clipfrac": ops.masked_mean(terms.clipped.astype(jnp.float32), mask),
       "dual_clipfrac": ops.masked_mean(dual_active.astype(jnp.float32), mask),
-      "ratio": ops.masked_mean(ratio, mask),
-      "ratio_var": ops.masked_var(ratio, mask),
+      "ratio": ops.masked_mean(terms.ratio, mask),
+      "ratio_var": ops.masked_var(terms.ratio, mask),
   }
   return loss, jax.tree.map(jax.lax.stop_gradient, metrics)
 
 
-def _clipped_surrogate(adv, ratio, mask, clip_eps, clip_eps_low, clip_eps_high, dual_clip):
-  """Per token: (max(−A·ρ, −A·clip(ρ, 1 − ε_low, 1 + ε_high)), capped at −c·A where A < 0 with
-  ``dual_clip`` c; the unclipped term −A·ρ; the clipped term; where the cap is active)."""
-  eps_low = clip_eps if clip_eps_low is None else clip_eps_low
-  eps_high = clip_eps if clip_eps_high is None else clip_eps_high
-  unclipped = -adv * ratio
-  clipped = -adv * jnp.clip(ratio, 1.0 - eps_low, 1.0 + eps_high)
-  per_token = jnp.maximum(unclipped, clipped)
-  if dual_clip is not None:
-    capped = jnp.where(adv < 0, jnp.minimum(per_token, -dual_clip * adv), per_token)
-    dual_active = (adv < 0) & (capped < per_token)
-    per_token = capped
-  else:
-    dual_active = jnp.zeros_like(mask)
-  return per_token, unclipped, clipped, dual_active
+def _dual_clip(per_token: Array, adv: Array, dual_clip: float | None) -> tuple[Array, Array]:
+  """Dual-clip PPO's cap: ℓ_t ← min(ℓ_t, −c·A_t) where A_t < 0, and where the cap is active."""
+  if dual_clip is None:
+    return per_token, jnp.zeros(per_token.shape, jnp.bool_)
+  capped = jnp.where(adv < 0, jnp.minimum(per_token, -dual_clip * adv), per_token)
+  return capped, (adv < 0) & (capped < per_token)
 
 
 def _check_policy_options(clip_eps=0.2, clip_eps_low=None, clip_eps_high=None,
@@ -205,9 +205,10 @@ def ppo_loss(
     aggregation: str = "token_mean", max_len: float | None = None,
     is_weight: Array | None = None, ref_logp: Array | None = None,
     kl_coef: float | Array = 0.0, kl_estimator: str = "k3",
+    surrogate: Callable[..., surrogates.Terms] = surrogates.token_clip,
 ) -> tuple[Array, dict[str, Array]]:
   """Total PPO loss  L = L_policy + vf_coef·L_value − ent_coef·H + β·agg(KL_t)
-  (``is_weight``: see ``policy_loss``).
+  (``is_weight``, ``surrogate``: see ``policy_loss``).
 
   Without a critic (``values`` None: GRPO, RLOO, REINFORCE++) there is no value term and no
   ``loss/value`` / ``val/*`` metric. With ``ref_logp`` the KL to the reference is a loss term
@@ -224,7 +225,7 @@ def ppo_loss(
   pg_loss, pg = policy_loss(
       logp, old_logp, advantages, mask, clip_eps=clip_eps, clip_eps_low=clip_eps_low,
       clip_eps_high=clip_eps_high, dual_clip=dual_clip, aggregation=aggregation,
-      max_len=max_len, is_weight=is_weight)
+      max_len=max_len, is_weight=is_weight, surrogate=surrogate)
   total = pg_loss
   metrics = {name: pg[key] for name, key in _POLICY_METRICS.items()}
   if values is not None:

@@ -78,7 +78,7 @@ def clipped_loss(logp, entropy, values, exp: Experience, algorithm: Algorithm, c
       dual_clip=cfg.dual_clip, value_clip=cfg.value_clip, aggregation=algorithm.aggregation,
       max_len=r.mask.shape[1], is_weight=weight,  # seq_mean_token_sum_norm's constant: R
       ref_logp=None if exp.kl_coef is None else r.ref_logp, kl_coef=exp.kl_coef,
-      kl_estimator=algorithm.kl)
+      kl_estimator=algorithm.kl, surrogate=algorithm.surrogate)
   return loss, {**metrics, **tis}
 
 

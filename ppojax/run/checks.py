@@ -16,7 +16,7 @@ import importlib.util
 import ml_collections
 import numpy as np
 
-from ppojax.core import advantages, algorithms, kl, ops, options
+from ppojax.core import advantages, algorithms, kl, ops, options, surrogates
 from ppojax.models.config import ATTENTION_CHOICES
 
 # sections whose keys are the user's names
@@ -32,6 +32,7 @@ CHOICES = {
     "rl.aggregation": ("", *ops.AGGREGATIONS),
     "rl.old_logprobs": ("recompute", "sampler"),
     "rl.kl_estimator": ("", *kl.KL_ESTIMATORS),
+    "rl.loss_mode": ("", *surrogates.SURROGATES),
     "model.dtype": ("float32", "bfloat16", "float16"),
     "model.remat_policy": ("nothing", "dots", "dots_no_batch"),
     "model.attention": ATTENTION_CHOICES,
@@ -198,7 +199,7 @@ RANGES = (
      "update (0: none, peft's default; 0.05-0.1 is usual)"),
     ("optim.max_grad_norm", lambda v: v > 0, "must be > 0 (gradients are clipped to this "
      "global norm; 1.0 is usual)"),
-    ("data.prompt_bucket", lambda v: _is_int(v, 0),
+    ("data.prompt_bucket", lambda v: is_int(v, 0),
      "must be an integer >= 0: a batch's prompts are padded to the next multiple of it (tokens; "
      "0: always to data.max_prompt_len)"),
 )
@@ -282,6 +283,11 @@ def check_algorithm(config: ml_collections.ConfigDict) -> None:
         f"rl.estimator={rl.estimator!r} (algorithm {config.algorithm!r}) compares the samples "
         f"of a prompt, but sampling.num_samples_per_prompt={n}: every advantage would be 0. "
         "Set --config.sampling.num_samples_per_prompt=4 (or more), or another estimator")
+  if rl.loss_mode != "clip" and config.rl.get("dual_clip") is not None:
+    raise ConfigError(
+        f"rl.dual_clip={config.rl.dual_clip} caps PPO's token-ratio term, but rl.loss_mode="
+        f"{rl.loss_mode!r} (algorithm {config.algorithm!r}) has another policy term: set "
+        "--config.rl.dual_clip=None, or rl.loss_mode='clip'")
 
 
 def prompt_length(config) -> int:
@@ -303,46 +309,6 @@ def validate(config: ml_collections.ConfigDict, num_devices: int,
   check_tasks(config)
 
 
-def _is_int(v, low: int) -> bool:
+def is_int(v, low: int) -> bool:
+  """v is an int (not a bool) >= low."""
   return isinstance(v, int) and not isinstance(v, bool) and v >= low
-
-
-SUPERVISED_CHOICES = {
-    "model.dtype": CHOICES["model.dtype"], "data.truncate": CHOICES["data.truncate"],
-    "train.aggregation": ops.AGGREGATIONS, "optim.decay": ("constant", "linear", "cosine")}
-SUPERVISED_RANGES = (
-    ("train.batch_size", lambda v: _is_int(v, 1), "must be an integer >= 1"),
-    ("train.grad_accum", lambda v: _is_int(v, 1), "must be an integer >= 1"),
-    ("train.eval_batch_size", lambda v: _is_int(v, 1), "must be an integer >= 1"),
-    ("train.num_epochs", lambda v: v > 0, "must be > 0 (passes over the training rows)"),
-    ("train.log_every", lambda v: _is_int(v, 1), "must be an integer >= 1"),
-    ("train.eval_every", lambda v: _is_int(v, -1),
-     "must be an integer >= -1 (N: every N steps; 0: before and after only; -1: each epoch)"),
-    ("data.max_prompt_len", lambda v: _is_int(v, 1), "must be an integer >= 1 (tokens)"),
-    ("data.max_response_len", lambda v: _is_int(v, 1), "must be an integer >= 1 (tokens)"),
-    ("data.train_size", lambda v: _is_int(v, 0), "must be an integer >= 0 (0: all rows)"),
-    ("data.eval_size", lambda v: _is_int(v, 0), "must be an integer >= 0"),
-    ("optim.lr", lambda v: v > 0, "must be > 0"),
-    ("optim.warmup_steps", lambda v: _is_int(v, 0), "must be an integer >= 0"),
-    ("optim.end_factor", lambda v: 0 <= v <= 1, "must be in [0, 1] (final lr = end_factor·lr)"),
-    ("optim.weight_decay", lambda v: v >= 0, "must be >= 0"),
-    ("optim.head_lr_factor", lambda v: v > 0, "must be > 0 (the score head's lr = factor × lr)"),
-    ("optim.max_grad_norm", lambda v: v > 0, "must be > 0 (the global norm gradients are "
-     "clipped to; 1.0 is usual)"),
-    ("keep", lambda v: _is_int(v, 1), "must be an integer >= 1 (checkpoints kept)"),
-)
-
-
-def validate_supervised(config: ml_collections.ConfigDict) -> None:
-  """The checks of an SFT or reward-model config (``config.supervised_defaults()``) that need
-  no model: names and types, choices, ranges, the micro-batches in the batch, packages."""
-  from ppojax.run.config import supervised_defaults  # pylint: disable=import-outside-toplevel
-  check_names_and_types(config, supervised_defaults())
-  check_choices(config, SUPERVISED_CHOICES)
-  check_ranges(config, SUPERVISED_RANGES)
-  train = config.train
-  if train.batch_size % train.grad_accum:
-    raise ConfigError(f"train.batch_size={train.batch_size} is not a multiple of "
-                      f"train.grad_accum={train.grad_accum}: each micro-batch holds "
-                      "batch_size / grad_accum examples")
-  check_packages(config)

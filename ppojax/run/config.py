@@ -21,8 +21,8 @@ from ml_collections import config_dict
 def defaults() -> ml_collections.ConfigDict:
   c = ml_collections.ConfigDict()
   c.seed = 0
-  # ppo, grpo, dr_grpo, rloo or reinforce_pp (ppojax/core/algorithms.py): the defaults of
-  # rl.estimator, rl.kl_in, rl.aggregation and rl.kl_estimator (each left "" below)
+  # ppo, grpo, dr_grpo, rloo, reinforce_pp, gspo or cispo (core/algorithms.py): the defaults
+  # of rl.estimator, kl_in, aggregation, kl_estimator and loss_mode (each left "" below)
   c.algorithm = "ppo"
   c.num_iterations = 100
   c.log_every = 1
@@ -184,6 +184,9 @@ def defaults() -> ml_collections.ConfigDict:
   # how token losses become one (ops.aggregate; docs/algorithms.md): "token_mean",
   # "seq_mean_token_mean" (= "seq_mean", GRPO) or "seq_mean_token_sum_norm" (Dr. GRPO)
   c.rl.aggregation = ""
+  # the policy term (core/surrogates.py): "clip" (PPO's token ratio), "gspo" / "gspo_token"
+  # (the sequence's ratio), "cispo" (a REINFORCE term weighted by the clipped ratio)
+  c.rl.loss_mode = ""
   # log π_old from "recompute" (a forward pass after sampling) or "sampler" (generate()'s own,
   # as trl's; one forward pass fewer, equal up to the KV-cache decode's rounding)
   c.rl.old_logprobs = "recompute"
