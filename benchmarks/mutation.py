@@ -345,24 +345,58 @@ def parse_args(argv=None):
   return p.parse_args(argv)
 
 
+def choose(args, names: list[str]) -> dict[str, list[Mutant]]:
+  """The mutants to judge per module: ``--only``'s lines, ``--limit`` spread, ``--rerun``."""
+  only = {int(x) for x in args.only.split(",")} if args.only else None
+  keep = None
+  if args.rerun:
+    last = pathlib.Path(args.rerun).read_text().strip().splitlines()[-1]
+    keep = {(s["module"], s["line"], s["mutation"]) for s in json.loads(last)["survivors"]}
+  chosen = {}
+  for name in names:
+    mutants = find_mutants(MODULES[name], args.rev)
+    if only is not None:
+      mutants = [m for m in mutants if m.line in only]
+    mutants = spread(mutants, args.limit)
+    if keep is not None:
+      mutants = [m for m in mutants if (name, m.line, m.mutation) in keep]
+    chosen[name] = mutants
+  return chosen
+
+
+def judge_module(tree: pathlib.Path, name: str, mutants: list[Mutant], tests: list[str],
+                 timeout: float | None, survivors: list) -> dict | None:
+  """Counts of killed / survived / timed-out mutants of one module (None: its selection fails
+  unmutated); appends the survivors to ``survivors``."""
+  start = time.time()
+  if run_tests(tree, tests, 1800) != "passed":
+    print(f"{name}: skipped, the selection {tests} fails on the unmutated module", flush=True)
+    return None
+  base = time.time() - start
+  timeout = timeout or 3 * base + 20
+  print(f"{name}: {len(mutants)} mutants, selection {base:.0f} s unmutated, "
+        f"timeout {timeout:.0f} s", flush=True)
+  counts = {"killed": 0, "survived": 0, "timeout": 0}
+  for m in mutants:
+    t_mutant = time.time()
+    verdict = judge(tree, MODULES[name], m, tests, timeout)
+    key = {"passed": "survived", "failed": "killed", "timeout": "timeout"}[verdict]
+    counts[key] += 1
+    if key == "survived":
+      survivors.append({"module": name, "line": m.line, "mutation": m.mutation})
+    print(f"  {key} {name}:{m.line}: {m.mutation} ({time.time() - t_mutant:.0f} s)", flush=True)
+  print(f"{name}: killed {counts['killed']}, survived {counts['survived']}, timeout "
+        f"{counts['timeout']} of {len(mutants)} ({time.time() - start:.0f} s)", flush=True)
+  return dict(counts, total=len(mutants))
+
+
 def main(argv=None) -> int:
   args = parse_args(argv)
   names = [m.strip() for m in args.modules.split(",") if m.strip()]
   unknown = [n for n in names if n not in MODULES]
   if unknown:
     raise SystemExit(f"unknown modules {unknown}; choose from {', '.join(MODULES)}")
-  only = {int(x) for x in args.only.split(",")} if args.only else None
-  chosen = {}
-  for name in names:
-    mutants = find_mutants(MODULES[name], args.rev)
-    if only is not None:
-      mutants = [m for m in mutants if m.line in only]
-    chosen[name] = spread(mutants, args.limit)
-    if args.rerun:
-      last = pathlib.Path(args.rerun).read_text().strip().splitlines()[-1]
-      keep = {(s["line"], s["mutation"]) for s in json.loads(last)["survivors"]
-              if s["module"] == name}
-      chosen[name] = [m for m in chosen[name] if (m.line, m.mutation) in keep]
+  chosen = choose(args, names)
   if args.list:
     for name, mutants in chosen.items():
       for m in mutants:
@@ -378,31 +412,11 @@ def main(argv=None) -> int:
       if (ROOT / t).exists():  # the tests as they are in the checkout now, copied at the start
         shutil.copy2(ROOT / t, tree / t)
     for name in names:
-      tests = selections[name]
-      tests = [t for t in tests
+      tests = [t for t in selections[name]
                if not t.startswith("tests/") or (tree / t.split("::")[0]).exists()]
-      start = time.time()
-      if run_tests(tree, tests, 1800) != "passed":
-        print(f"{name}: skipped, the selection {tests} fails on the unmutated module", flush=True)
-        continue
-      base = time.time() - start
-      timeout = args.timeout or 3 * base + 20
-      print(f"{name}: {len(chosen[name])} mutants, selection {base:.0f} s unmutated, "
-            f"timeout {timeout:.0f} s", flush=True)
-      counts = {"killed": 0, "survived": 0, "timeout": 0}
-      for m in chosen[name]:
-        t_mutant = time.time()
-        verdict = judge(tree, MODULES[name], m, tests, timeout)
-        key = {"passed": "survived", "failed": "killed", "timeout": "timeout"}[verdict]
-        counts[key] += 1
-        if key == "survived":
-          survivors.append({"module": name, "line": m.line, "mutation": m.mutation})
-        print(f"  {key} {name}:{m.line}: {m.mutation} ({time.time() - t_mutant:.0f} s)",
-              flush=True)
-      results[name] = dict(counts, total=len(chosen[name]))
-      print(f"{name}: killed {counts['killed']}, survived {counts['survived']}, timeout "
-            f"{counts['timeout']} of {len(chosen[name])} ({time.time() - start:.0f} s)",
-            flush=True)
+      counts = judge_module(tree, name, chosen[name], tests, args.timeout, survivors)
+      if counts is not None:
+        results[name] = counts
     for n in names:
       if hashlib.sha256((tree / MODULES[n]).read_bytes()).hexdigest() != hashes[n]:
         raise SystemExit(f"{MODULES[n]} was not restored in the worktree")
