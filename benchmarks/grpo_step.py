@@ -10,8 +10,8 @@ temperature ``--temperature`` (min_new_tokens = max_new_tokens on both sides, as
 against the reference; one optimizer step per batch (1 epoch, 1 minibatch, no accumulation):
 
     python benchmarks/grpo_step.py [--prompts 16] [--samples 4] [--response-length 32]
-        [--iterations 3] [--warmup 1] [--no-shared-prefix] [--no-trl] [--trl-env DIR]
-        [--tunix] [--tunix-env DIR] [--ppo-rss]
+        [--iterations 3] [--warmup 1] [--no-shared-prefix] [--no-equal-work] [--no-trl]
+        [--trl-env DIR] [--tunix] [--tunix-env DIR] [--ppo-rss]
 
 What one ppojax iteration runs (``runner.iteration`` with a host reward: three compiled
 functions and a host round trip; ``config.algorithm = "grpo"``, float32):
@@ -41,6 +41,20 @@ prompt ids, lengths, temperature, β and reward (``benchmarks/tunix_grpo.py``, i
 of ``tunix_ppo.ensure_env``, run likewise in a subprocess first; its docstring lists what
 differs): ``tunix_seconds_per_iteration``, ``tunix_ratio`` (tunix / ppojax) and
 ``tunix_peak_rss_mb`` in the JSON line. ``TUNIX_RSS_LIMIT_MB`` stops it at that resident set.
+
+Equal work (``--equal-work``, the default while a peer runs): ppojax's default runs the chat
+header once per batch (shared prefix), which neither peer does, so the run also times ppojax
+with ``--no-shared-prefix`` (every row whole), in a fresh process before this one builds
+anything. Both peers' remaining difference in work, each of the B·n rows prefilled in full
+where ppojax prefills each prompt once for its samples, has no ppojax flag (it is the
+prefill of the 40 prompt tokens, n − 1 times per prompt). Each row is printed with its
+seconds, model FLOPs (``flops.model_flops``: the reference forward and the update, no critic
+or reward model) and peak memory; the JSON line's ``rows`` lists them and its flat keys name each ratio's pair:
+``ratio_vs_trl_default`` / ``ratio_vs_trl_equal_work`` (peer seconds / ppojax seconds) and
+``memory_vs_trl_default`` / ``memory_vs_trl_equal_work`` (ppojax peak / peer peak), likewise
+for tunix; ``speedup`` and ``tunix_ratio`` stay the default row's. Every response must be
+exactly ``--response-length`` tokens on every side: ppojax checks each iteration's rollout,
+``trl_grpo.py`` and ``tunix_grpo.py`` theirs, and a length that differs ends the run.
 
 Timing: ppojax's first ``--warmup`` iterations (the first compiles) are not counted, nor are
 trl's; ``seconds_per_iteration`` is the median of the next ``--iterations``, each from the
@@ -72,6 +86,8 @@ import jax
 import numpy as np
 
 from ppojax.infra import hostmem
+from ppojax.infra.flops import model_flops
+from ppojax.learner import update as update_lib
 from ppojax.models import load_model, save_model
 from ppojax.run import build as build_lib
 from ppojax.run import runner
@@ -84,9 +100,25 @@ import trl_grpo  # noqa: E402
 import trl_ppo  # noqa: E402
 import tunix_grpo  # noqa: E402
 import tunix_ppo  # noqa: E402
-from ppo_step import CONFIGS, make_prompts, run_json, tunix_rss_limit  # noqa: E402
+from ppo_step import (  # noqa: E402
+  CONFIGS,
+  check_rollout,
+  comparisons,
+  make_prompts,
+  plan_rows,
+  print_rows,
+  row_name,
+  run_json,
+  tunix_rss_limit,
+)
 
 PROMPT_LENGTH = 40  # a two-digit problem through SmolLM2's chat template
+# The ppojax flag under which it runs each peer's passes (as far as a flag reaches: see the
+# docstring): every row whole.
+EQUAL_WORK = {"trl": {"shared_prefix": False}, "tunix": {"shared_prefix": False}}
+ROW_FLAGS = ("shared_prefix",)
+ROW_RESULTS = ("seconds_per_iteration", "iterations", "model_tflop_per_iteration",
+               "whole_rows_tflop_per_iteration", "peak_rss_mb", "warmup_seconds")
 
 
 def quickstart_config():
@@ -140,6 +172,33 @@ def run_tunix(python, policy_dir, tokens, answers, args) -> dict:
                   "tunix's GRPOLearner", "--no-tunix", tuple(tunix_rss_limit()))
 
 
+def run_row(args, row: dict) -> dict:
+  """ppojax's iteration under ``row``'s flags, with ``args``' sizes, in a fresh process (this
+  script with ``--row-child``: no peers, no further rows): the JSON object it prints last."""
+  cmd = [sys.executable, __file__, "--row-child", "--no-trl", "--no-tunix", "--no-equal-work",
+         "--prompts", str(args.prompts), "--samples", str(args.samples), "--response-length",
+         str(args.response_length), "--temperature", str(args.temperature), "--kl-coef",
+         str(args.kl_coef), "--lr", str(args.lr), "--seed", str(args.seed), "--iterations",
+         str(args.iterations), "--warmup", str(args.warmup),
+         "--shared-prefix" if row["shared_prefix"] else "--no-shared-prefix"]
+  return run_json(cmd, f"ppojax's {row_name(row)} row", "--no-equal-work")
+
+
+def iteration_tflop(run, prompts: int, samples: int, response_length: int,
+                    shared: int) -> float:
+  """Model TFLOP of one GRPO iteration of ``run`` (``flops.model_flops``): the prefill over
+  ``prompts`` (a ``shared``-token prefix once), the decode and the passes over prompts ×
+  ``samples`` rows; a reference forward where the KL term needs it, no old log-probs forward in
+  the single-pass update, no critic, no reward model."""
+  rl = run.config.rl
+  single = update_lib.single_pass(rl)
+  flops = model_flops(run.policy.cfg, prompts, PROMPT_LENGTH, response_length,
+                      old_logp_fwd=rl.old_logprobs == "recompute" and not single,
+                      critic_fwd=False, shared=shared, samples=samples, critic=False,
+                      reference=rl.kl_coef > 0, reward_model=False)
+  return sum(flops.values()) / 1e12
+
+
 def ppo_quickstart_rss() -> dict:
   """One PPO iteration of configs/quickstart.py's shape in this process (called in a fresh
   one by ``--ppo-rss``): its ``VmHWM`` and seconds (compile included)."""
@@ -176,6 +235,10 @@ def main():
   parser.add_argument("--shared-prefix", action=argparse.BooleanOptionalAction, default=True,
                       help="data.shared_prefix (default): the chat template's header runs once "
                       "per batch; --no-…: every row whole")
+  parser.add_argument("--equal-work", action=argparse.BooleanOptionalAction, default=True,
+                      help="also time ppojax with every row whole (--no-shared-prefix) in a "
+                      "fresh process, the peers' work (default)")
+  parser.add_argument("--row-child", action="store_true", help=argparse.SUPPRESS)
   parser.add_argument("--trl", action=argparse.BooleanOptionalAction, default=True,
                       help="time trl's GRPOTrainer on the same task in this run (default)")
   parser.add_argument("--trl-env", type=pathlib.Path, default=None,
@@ -229,6 +292,16 @@ def main():
               f"{tunix['peak_rss_mb']:.0f} MB; shortest completion "
               f"{tunix['min_completion_length']} tokens", flush=True)
   del policy
+  peer_names = [p for p in ("trl", "tunix") if getattr(args, p)]
+  rows = plan_rows([None], vars(args), peer_names, args.equal_work, EQUAL_WORK, ROW_FLAGS)
+  for row in rows[1:]:  # each in a fresh process, before this one builds
+    print(f"ppojax row {row_name(row)} (shared_prefix={row['shared_prefix']}): a fresh "
+          "process ...", flush=True)
+    measured = run_row(args, row)
+    row.update({k: measured[k] for k in ROW_RESULTS})
+    print(f"ppojax row {row_name(row)}: {row['seconds_per_iteration']:.2f} s/iteration, "
+          f"{row['model_tflop_per_iteration']:.3f} TFLOP, peak RSS {row['peak_rss_mb']:.0f} MB",
+          flush=True)
 
   config = make_config(args)
   t0 = time.perf_counter()
@@ -241,24 +314,25 @@ def main():
         f"shared prefix {0 if prompts.prefix is None else len(prompts.prefix)} tokens; build "
         f"{build_s:.1f} s; huge_pages={hostmem.huge_pages_active()}", flush=True)
 
-  state, rows, warm = run.state, [], []
+  state, timed_rows, warm = run.state, [], []
   for i in range(args.warmup + args.iterations):
     state, metrics, rollout, _ = runner.iteration(run, state, prompts, problems)
-    if i == 0:
-      n_tokens = int(np.sum(np.asarray(rollout.mask)))
-      if n_tokens != b * n * r_len:
-        raise RuntimeError(f"responses are not all {r_len} tokens long: {n_tokens} in all")
-    (warm if i < args.warmup else rows).append(metrics)
+    check_rollout(rollout, r_len)
+    (warm if i < args.warmup else timed_rows).append(metrics)
   jax.block_until_ready(state)
   rss = hostmem.peak_rss_mb()
-  times, warm_times = ([m["time/iteration"] for m in ms] for ms in (rows, warm))
+  times, warm_times = ([m["time/iteration"] for m in ms] for ms in (timed_rows, warm))
   seconds = statistics.median(times)
-  phases = {k: statistics.median(m[f"time/{k}"] for m in rows)
+  phases = {k: statistics.median(m[f"time/{k}"] for m in timed_rows)
             for k in ("sampling", "scoring", "update")}
+  shared = 0 if prompts.prefix is None else len(prompts.prefix)
+  tflop = iteration_tflop(run, b, n, r_len, shared)
+  whole_tflop = iteration_tflop(run, b, n, r_len, 0)
   print(f"ppojax: {seconds:.2f} s/iteration (median of {', '.join(f'{x:.2f}' for x in times)}; "
         f"warm-up {', '.join(f'{x:.1f}' for x in warm_times)} s, the first "
         f"compiles); sampling {phases['sampling']:.2f} s, scoring {phases['scoring']:.2f} s, "
-        f"update {phases['update']:.2f} s; peak RSS {rss:.0f} MB", flush=True)
+        f"update {phases['update']:.2f} s; peak RSS {rss:.0f} MB; {tflop:.3f} model TFLOP "
+        f"per iteration ({whole_tflop:.3f} with every row whole)", flush=True)
 
   quickstart = None
   if args.ppo_rss:
@@ -280,8 +354,16 @@ def main():
     print(f"tunix / ppojax = {tunix['seconds_per_iteration']:.2f} / {seconds:.2f} = "
           f"{tunix_ratio:.2f}x; peak RSS tunix / ppojax = {tunix['peak_rss_mb']:.0f} / "
           f"{rss:.0f} MB (benchmarks/tunix_grpo.py lists what differs)")
+  rows[0].update(seconds_per_iteration=seconds, iterations=times, warmup_seconds=warm_times,
+                 model_tflop_per_iteration=tflop, whole_rows_tflop_per_iteration=whole_tflop,
+                 peak_rss_mb=rss)
+  peers = {name: {None: side} for name, side in (("trl", trl), ("tunix", tunix)) if side}
+  ratios = comparisons(rows, peers)
+  print_rows(rows, peers, ratios, ROW_FLAGS)
   print(json.dumps({
       "seconds_per_iteration": seconds, "iterations": times,
+      "model_tflop_per_iteration": tflop, "whole_rows_tflop_per_iteration": whole_tflop,
+      "equal_work": args.equal_work, "rows": rows, **ratios,
       "warmup_seconds": warm_times, "phases": phases,
       "trl_seconds_per_iteration": None if trl is None else trl["seconds_per_iteration"],
       "speedup": speedup, "peak_rss_mb": rss,
@@ -290,7 +372,7 @@ def main():
       "tunix_ratio": tunix_ratio,
       "tunix_peak_rss_mb": None if tunix is None else tunix["peak_rss_mb"],
       "ppo_quickstart_peak_rss_mb": None if quickstart is None else quickstart["peak_rss_mb"],
-      "ppojax_mean_score": statistics.mean(m["objective/scores"] for m in rows),
+      "ppojax_mean_score": statistics.mean(m["objective/scores"] for m in timed_rows),
       "trl_mean_reward": None if trl is None else trl["metrics"].get("reward"),
       "cpu": scale_table.cpu_name(), "cpus": os.cpu_count(),
       "device": jax.devices()[0].device_kind, "huge_pages": hostmem.huge_pages_active(),

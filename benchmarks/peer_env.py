@@ -1,10 +1,12 @@
 """What the peers' benchmark sides share (standard library only: it is imported inside the trl
 and tunix environments as well as ppojax's): their virtual environments under the ppojax cache,
-created on first use, the PPO sides' common options and the process's peak resident set."""
+created on first use, the PPO sides' common options, the process's peak resident set and the
+check that every response has the requested length."""
 
 from __future__ import annotations
 
 import argparse
+import collections
 import os
 import subprocess
 import venv
@@ -58,3 +60,18 @@ def ppo_arguments(description: str) -> argparse.ArgumentParser:
   parser.add_argument("--warmup", type=int, default=1)
   parser.add_argument("--lr", type=float, default=3e-6)
   return parser
+
+
+def check_lengths(lengths, expected: int, who: str) -> None:
+  """Raises ``RuntimeError`` unless every one of ``lengths`` (one per response, in tokens) is
+  ``expected``: the benchmarks compare the work of exactly ``expected`` new tokens per row, so a
+  shorter or longer response makes a comparison void. The message names ``who``, the expected
+  length, and each length found with how many responses had it."""
+  lengths = [int(n) for n in lengths]
+  if not lengths:
+    raise RuntimeError(f"{who}: no responses to check (expected {expected} tokens each)")
+  wrong = [n for n in lengths if n != expected]
+  if wrong:
+    found = ", ".join(f"{n} tokens × {k}" for n, k in sorted(collections.Counter(lengths).items()))
+    raise RuntimeError(f"{who}: {len(wrong)} of {len(lengths)} responses are not {expected} "
+                       f"tokens long (expected {expected} each; found {found})")

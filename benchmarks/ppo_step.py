@@ -9,6 +9,7 @@ below template to 44; shorter ones would be left-padded); every response is forc
 
     python benchmarks/ppo_step.py --batch 16 --response-length 32 [--iterations 3]
         [--dtype float32|bfloat16] [--remat] [--unrolled] [--no-shared-prefix] [--lora RANK]
+        [--lora-critic lora|full|both] [--no-equal-work] [--no-trl] [--tunix]
 
 Prints the compile time (first iteration minus the steady median), the median seconds per
 iteration of the fused step (one compiled function), a median over the phase-timed path
@@ -24,15 +25,47 @@ what differs) and prints its figure and the ratio beside trl's. The last line is
 JSON object. Like the CLI, the script restarts itself once with glibc's huge-page tunable
 (``ppojax.infra.hostmem``; ``PPOJAX_HUGE_PAGES=0``: off).
 
-``--lora RANK``: policy and critic train LoRA adapters of that rank (alpha ``--lora-alpha``) on
-every linear layer of the blocks, both on one frozen copy of the base (``lora.critic``), the
-reference being that base; trl's side wraps its policy with peft's ``LoraConfig`` of the same
-rank, alpha and layers (``ref_model=None``: its reference is the policy with adapters off; its
-critic and reward model stay full, as trl's PPOTrainer has them). ppojax's full fine-tuning
-iteration then runs once in a fresh process for its peak memory (``full``), and
-``checkpoint_mb`` (the bytes of the state a checkpoint holds: no frozen base) is compared
-with it. The FLOP count takes the update's backward as activation gradients only (no weight
-gradients; ``flops.model_flops(lora=True)``).
+Equal work (``--equal-work``, the default while a peer runs): ppojax's defaults do less work
+than the peers do. The chat header runs once per batch (shared prefix) and the single-pass
+update takes the old log-probs and values from its own forward, where trl and tunix run every
+row whole and a critic forward in the rollout. So the run also times ppojax doing each peer's
+passes, in a fresh process before this one builds anything (the two never hold memory at
+once): for trl ``--no-shared-prefix --no-reuse-update-forward --old-logprobs sampler`` (trl
+takes log π_old from its generation's logits: no policy forward for it), for tunix
+``--no-shared-prefix --no-reuse-update-forward --old-logprobs recompute`` (tunix recomputes
+them in a forward). A row that the default already is (those flags given) is not run twice.
+Each row is printed with its seconds, model FLOPs, peak memory and ratio to each peer it is
+compared with; the JSON line's ``rows`` lists them, and its flat keys name each ratio's pair:
+``ratio_vs_trl_default`` / ``ratio_vs_trl_equal_work`` (peer seconds / ppojax seconds) and
+``memory_vs_trl_default`` / ``memory_vs_trl_equal_work`` (ppojax peak / peer peak), likewise
+for tunix. The older flat keys (``seconds_per_iteration``, ``trl_ratio``, ...) are the default
+row's.
+
+``--lora RANK``: the policy trains LoRA adapters of that rank (alpha ``--lora-alpha``) on every
+linear layer of the blocks, the reference being the frozen base; trl's side wraps its policy
+with peft's ``LoraConfig`` of the same rank, alpha and layers (``ref_model=None``: its
+reference is the policy with adapters off; its reward model stays full). The critic follows
+``--lora-critic``:
+
+* ``lora``: both sides train a LoRA critic: ppojax's ``lora.critic`` (adapters of the same rank
+  and layers on the policy's frozen base, plus its value head, trained in full), trl's value
+  model with peft's adapters of the same rank, alpha and layers injected and its ``score``
+  head trainable, the rest frozen (``trl_ppo.py --lora-critic``);
+* ``full``: both sides train a full critic (ppojax ``lora.critic = False``, started from the
+  reward model as trl's is);
+* ``both`` (default): the two pairs in one run, each with its own trl figure; the flat keys
+  then carry the pair, e.g. ``ratio_vs_trl_lora_critic_default``,
+  ``memory_vs_trl_full_critic_equal_work``.
+
+ppojax's full fine-tuning iteration then runs once in a fresh process for its peak memory
+(``full``), and ``checkpoint_mb`` (the bytes of the state a checkpoint holds: no frozen base)
+is compared with it. The FLOP count takes the update's backward as activation gradients only
+where adapters train (no weight gradients; ``flops.model_flops(lora=True)``), a full critic's
+with its weight gradients.
+
+Every response must be exactly ``--response-length`` tokens long on every side: ppojax checks
+each iteration's rollout, ``trl_ppo.py`` and ``tunix_ppo.py`` their own, and a length that
+differs ends the run (``peer_env.check_lengths``).
 
 Model FLOPs (multiply-add = 2 FLOPs), from the model config: d = hidden_size, f =
 intermediate_size, L = num_layers, H / H_kv = num_heads / num_kv_heads, D = head_dim, V =
@@ -127,8 +160,10 @@ from ppojax.run import build as build_lib
 from ppojax.run import runner
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-import trl_ppo  # noqa: E402  pylint: disable=wrong-import-position
-import tunix_ppo  # noqa: E402  pylint: disable=wrong-import-position
+# pylint: disable=wrong-import-position
+import peer_env  # noqa: E402
+import trl_ppo  # noqa: E402
+import tunix_ppo  # noqa: E402
 
 CONFIGS = pathlib.Path(__file__).resolve().parents[1] / "configs"
 # Chat prompts whose templated length is exactly 44 SmolLM2 tokens (default system prompt
@@ -171,9 +206,12 @@ def make_config(args, reward_dir: str):
   c.rl.grad_accum = 1
   c.rl.old_logprobs = args.old_logprobs
   c.rl.reuse_update_forward = args.reuse_update_forward
-  if args.lora:  # adapters on every linear layer; the critic too, on the same frozen base
-    c.lora.update(rank=args.lora, alpha=args.lora_alpha, targets="all-linear", critic=True)
-    c.model.critic_init = "policy"  # the same backbone as the reward model's (its zero head)
+  if args.lora:  # adapters on every linear layer; with a LoRA critic, on the same frozen base
+    lora_critic = args.lora_critic == "lora"
+    c.lora.update(rank=args.lora, alpha=args.lora_alpha, targets="all-linear",
+                  critic=lora_critic)
+    if lora_critic:  # the same backbone as the reward model's (its zero head)
+      c.model.critic_init = "policy"
   for name in ("actor", "critic"):  # a realistic fine-tuning lr: the weights stay finite
     c.optim[name].lr = 3e-6
     c.optim[name].warmup_steps = 0
@@ -228,6 +266,97 @@ PHASE_PARTS = {
 }
 
 
+def iteration_flops(cfg, batch: int, prompt_len: int, response_len: int, *, lora: bool = False,
+                    lora_critic: bool = True, **kw) -> dict[str, float]:
+  """``model_flops`` by part; with ``lora`` and a full critic (``lora_critic`` False) the
+  critic's update keeps its weight gradients (3× its forward), the policy's does not (2×)."""
+  flops = model_flops(cfg, batch, prompt_len, response_len, lora=lora, **kw)
+  if lora and not lora_critic:
+    full = model_flops(cfg, batch, prompt_len, response_len, lora=False, **kw)
+    flops["critic fwd+bwd"] = full["critic fwd+bwd"]
+  return flops
+
+
+# ---------------------------------------------------------------------------------------------
+# Rows: which ppojax configurations a run times, and their ratios to the peers
+# ---------------------------------------------------------------------------------------------
+
+
+# The ppojax flags under which it runs the passes each peer runs: every row whole (no shared
+# prefix), the old values from a critic forward in the rollout (no single-pass reuse), and
+# log π_old from the sampler's logits (trl) or from a policy forward (tunix).
+EQUAL_WORK = {
+    "trl": {"shared_prefix": False, "reuse_update_forward": False, "old_logprobs": "sampler"},
+    "tunix": {"shared_prefix": False, "reuse_update_forward": False,
+              "old_logprobs": "recompute"},
+}
+ROW_FLAGS = ("shared_prefix", "reuse_update_forward", "old_logprobs")
+ROW_RESULTS = ("seconds_per_iteration", "iterations", "model_tflop_per_iteration",
+               "whole_rows_tflop_per_iteration", "achieved_gflops", "peak_rss_mb",
+               "first_iteration_seconds")
+
+
+def plan_rows(critics: Sequence, default: dict, peers: Sequence[str], equal_work: bool,
+              equal_flags: dict | None = None, flags: Sequence[str] = ROW_FLAGS) -> list[dict]:
+  """The ppojax rows of a run: for each critic (``None`` without LoRA, else "lora"/"full"), the
+  ``default`` values of ``flags`` and, with ``equal_work``, a row with each peer's
+  ``equal_flags[peer]`` (default ``EQUAL_WORK``) over them; rows with the same critic and
+  flags are one row. Each row: critic, work ("default"/"equal_work"), the flags, ``vs`` (the
+  peers it is compared with: every peer for the default row, else the peers whose passes it
+  runs) and ``equal_work_for`` (the peers whose passes it runs)."""
+  equal_flags = EQUAL_WORK if equal_flags is None else equal_flags
+  rows = []
+  for critic in critics:
+    base = {"critic": critic, "work": "default", **{k: default[k] for k in flags},
+            "vs": list(peers), "equal_work_for": []}
+    rows.append(base)
+    for peer in peers:
+      values = {**{k: default[k] for k in flags}, **equal_flags[peer]}
+      same = next((r for r in rows if r["critic"] == critic
+                   and all(r[k] == values[k] for k in flags)), None)
+      if same is base:  # the default row already runs this peer's passes
+        base["equal_work_for"].append(peer)
+      elif not equal_work:
+        continue
+      elif same is None:
+        rows.append({"critic": critic, "work": "equal_work", **values, "vs": [peer],
+                     "equal_work_for": [peer]})
+      else:
+        same["vs"].append(peer)
+        same["equal_work_for"].append(peer)
+  return rows
+
+
+def row_name(row: dict, work: str | None = None) -> str:
+  """A row's key suffix: its work (or ``work``), after its critic where it has one
+  (``lora_critic_default``, ``equal_work``)."""
+  return (f"{row['critic']}_critic_" if row["critic"] else "") + (work or row["work"])
+
+
+def comparisons(rows: Sequence[dict], peers: dict) -> dict:
+  """The flat ratio keys of a run. ``rows``: ``plan_rows``' rows with their measured
+  ``seconds_per_iteration`` and ``peak_rss_mb``; ``peers``: {name: {critic: that peer's JSON
+  (``seconds_per_iteration``, ``peak_rss_mb``)}}. For each row, each peer in its ``vs`` that
+  was measured for its critic: ``ratio_vs_PEER_ROW`` = peer seconds / row seconds and
+  ``memory_vs_PEER_ROW`` = row peak / peer peak (None without the peer's peak). ROW is
+  ``row_name``; a default row that runs the peer's passes also gives its ``equal_work`` keys."""
+  out = {}
+  for row in rows:
+    for peer in row["vs"]:
+      side = peers.get(peer, {}).get(row["critic"])
+      if side is None:
+        continue
+      names = [row_name(row)]
+      if row["work"] == "default" and peer in row["equal_work_for"]:
+        names.append(row_name(row, "equal_work"))
+      for name in names:
+        out[f"ratio_vs_{peer}_{name}"] = (side["seconds_per_iteration"]
+                                          / row["seconds_per_iteration"])
+        rss = side.get("peak_rss_mb")
+        out[f"memory_vs_{peer}_{name}"] = None if not rss else row["peak_rss_mb"] / rss
+  return out
+
+
 # ---------------------------------------------------------------------------------------------
 # Timing
 # ---------------------------------------------------------------------------------------------
@@ -251,17 +380,43 @@ def matmul_peak(dtype, n: int, repeats: int = 3) -> float:
   return 2 * n**3 / statistics.median(times) / 1e9
 
 
+def check_rollout(rollout, response_length: int) -> None:
+  """That every response of ``rollout`` is ``response_length`` tokens (its mask's row sums):
+  ``peer_env.check_lengths``, which raises otherwise."""
+  lengths = np.sum(np.asarray(rollout.mask), axis=-1).tolist()
+  peer_env.check_lengths(lengths, response_length, "ppojax's responses")
+
+
 def run_trl(python: pathlib.Path, policy_dir: str, reward_dir: str, tokens: list[list[int]],
             response_length: int, iterations: int, lora_rank: int = 0,
-            lora_alpha: float = 32.0, remat: bool = False) -> dict:
+            lora_alpha: float = 32.0, remat: bool = False, lora_critic: bool = False) -> dict:
   """trl's seconds per iteration on the same models and prompts (``trl_ppo.py`` in its own
-  environment, one warm-up iteration; ``remat``: transformers' gradient checkpointing): the JSON
-  object it prints last."""
+  environment, one warm-up iteration; ``remat``: transformers' gradient checkpointing;
+  ``lora_critic``: peft's adapters on the value model too): the JSON object it prints last."""
   cmd = [str(python), str(pathlib.Path(trl_ppo.__file__)), "--policy", policy_dir,
          "--reward", reward_dir, "--response-length", str(response_length), "--iterations",
          str(iterations), "--warmup", "1", "--lora-rank", str(lora_rank), "--lora-alpha",
-         str(lora_alpha)] + (["--gradient-checkpointing"] if remat else [])
+         str(lora_alpha)] + (["--gradient-checkpointing"] if remat else []) + (
+             ["--lora-critic"] if lora_critic else [])
   return run_json(cmd, "trl's PPOTrainer", prompts=tokens)
+
+
+def run_row(args, row: dict) -> dict:
+  """ppojax's iteration under ``row``'s critic and flags, with ``args``' sizes, in a fresh
+  process (this script with ``--row-child``: no peers, no further rows): the JSON object it
+  prints last."""
+  cmd = [sys.executable, __file__, "--row-child", "--no-trl", "--no-tunix", "--no-equal-work",
+         "--batch", str(args.batch), "--response-length", str(args.response_length),
+         "--prompt-length", str(args.prompt_length), "--iterations", str(args.iterations),
+         "--dtype", args.dtype, "--matmul-size", str(args.matmul_size),
+         "--old-logprobs", row["old_logprobs"],
+         "--shared-prefix" if row["shared_prefix"] else "--no-shared-prefix",
+         "--reuse-update-forward" if row["reuse_update_forward"]
+         else "--no-reuse-update-forward",
+         *(["--remat"] if args.remat else []), *(["--unrolled"] if args.unrolled else []),
+         *(["--lora", str(args.lora), "--lora-alpha", str(args.lora_alpha), "--lora-critic",
+            row["critic"]] if args.lora else [])]
+  return run_json(cmd, f"ppojax's {row_name(row)} row", "--no-equal-work")
 
 
 def run_tunix(python: pathlib.Path, policy_dir: str, reward_dir: str, tokens: list[list[int]],
@@ -300,6 +455,31 @@ def run_json(cmd: list[str], what: str, skip: str = "--no-trl", prompts=None) ->
   return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+def print_rows(rows: Sequence[dict], peers: dict, ratios: dict,
+               flags: Sequence[str] = ROW_FLAGS) -> None:
+  """The run's ppojax rows (their ``flags``) beside each peer they are compared with: seconds,
+  model TFLOP and peak memory, the peer's seconds and peak, peer / ppojax seconds and ppojax /
+  peer memory."""
+  print("\nppojax rows of this run, and each peer they are compared with (ratio: peer s / "
+        "ppojax s; memory: ppojax peak / peer peak):")
+  for row in rows:
+    values = ", ".join(f"{k}={row[k]}" for k in flags)
+    print(f"  {row_name(row)} ({values}): {row['seconds_per_iteration']:.2f} s/iteration, "
+          f"{row['model_tflop_per_iteration']:.3f} TFLOP (whole rows "
+          f"{row['whole_rows_tflop_per_iteration']:.3f}), peak RSS {row['peak_rss_mb']:.0f} MB")
+    for peer in row["vs"]:
+      side = peers.get(peer, {}).get(row["critic"])
+      if side is None:
+        continue
+      name = row_name(row)
+      memory = ratios[f"memory_vs_{peer}_{name}"]
+      equal = " (its passes)" if peer in row["equal_work_for"] else ""
+      print(f"    vs {peer}{equal}: {side['seconds_per_iteration']:.2f} s/iteration, peak RSS "
+            f"{side.get('peak_rss_mb', float('nan')):.0f} MB; ratio_vs_{peer}_{name} = "
+            f"{ratios[f'ratio_vs_{peer}_{name}']:.2f}x, memory_vs_{peer}_{name} = "
+            + ("n/a" if memory is None else f"{memory:.2f}x"))
+
+
 def main():
   hostmem.reexec_with_huge_pages()  # as the CLI does (PPOJAX_HUGE_PAGES=0: off)
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -329,17 +509,34 @@ def main():
   parser.add_argument("--tunix-env", type=pathlib.Path, default=None,
                       help=f"its virtual environment (default {tunix_ppo.default_env_dir()})")
   parser.add_argument("--lora", type=int, default=0, metavar="RANK",
-                      help="LoRA adapters of this rank on policy and critic (one frozen base; "
-                      "trl side: peft on the policy) and ppojax's full PPO iteration's peak "
-                      "memory from a fresh process beside it (0: full fine-tuning)")
+                      help="LoRA adapters of this rank on the policy (trl side: peft) and, per "
+                      "--lora-critic, the critic; ppojax's full PPO iteration's peak memory "
+                      "from a fresh process beside it (0: full fine-tuning)")
   parser.add_argument("--lora-alpha", type=float, default=32.0)
+  parser.add_argument("--lora-critic", default="both", choices=["lora", "full", "both"],
+                      help="with --lora: both sides train a LoRA critic (lora), a full one "
+                      "(full), or the two pairs in one run (both, default)")
+  parser.add_argument("--equal-work", action=argparse.BooleanOptionalAction, default=True,
+                      help="also time ppojax running each peer's passes (every row whole, "
+                      "rollout forwards; see the docstring) in a fresh process (default)")
   parser.add_argument("--write-models", default=None, help=argparse.SUPPRESS)
+  parser.add_argument("--row-child", action="store_true", help=argparse.SUPPRESS)
   args = parser.parse_args()
   b, r_len = args.batch, args.response_length
 
   if args.write_models:  # a child of the run below
     write_models(args.write_models, b, args.prompt_length, peers=args.trl or args.tunix)
     return
+  if args.tunix and args.lora:
+    raise SystemExit("--tunix compares full fine-tuning only (no --lora)")
+  if args.row_child and args.lora and args.lora_critic == "both":
+    raise SystemExit("a row process takes one critic: --lora-critic lora or full")
+  critics = ([None] if not args.lora else ["lora", "full"] if args.lora_critic == "both"
+             else [args.lora_critic])
+  peer_names = [p for p in ("trl", "tunix") if getattr(args, p)]
+  rows = plan_rows(critics, vars(args), peer_names, args.equal_work)
+  # this process times the first row; its critic becomes args' (make_config reads it)
+  lora_critic_option, args.lora_critic = args.lora_critic, rows[0]["critic"]
   with tempfile.TemporaryDirectory() as tmp:
     reward_dir, policy_dir = f"{tmp}/reward", f"{tmp}/policy"
     # the models the runs read, and the peers' prompts, written by a child process: loaded
@@ -349,24 +546,28 @@ def main():
                     *([] if args.trl or args.tunix else ["--no-trl"])], check=True)
     peer_tokens = (json.loads(pathlib.Path(f"{tmp}/prompts.json").read_text())
                    if args.trl or args.tunix else None)
-    trl = None
+    peers = {}  # {peer: {critic: its JSON}}
     if args.trl:  # first, while this process holds no compiled step or TrainState
       python = trl_ppo.ensure_env(args.trl_env)
-      trl_peaks = [matmul_peak(jnp.float32, args.matmul_size)]
-      print(f"trl: {args.iterations} iterations after one warm-up ...", flush=True)
-      trl = run_trl(python, policy_dir, reward_dir, peer_tokens, r_len, args.iterations,
-                    args.lora, args.lora_alpha, args.remat)
-      trl_peaks.append(matmul_peak(jnp.float32, args.matmul_size))
-      trl["matmul_peak_samples"] = trl_peaks
-      print(f"trl {trl['trl']} (transformers {trl['transformers']}, torch {trl['torch']}, "
-            f"{trl['threads']} threads): {trl['seconds_per_iteration']:.2f} s/iteration (median "
-            f"of {', '.join(f'{x:.2f}' for x in trl['iterations'])}; warm-up "
-            f"{trl['warmup_seconds'][0]:.1f} s); float32 peak before / after: "
-            f"{trl_peaks[0]:.0f} / {trl_peaks[1]:.0f} GFLOP/s", flush=True)
+      peers["trl"] = {}
+      for critic in critics:
+        trl_peaks = [matmul_peak(jnp.float32, args.matmul_size)]
+        pair = "" if critic is None else f" ({critic} critic)"
+        print(f"trl{pair}: {args.iterations} iterations after one warm-up ...", flush=True)
+        trl = run_trl(python, policy_dir, reward_dir, peer_tokens, r_len, args.iterations,
+                      args.lora, args.lora_alpha, args.remat, lora_critic=critic == "lora")
+        trl_peaks.append(matmul_peak(jnp.float32, args.matmul_size))
+        trl["matmul_peak_samples"] = trl_peaks
+        peers["trl"][critic] = trl
+        print(f"trl {trl['trl']}{pair} (transformers {trl['transformers']}, torch "
+              f"{trl['torch']}, {trl['threads']} threads): {trl['seconds_per_iteration']:.2f} "
+              f"s/iteration (median of {', '.join(f'{x:.2f}' for x in trl['iterations'])}; "
+              f"warm-up {trl['warmup_seconds'][0]:.1f} s); peak RSS "
+              f"{trl['peak_rss_mb']:.0f} MB; float32 peak before / after: "
+              f"{trl_peaks[0]:.0f} / {trl_peaks[1]:.0f} GFLOP/s", flush=True)
+    trl = peers.get("trl", {}).get(rows[0]["critic"])
     tunix = None
     if args.tunix:  # likewise first, in its own process and environment
-      if args.lora:
-        raise SystemExit("--tunix compares full fine-tuning only (no --lora)")
       python = tunix_ppo.ensure_env(args.tunix_env)
       c0 = make_config(args, reward_dir)
       tunix_peaks = [matmul_peak(jnp.float32, args.matmul_size)]
@@ -375,6 +576,7 @@ def main():
                         c0.rl.kl_coef, c0.sampling.temperature)
       tunix_peaks.append(matmul_peak(jnp.float32, args.matmul_size))
       tunix["matmul_peak_samples"] = tunix_peaks
+      peers["tunix"] = {None: tunix}
       print(f"tunix {tunix['tunix']} (jax {tunix['jax']}, flax {tunix['flax']}): "
             f"{tunix['seconds_per_iteration']:.2f} s/iteration (median of "
             f"{', '.join(f'{x:.2f}' for x in tunix['iterations'])}; warm-up "
@@ -382,14 +584,23 @@ def main():
             f"float32 peak before / after: {tunix_peaks[0]:.0f} / {tunix_peaks[1]:.0f} GFLOP/s",
             flush=True)
     full = None
-    if args.lora:  # ppojax's own full fine-tuning on the same work, in a fresh process
+    if args.lora and not args.row_child:  # ppojax's full fine-tuning, in a fresh process
       print("ppojax full fine-tuning: one iteration in a fresh process for its peak memory ...",
             flush=True)
-      full = run_json([sys.executable, __file__, "--no-trl", "--iterations", "1", "--batch",
-                       str(b), "--response-length", str(r_len), "--prompt-length",
-                       str(args.prompt_length), "--dtype", args.dtype]
-                      + (["--remat"] if args.remat else []),
+      full = run_json([sys.executable, __file__, "--row-child", "--no-trl", "--no-equal-work",
+                       "--iterations", "1", "--batch", str(b), "--response-length",
+                       str(r_len), "--prompt-length", str(args.prompt_length), "--dtype",
+                       args.dtype] + (["--remat"] if args.remat else []),
                       "ppojax's full fine-tuning iteration")
+    for row in rows[1:]:  # the other rows, each in a fresh process, before this one builds
+      print(f"ppojax row {row_name(row)} (shared_prefix={row['shared_prefix']}, "
+            f"reuse_update_forward={row['reuse_update_forward']}, old_logprobs="
+            f"{row['old_logprobs']}): a fresh process ...", flush=True)
+      measured = run_row(args, row)
+      row.update({k: measured[k] for k in ROW_RESULTS})
+      print(f"ppojax row {row_name(row)}: {row['seconds_per_iteration']:.2f} s/iteration, "
+            f"{row['model_tflop_per_iteration']:.3f} TFLOP, peak RSS "
+            f"{row['peak_rss_mb']:.0f} MB", flush=True)
     config = make_config(args, reward_dir)
     t0 = time.perf_counter()
     run = build_lib.build(config)
@@ -404,7 +615,8 @@ def main():
         f"critic; {args.dtype}{', remat' if args.remat else ''}"
         f"{', unrolled layers' if args.unrolled else ''}; old log-probs: {args.old_logprobs}; "
         f"reuse_update_forward={args.reuse_update_forward}; "
-        f"huge_pages={hostmem.huge_pages_active()}")
+        + (f"LoRA rank {args.lora}, {args.lora_critic} critic; " if args.lora else "")
+        + f"huge_pages={hostmem.huge_pages_active()}")
   print(f"batch {b}, prompts {args.prompt_length} slots ({real / b:.1f} real tokens per row), "
         f"responses exactly {r_len} tokens; shared prefix {shared} tokens; 1 epoch × 1 "
         f"minibatch; build {build_s:.1f} s",
@@ -415,9 +627,7 @@ def main():
   t0 = time.perf_counter()
   state, _, rollout, _ = runner.iteration(run, state, prompts)
   first_s = time.perf_counter() - t0
-  n_tokens = int(np.sum(np.asarray(rollout.mask)))
-  if n_tokens != b * r_len:
-    raise RuntimeError(f"responses are not all {r_len} tokens long: {n_tokens} in all")
+  check_rollout(rollout, r_len)
   # The matmul peak is sampled before every timed iteration and after the last: this VM's
   # speed drifts by ±15% within minutes, so a peak taken once, at another moment, would make
   # the fraction of peak mostly noise.
@@ -431,8 +641,9 @@ def main():
   fused = []
   for _ in range(args.iterations):
     sample_peaks()
-    state, metrics, _, _ = runner.iteration(run, state, prompts)
+    state, metrics, rollout, _ = runner.iteration(run, state, prompts)
     fused.append(metrics["time/iteration"])
+    check_rollout(rollout, r_len)
   sample_peaks()
   seconds = statistics.median(fused)
   compile_s = first_s - seconds
@@ -444,10 +655,11 @@ def main():
   t0 = time.perf_counter()
   state, _, _, _ = runner.iteration(run, state, prompts, phase_timing=True)
   phase_first_s = time.perf_counter() - t0
-  rows = []
+  phase_rows = []
   for _ in range(args.iterations):
-    state, metrics, _, _ = runner.iteration(run, state, prompts, phase_timing=True)
-    rows.append(metrics)
+    state, metrics, rollout, _ = runner.iteration(run, state, prompts, phase_timing=True)
+    phase_rows.append(metrics)
+    check_rollout(rollout, r_len)
   jax.block_until_ready(state)
   rss = hostmem.peak_rss_mb()
   # what a checkpoint holds: the state without LoRA's frozen base (loop_state.saved)
@@ -456,12 +668,13 @@ def main():
   recompute = args.old_logprobs == "recompute"
   single = update_lib.single_pass(config.rl)  # the benchmark's 1 × 1 × 1 update
   runs = {"old_logp_fwd": recompute and not single, "critic_fwd": not single}
-  lora = bool(args.lora)  # no weight gradients in the update
-  flops = model_flops(cfg, b, args.prompt_length, r_len, **runs, shared=shared, lora=lora)
+  # no weight gradients where adapters train
+  runs.update(lora=bool(args.lora), lora_critic=args.lora_critic == "lora")
+  flops = iteration_flops(cfg, b, args.prompt_length, r_len, **runs, shared=shared)
   total = sum(flops.values())
-  whole = sum(model_flops(cfg, b, args.prompt_length, r_len, **runs, lora=lora).values())
-  phase_s = {k: statistics.median(m[f"time/{k}"] for m in rows) for k in PHASE_PARTS}
-  phased_total = statistics.median(m["time/iteration"] for m in rows)
+  whole = sum(iteration_flops(cfg, b, args.prompt_length, r_len, **runs).values())
+  phase_s = {k: statistics.median(m[f"time/{k}"] for m in phase_rows) for k in PHASE_PARTS}
+  phased_total = statistics.median(m["time/iteration"] for m in phase_rows)
 
   peaks = {k: statistics.median(v) for k, v in peak_samples.items()}
   peak = peaks[args.dtype]
@@ -479,7 +692,7 @@ def main():
     print(f"{name:<10}{s:>9.2f}{s / phased_total:>8.1%}{fl / 1e12:>8.3f}{fl / s / 1e9:>9.1f}"
           f"{fl / s / 1e9 / peak:>9.1%}")
   rest = statistics.median(m["time/iteration"] - sum(m[f"time/{k}"] for k in PHASE_PARTS)
-                           for m in rows)  # host work between the calls
+                           for m in phase_rows)  # host work between the calls
   print(f"{'(other)':<10}{rest:>9.2f}{rest / phased_total:>8.1%}")
   print(f"{'iteration':<10}{phased_total:>9.2f}{1:>8.1%}{total / 1e12:>8.3f}"
         f"{total / phased_total / 1e9:>9.1f}{total / phased_total / 1e9 / peak:>9.1%}")
@@ -487,8 +700,8 @@ def main():
   print(f"\nmodel FLOPs of one iteration ({b} × ({args.prompt_length} + {r_len}) tokens):")
   for name, fl in flops.items():
     print(f"  {name:<30}{fl / 1e12:>8.3f} TFLOP")
-  other = {k: sum(model_flops(cfg, b, args.prompt_length, r_len, k, **runs,
-                              lora=lora).values()) / 1e12
+  other = {k: sum(iteration_flops(cfg, b, args.prompt_length, r_len, lm_head=k,
+                                  **runs).values()) / 1e12
            for k in ("all", "none")}  # rows whole
   print(f"  {'total':<30}{total / 1e12:>8.3f} TFLOP"
         + (f"  ({whole / 1e12:.3f} TFLOP with every row whole: the {shared}-token prefix "
@@ -497,8 +710,8 @@ def main():
   print(f"  the same count with the LM head on every position (a plain HF forward): "
         f"{other['all']:.3f} TFLOP; without any LM head (2 × non-embedding parameters per "
         f"token + attention): {other['none']:.3f} TFLOP")
-  if b == 16 and args.prompt_length == 44 and r_len == 32 and not lora and all(
-      runs.values()) and not (
+  if b == 16 and args.prompt_length == 44 and r_len == 32 and not args.lora and runs[
+      "old_logp_fwd"] and runs["critic_fwd"] and not (
       0.8 < whole / 1e12 / REFERENCE_TFLOP < 1.25):
     print(f"  WARNING: {whole / 1e12:.2f} TFLOP is not in the ballpark of {REFERENCE_TFLOP}")
 
@@ -521,23 +734,14 @@ def main():
           f"{full['peak_rss_mb']:.0f} MB = {rss / full['peak_rss_mb']:.2f}x; checkpoint "
           f"{checkpoint_mb:.0f} MB vs {full['checkpoint_mb']:.0f} MB = "
           f"{checkpoint_mb / full['checkpoint_mb']:.3f}x", flush=True)
-  trl_ratio = None
-  if trl is not None:
-    trl_ratio = trl["seconds_per_iteration"] / seconds
-    print(f"\ntrl {trl['trl']} PPOTrainer, same models, prompts and settings, this run: "
-          f"{trl['seconds_per_iteration']:.2f} s/iteration; trl / ppojax fused = "
-          f"{trl['seconds_per_iteration']:.2f} / {seconds:.2f} = {trl_ratio:.2f}x; peak RSS trl "
-          f"{trl.get('peak_rss_mb', float('nan')):.0f} MB, ppojax {rss:.0f} MB")
-
-  tunix_ratio = None
-  if tunix is not None:
-    tunix_ratio = tunix["seconds_per_iteration"] / seconds
-    print(f"tunix {tunix['tunix']} PPOLearner, same models, prompts and lengths (see "
-          f"benchmarks/tunix_ppo.py for what differs), this run: "
-          f"{tunix['seconds_per_iteration']:.2f} s/iteration; tunix / ppojax fused = "
-          f"{tunix['seconds_per_iteration']:.2f} / {seconds:.2f} = {tunix_ratio:.2f}x"
-          + (f" (trl / ppojax {trl_ratio:.2f}x)" if trl_ratio is not None else "")
-          + f"; peak RSS tunix {tunix['peak_rss_mb']:.0f} MB, ppojax {rss:.0f} MB")
+  trl_ratio = None if trl is None else trl["seconds_per_iteration"] / seconds
+  tunix_ratio = None if tunix is None else tunix["seconds_per_iteration"] / seconds
+  rows[0].update(seconds_per_iteration=seconds, iterations=fused,
+                 model_tflop_per_iteration=total / 1e12,
+                 whole_rows_tflop_per_iteration=whole / 1e12, achieved_gflops=achieved,
+                 peak_rss_mb=rss, first_iteration_seconds=first_s)
+  ratios = comparisons(rows, peers)
+  print_rows(rows, peers, ratios)
 
   print(json.dumps({
       "seconds_per_iteration": seconds, "iterations": fused, "compile_seconds": compile_s,
@@ -563,11 +767,15 @@ def main():
       "batch": b, "prompt_length": args.prompt_length,
       "response_length": r_len,
       "trl_seconds_per_iteration": None if trl is None else trl["seconds_per_iteration"],
-      "trl_ratio": trl_ratio, "trl": trl,
+      "trl_ratio": trl_ratio, "trl": trl,  # the default row's pair (the first critic)
       "tunix_seconds_per_iteration": None if tunix is None else tunix["seconds_per_iteration"],
       "tunix_ratio": tunix_ratio, "tunix_peak_rss_mb": None if tunix is None
       else tunix["peak_rss_mb"], "tunix": tunix,
-      "device": jax.devices()[0].device_kind, "cpus": os.cpu_count()}))
+      "device": jax.devices()[0].device_kind, "cpus": os.cpu_count(),
+      "lora_critic": lora_critic_option if args.lora else None,
+      "equal_work": args.equal_work, "rows": rows,
+      **ratios, "trl_by_critic": None if "trl" not in peers or not args.lora
+      else {str(k): v for k, v in peers["trl"].items()}}))
 
 
 if __name__ == "__main__":

@@ -12,9 +12,10 @@ its copy, ``create_reference_model``). FILE holds {"token_ids": [[...], ...], "a
 the chat-templated prompts as token ids, all of one length, and each prompt's answer. Each
 prompt is decoded to its text, and the text must tokenize back to the same ids (else
 ``ValueError``): trl tokenizes the text itself, so both sides then feed the model the same
-tokens, with no padding. The reward is ``ppojax.tasks.arith.reward`` (exact match of the last number,
-plus 0.1 for ending on a number), loaded from ppojax/tasks/arith.py by path (it needs only NumPy):
-a Python function of the decoded completions and the dataset's ``answer`` column.
+tokens, with no padding. The reward is ``ppojax.tasks.arith.reward`` (exact match of the last
+number, plus 0.1 for ending on a number), loaded from ppojax/tasks/arith.py by path
+(``arith_reward``: it needs only NumPy): a Python function of the decoded completions and the
+dataset's ``answer`` column.
 
 The settings mirror ``grpo_step.py``: float32 on the CPU, every core, no vLLM; the batch is
 every prompt once × ``--num-generations`` (per_device_train_batch_size = prompts × generations,
@@ -49,20 +50,36 @@ import os
 import statistics
 import sys
 import tempfile
+import types
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import trl_ppo  # noqa: E402  pylint: disable=wrong-import-position
 
-ARITH = Path(__file__).resolve().parents[1] / "ppojax" / "arith.py"
+ARITH = Path(__file__).resolve().parents[1] / "ppojax" / "tasks" / "arith.py"
 
 
 def arith_reward():
   """``ppojax.tasks.arith.reward``, imported from its file without the ppojax package (whose import
-  needs jax, which this environment does not have)."""
-  spec = importlib.util.spec_from_file_location("ppojax_arith", ARITH)
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
+  needs jax, which this environment does not have): while the file loads, its one ppojax import,
+  ``ppojax.data.records`` (used by its command line only, not by ``reward``), is an empty
+  stand-in module, and ``sys.modules`` is restored after."""
+  names = ("ppojax", "ppojax.data", "ppojax.data.records")
+  stand_ins = {name: types.ModuleType(name) for name in names}
+  stand_ins["ppojax"].data = stand_ins["ppojax.data"]
+  stand_ins["ppojax.data"].records = stand_ins["ppojax.data.records"]
+  saved = {name: sys.modules.get(name) for name in names}
+  sys.modules.update(stand_ins)
+  try:
+    spec = importlib.util.spec_from_file_location("ppojax_arith", ARITH)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+  finally:
+    for name, old in saved.items():
+      if old is None:
+        sys.modules.pop(name, None)
+      else:
+        sys.modules[name] = old
   return module.reward
 
 

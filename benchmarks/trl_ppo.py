@@ -5,16 +5,34 @@ installs 5.x (``ppo_step.py --trl`` makes that environment with ``ensure_env`` a
 script in it, in the same benchmark run as ppojax's step):
 
     python benchmarks/trl_ppo.py --policy DIR --reward DIR --prompts FILE.json \\
-        [--response-length 32] [--iterations 3] [--warmup 1]
+        [--response-length 32] [--iterations 3] [--warmup 1] [--lora-rank R [--lora-critic]]
 
 DIR are Hugging Face directories (the policy as ``*ForCausalLM``, the reward model as
 ``*ForSequenceClassification`` with one label; the critic starts from the reward model, trl's
 default recipe and ppojax's ``critic_init = "reward"``). FILE holds the prompts as lists of token
 ids, all of one length (so no padding differs from ppojax's side). The settings mirror
 ``ppo_step.py``: float32 on the CPU, every core; one epoch, one minibatch, no gradient
-accumulation; the batch is the number of prompts; no stop token (trl then samples exactly
-``--response-length`` tokens, as ppojax does with min_new_tokens = max_new_tokens); no sample
-generations, no logging integrations, no checkpoints.
+accumulation; the batch is the number of prompts; no stop token; no sample generations, no
+logging integrations, no checkpoints.
+
+Exact length: trl's ``PPOTrainer`` samples ``--response-length`` tokens (its own
+``GenerationConfig``, ``max_new_tokens``; with ``stop_token=None`` it sets the policy's eos id
+to None, so no row stops early), but it counts a response as ending at its first pad id, and
+SmolLM2's pad id is its eos ``<|im_end|>``, which an instruct model samples when its answer
+ends. ppojax bans its stop ids for all R tokens (min_new_tokens = max_new_tokens). This script
+bans the pad and eos ids likewise: the policy's ``generation_config.suppress_tokens``, which
+transformers copies into trl's config where that leaves the field at its default. It records
+each response's length as trl counts it (up to the first pad id; the response's width where
+none) at every ``generate`` call, and fails (``peer_env.check_lengths``: a non-zero exit naming
+the expected and found lengths) if any differs from ``--response-length``.
+
+LoRA (``--lora-rank R``): peft's ``LoraConfig`` of rank R and alpha ``--lora-alpha`` on every
+linear layer of the policy's blocks (trl's ``peft_config``; the reference is the policy with
+its adapters off). ``--lora-critic``: the value model too gets adapters of the same rank,
+alpha and layers (peft's ``inject_adapter_in_model``, so it stays the
+``*ForSequenceClassification`` whose backbone and ``score`` trl calls), and only those adapters
+and its ``score`` head train, as ppojax's ``lora.critic`` trains its critic's adapters and value
+head; without it the value model trains in full.
 
 An iteration is the time between two of trl's ``on_step_end`` callbacks: rollout, scoring,
 update, and trl's own bookkeeping of that iteration. The first ``--warmup`` iterations are not
@@ -80,6 +98,45 @@ def step_clock():
 
 
 peak_rss_mb = peer_env.peak_rss_mb
+LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def lora_config(rank: int, alpha: float, task_type):
+  """peft's ``LoraConfig`` of ppojax's ``--lora``: rank, alpha, no dropout, no bias, every linear
+  layer of the blocks (ppojax's ``all-linear``)."""
+  from peft import LoraConfig  # pylint: disable=import-outside-toplevel
+  return LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=0.0, bias="none",
+                    task_type=task_type, target_modules=list(LORA_TARGETS))
+
+
+def lora_value_model(value, config) -> None:
+  """Adapters of ``config`` injected into ``value`` (a ``*ForSequenceClassification``) in place,
+  and only they and its ``score`` head left trainable: ppojax's LoRA critic (adapters and value
+  head over a frozen base). In place, not a ``PeftModel``: trl reaches the value model's backbone
+  and ``score`` by attribute, which a wrapper would hide."""
+  from peft import inject_adapter_in_model  # pylint: disable=import-outside-toplevel
+  inject_adapter_in_model(config, value)
+  for name, param in value.named_parameters():
+    param.requires_grad = "lora_" in name or name.startswith("score.")
+  if not any(p.requires_grad for n, p in value.named_parameters() if "lora_" in n):
+    raise RuntimeError("peft injected no adapters into the value model")
+
+
+def record_lengths(model, pad_id: int) -> list[int]:
+  """A list that gathers, at each ``model.generate`` call (trl's rollout calls it with
+  ``input_ids`` and ``return_dict_in_generate``), each new response's length as trl counts it:
+  the index of its first ``pad_id``, or its width where it has none."""
+  lengths, generate = [], model.generate
+
+  def recording(*args, **kwargs):
+    out = generate(*args, **kwargs)
+    new = out.sequences[:, kwargs["input_ids"].shape[1]:]
+    for row in new.tolist():
+      lengths.append(row.index(pad_id) if pad_id in row else len(row))
+    return out
+
+  model.generate = recording
+  return lengths
 
 
 def main():
@@ -88,11 +145,16 @@ def main():
                       help="train LoRA adapters (peft) on every linear layer of the policy's "
                       "blocks; the reference is the policy with its adapters off (0: full)")
   parser.add_argument("--lora-alpha", type=float, default=32.0)
+  parser.add_argument("--lora-critic", action="store_true",
+                      help="with --lora-rank: the value model trains adapters of the same rank, "
+                      "alpha and layers plus its score head (the rest frozen), not in full")
   parser.add_argument("--gradient-checkpointing", action="store_true",
                       help="recompute the trained models' layer activations in the backward "
                       "pass (transformers' gradient checkpointing on policy and value model; "
                       "trl's PPOTrainer does not apply the TrainingArguments flag itself)")
   args = parser.parse_args()
+  if args.lora_critic and not args.lora_rank:
+    raise SystemExit("--lora-critic needs --lora-rank")
 
   # pylint: disable=import-outside-toplevel
   import torch
@@ -113,17 +175,19 @@ def main():
   load = lambda cls, path, **kw: cls.from_pretrained(  # noqa: E731
       path, torch_dtype=torch.float32, **kw)
   policy = load(AutoModelForCausalLM, args.policy)
+  # no pad or eos id in a response, as ppojax bans its stop ids (see the docstring)
+  policy.generation_config.suppress_tokens = sorted({tokenizer.pad_token_id,
+                                                     tokenizer.eos_token_id})
+  lengths = record_lengths(policy, tokenizer.pad_token_id)
   ref_policy, peft_config = None, None  # with peft: the policy with its adapters disabled
   if args.lora_rank:
-    from peft import LoraConfig
-    peft_config = LoraConfig(r=args.lora_rank, lora_alpha=args.lora_alpha, lora_dropout=0.0,
-                             bias="none", task_type="CAUSAL_LM",
-                             target_modules=["q_proj", "k_proj", "v_proj", "o_proj",
-                                             "gate_proj", "up_proj", "down_proj"])
+    peft_config = lora_config(args.lora_rank, args.lora_alpha, "CAUSAL_LM")
   else:
     ref_policy = load(AutoModelForCausalLM, args.policy)
   reward = load(AutoModelForSequenceClassification, args.reward, num_labels=1)
   value = load(AutoModelForSequenceClassification, args.reward, num_labels=1)
+  if args.lora_critic:
+    lora_value_model(value, lora_config(args.lora_rank, args.lora_alpha, None))
   if args.gradient_checkpointing:  # non-reentrant: the frozen embeddings need no grad (peft)
     for model in (policy, value):
       model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -147,6 +211,10 @@ def main():
   steps = [b - a for a, b in zip(clock.marks, clock.marks[1:])]
   if len(steps) != n_iterations:
     raise RuntimeError(f"trl ran {len(steps)} iterations, expected {n_iterations}")
+  if len(lengths) != batch * n_iterations:
+    raise RuntimeError(f"trl generated {len(lengths)} responses, expected "
+                       f"{batch * n_iterations}")
+  peer_env.check_lengths(lengths, args.response_length, "trl's responses")
   timed = steps[args.warmup:]
   print(json.dumps({
       "seconds_per_iteration": statistics.median(timed), "iterations": timed,
@@ -154,7 +222,11 @@ def main():
       "prompt_length": len(prompts[0]), "response_length": args.response_length,
       "trl": trl.__version__, "transformers": transformers.__version__,
       "torch": torch.__version__, "threads": torch.get_num_threads(),
-      "lora_rank": args.lora_rank, "gradient_checkpointing": args.gradient_checkpointing,
+      "lora_rank": args.lora_rank, "lora_critic": args.lora_critic,
+      "trainable_value_parameters": sum(p.numel() for p in value.parameters()
+                                        if p.requires_grad),
+      "response_lengths": sorted(set(lengths)),
+      "gradient_checkpointing": args.gradient_checkpointing,
       "peak_rss_mb": peak_rss_mb()}))
 
 

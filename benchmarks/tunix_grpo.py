@@ -46,9 +46,11 @@ differs, and how it is made to match:
   id; this script passes one outside the vocabulary (``tunix_ppo.OUT_OF_VOCAB``), so every row
   runs all R decode steps. tunix's masks treat the tokenizer's pad id as padding, and the
   tokenizer's pad and eos are ``<|endoftext|>`` (0), as in ``tunix_ppo.py``: a completion that
-  samples it gets a shorter mask and ends its text there (the same shapes and work; ppojax bans
-  the stop ids before R tokens, so its texts can differ there). The script reports tunix's
-  logged shortest completion (``min_completion_length``).
+  samples it would get a shorter mask and end its text there (ppojax bans the stop ids before R
+  tokens). The script counts each completion's tokens other than the pad id at every
+  ``RLCluster.generate`` call (``tunix_ppo.record_lengths``) and fails (a non-zero exit naming
+  the expected and found lengths, ``tunix_ppo.check_lengths``) if any is not R tokens long;
+  the JSON line has the shortest (``min_completion_length``).
 * Prompts: tunix's rollout takes strings; the script decodes ppojax's ids to text and checks
   that tunix's tokenization (``Sampler.tokenize``) gives back exactly the same 40 ids.
 * Group advantages: the sample standard deviation (ddof = 1) + 1e-6; ppojax's divides by its
@@ -57,9 +59,10 @@ differs, and how it is made to match:
   prompt's prefill once for its G samples) has no counterpart in tunix; ``grpo_step.py
   --no-shared-prefix`` times ppojax with every row whole.
 
-Status (2026-11-26): on the shared 24 GB development VM, ``grpo_step.py --prompts 2 --samples
-2 --response-length 4 --iterations 1 --no-trl --tunix`` ran end to end (tunix's peak 7.2 GB, all
-completions 4 tokens); the full-size run (16 × 4, 32 tokens) has not been run yet.
+Status: full-size runs (``grpo_step.py --tunix --no-trl``: 16 prompts × 4 samples, 32 new
+tokens, timed iterations after the warm-up) have finished; their figures and conditions are in
+docs/performance.md ("GRPO vs tunix"). tunix's peak resident set there was about 19 GB, so the
+run needs that much free memory (``TUNIX_RSS_LIMIT_MB`` stops it earlier, exit code 3).
 
 An iteration is the time between two requests of tunix's trainer for its next batch (the
 iterator this script hands to ``train``): rollout, reference, rewards, the update and tunix's
@@ -116,7 +119,7 @@ def main():
   algo = grpo_learner.GRPOConfig(
       num_generations=args.num_generations, num_iterations=1, beta=args.beta,
       kl_loss_mode="low_var_kl", epsilon=0.2, loss_agg_mode="sequence-mean-token-mean")
-  mean_rewards, lengths = [], []  # per iteration: the mean reward, the shortest completion
+  mean_rewards = []  # per iteration: the mean reward
   last_completion = []  # the last iteration's first completion text, to eyeball
 
   def metric(prompts, completions, rewards, advantages, **_):  # tunix's metric_fns hook
@@ -125,14 +128,7 @@ def main():
     last_completion[:] = completions[:1]
     return {}
 
-  generate = cluster.generate
-
-  def generate_and_measure(*a, **k):  # tunix's completion mask: the ids other than pad (0)
-    out = generate(*a, **k)
-    lengths.append(min(int(np.sum(np.asarray(t) != 0)) for t in out.tokens))
-    return out
-
-  cluster.generate = generate_and_measure
+  lengths = tunix_ppo.record_lengths(cluster)  # per generate call, each completion's length
   learner = grpo_learner.GRPOLearner(rl_cluster=cluster, algo_config=algo,
                                      reward_fns=trl_grpo.arith_reward(), metric_fns=[metric])
   build_s = time.perf_counter() - t0
@@ -142,12 +138,13 @@ def main():
   # arrays: tunix's pipeline repeats each leaf G times along its first axis
   steps = tunix_ppo.timed_train(
       learner, {"prompts": np.array(texts), "answer": np.array(answers)}, n_iterations)
+  tunix_ppo.check_lengths(lengths, n_iterations, r_len)
   timed = steps[args.warmup:]
   print(json.dumps({
       "seconds_per_iteration": statistics.median(timed), "iterations": timed,
       "warmup_seconds": steps[:args.warmup], "build_seconds": build_s, "prompts": batch,
       "num_generations": args.num_generations, "prompt_length": p_len,
-      "response_length": r_len, "min_completion_length": min(lengths),
+      "response_length": r_len, "min_completion_length": min(min(call) for call in lengths),
       "mean_reward": statistics.mean(mean_rewards[args.warmup:] or [float("nan")]),
       "last_completion": last_completion[0] if last_completion else None,
       **tunix_ppo.versions(), "peak_rss_mb": tunix_ppo.peak_rss_mb()}))

@@ -52,7 +52,11 @@ temperature 1.0. What differs, and how each side is made to match:
 
 * Exact length: tunix has no ``min_new_tokens``. Its sampler stops a row at an ``eos_tokens``
   id; this script passes one id outside the vocabulary (49152), so every row runs all R decode
-  steps, as ppojax's with min_new_tokens = max_new_tokens and no stop ids.
+  steps, as ppojax's with min_new_tokens = max_new_tokens and no stop ids. At every
+  ``RLCluster.generate`` call the script counts each completion's tokens other than the pad id
+  (tunix's completion mask, ``record_lengths``) and, after the run, fails
+  (``peer_env.check_lengths``: a non-zero exit naming the expected and found lengths) if any
+  completion is not R tokens long: one that samples the pad id, which tunix would mask.
 * Padding: tunix masks every token equal to the tokenizer's pad id (prompts and completions).
   SmolLM2's pad id is ``<|im_end|>`` (2), which the chat prompts contain, so this script's
   tokenizer uses ``<|endoftext|>`` (0) as pad and eos (in no prompt; a completion that samples
@@ -72,11 +76,11 @@ temperature 1.0. What differs, and how each side is made to match:
   int32 completion ids, so the reward model's score is cast to an integer before the KL penalty
   is subtracted (jax warns). No shapes or work change.
 
-Status (2026-11-26): on the shared 24 GB development VM, with 32 new tokens, the script builds
-tunix's cluster and learner (6.2 GB resident), checks the tokenization and runs the warm-up
-iteration to its end (peak 12.2 GB), but the second iteration passed 13 GB (``--rss-limit-mb
-13000`` stopped it); an earlier run was killed by the kernel's OOM killer at 12.5 GB. So no
-timed iteration has finished yet, and the JSON output is untested.
+Status: full-size runs (``ppo_step.py --tunix --no-trl``: 16 prompts, 32 new tokens, timed
+iterations after the warm-up) have finished; their figures and conditions are in
+docs/performance.md ("PPO iteration vs tunix"). tunix's peak resident set there was 14–15 GB,
+so the run needs that much free memory beside ppojax's (``TUNIX_RSS_LIMIT_MB`` stops it
+earlier, exit code 3).
 
 An iteration is the time between two requests of tunix's trainer for its next batch (the
 iterator this script hands to ``train``): rollout, scoring, both updates and tunix's own
@@ -270,6 +274,31 @@ def timed_train(learner, batch: dict, n_iterations: int) -> list[float]:
   return steps
 
 
+def record_lengths(cluster, pad_id: int = 0) -> list[list[int]]:
+  """A list that gathers, at each ``cluster.generate`` call (tunix's rollout), the lengths of
+  its completions as tunix's completion mask counts them: the tokens other than ``pad_id``
+  (the tokenizer's pad, ``tokenizer_and_texts``)."""
+  import numpy as np  # pylint: disable=import-outside-toplevel
+  calls, generate = [], cluster.generate
+
+  def recording(*args, **kwargs):
+    out = generate(*args, **kwargs)
+    calls.append([int(np.sum(np.asarray(t) != pad_id)) for t in out.tokens])
+    return out
+
+  cluster.generate = recording
+  return calls
+
+
+def check_lengths(calls: list[list[int]], n_calls: int, response_length: int) -> None:
+  """That tunix generated ``n_calls`` times and every completion is ``response_length`` tokens
+  (``record_lengths``' lists; ``peer_env.check_lengths``)."""
+  if len(calls) != n_calls:
+    raise RuntimeError(f"tunix generated {len(calls)} times, expected {n_calls}")
+  peer_env.check_lengths([n for call in calls for n in call], response_length,
+                         "tunix's completions")
+
+
 def versions() -> dict:
   """The versions of what this environment runs."""
   # pylint: disable=import-outside-toplevel
@@ -319,6 +348,7 @@ def main():
   check_tokenization(cluster, texts, prompts)
   algo = ppo_learner.PPOConfig(num_iterations=1, beta=args.kl_coef, kl_method="kl",
                                gamma=1.0, gae_lambda=0.95, epsilon=0.2, clip_range_value=0.2)
+  lengths = record_lengths(cluster)
   learner = ppo_learner.PPOLearner(rl_cluster=cluster, ppo_config=algo)
   build_s = time.perf_counter() - t0
   print(f"tunix_ppo: built in {build_s:.0f} s, RSS {peak_rss_mb('VmRSS'):.0f} MB, peak "
@@ -326,11 +356,13 @@ def main():
 
   # an array: tunix's pipeline maps over leaves
   steps = timed_train(learner, {"prompts": np.array(texts)}, n_iterations)
+  check_lengths(lengths, n_iterations, r_len)
   timed = steps[args.warmup:]
   print(json.dumps({
       "seconds_per_iteration": statistics.median(timed), "iterations": timed,
       "warmup_seconds": steps[:args.warmup], "build_seconds": build_s, "batch": batch,
-      "prompt_length": p_len, "response_length": r_len, **versions(),
+      "prompt_length": p_len, "response_length": r_len,
+      "completion_lengths": sorted({n for call in lengths for n in call}), **versions(),
       "peak_rss_mb": peak_rss_mb()}))
 
 
