@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from ppojax.core import advantages, kl, logprobs, losses, ops, rewards
+from ppojax.core import advantages, correction, kl, logprobs, losses, ops, rewards, surrogates
 
 B, T, V = 2, 5, 11
 N_CALLS = 3
@@ -179,6 +179,28 @@ for _name in sorted(advantages.ESTIMATORS):
        lambda r: (_x(r, (B,)), _x(r), _mask(r), _x(r), _scalar(r, 0.9, 1)))
 
 
+# --- rollout correction, overlong shaping, the policy terms' loss modes ---------------------------
+for _level in correction.IS_LEVELS:
+  case(f"correction.is_weight/{_level}",
+       lambda old, smp, m, lv=_level: correction.is_weight(old, smp, m, 2.0, lv),
+       lambda r: (_logp(r), _logp(r), _mask(r)))
+for _level in correction.REJECT_LEVELS:
+  case(f"correction.rejection_mask/{_level}",
+       lambda old, smp, m, lo, hi, lv=_level: correction.rejection_mask(old, smp, m, lo, hi, lv),
+       lambda r: (_logp(r), _logp(r), _mask(r), _scalar(r, 0.2, 0.9), _scalar(r, 1.1, 5.0)))
+case("correction.sequence_log_ratio", correction.sequence_log_ratio,
+     lambda r: (_x(r), _mask(r)))
+case("rewards.overlong_penalty", lambda n: rewards.overlong_penalty(n, T, 3, 0.5),
+     lambda r: (r.integers(0, T + 1, B).astype(np.int32),))
+for _mode, _fn in surrogates.SURROGATES.items():
+  case(f"surrogates.{_fn.__name__}/grad", jax.grad(
+      lambda lr, adv, m, f=_fn: jnp.sum(f(lr, adv, m, 0.2, 0.28).per_token)),
+      lambda r: (_x(r, lo=-0.5, hi=0.5), _x(r), _mask(r)))
+case("policy_loss/gspo/grad", jax.grad(lambda lp, old, adv, m: losses.policy_loss(
+    lp, old, adv, m, aggregation="seq_mean_token_mean", surrogate=surrogates.gspo)[0]),
+     lambda r: (_logp(r), _logp(r), _x(r), _mask(r)))
+
+
 # --- losses (value, metrics and gradients) -------------------------------------------------------
 def _policy(lp, old, adv, m, eps_lo, eps_hi, c, agg):
   return losses.policy_loss(lp, old, adv, m, clip_eps_low=eps_lo, clip_eps_high=eps_hi,
@@ -241,8 +263,8 @@ case("losses.kl_loss/k1/grad",
 case("losses.kl_loss/k3/grad",
      jax.grad(lambda lp, rl, m, beta: losses.kl_loss(lp, rl, m, coef=beta)[0]),
      lambda r: (_logp(r), _logp(r), _mask(r), _scalar(r, 0.01, 0.1)))
-case("losses.truncated_is_weight",
-     lambda old, smp, m: losses.truncated_is_weight(old, smp, m, 2.0),
+case("correction.is_weight",
+     lambda old, smp, m: correction.is_weight(old, smp, m, 2.0),
      lambda r: (_logp(r), _logp(r), _mask(r)))
 case("losses.policy_loss/is_weight/grad",
      jax.grad(lambda lp, old, adv, m, w: losses.policy_loss(lp, old, adv, m, is_weight=w)[0]),
@@ -275,10 +297,10 @@ def _assert_tree_close(a, b, **tol):
 
 
 def test_every_public_function_is_covered():
-  """Each public function of the five modules has at least one case here."""
+  """Each public function of the six modules has at least one case here."""
   import inspect
 
-  for mod in (ops, kl, rewards, advantages, losses):
+  for mod in (ops, kl, rewards, advantages, losses, correction):
     for fname, obj in vars(mod).items():
       if fname.startswith("_") or not inspect.isfunction(obj) or obj.__module__ != mod.__name__:
         continue

@@ -18,7 +18,7 @@ from hypothesis import HealthCheck, assume, event, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from ppojax.core import advantages, kl, logprobs, losses, ops, rewards
+from ppojax.core import advantages, correction, kl, logprobs, losses, ops, rewards
 
 SETTINGS = settings(
     max_examples=50,
@@ -808,7 +808,7 @@ def test_loss_targets_are_constants_no_gradient_reaches_them():
   for est in ("k1", "k3"):
     zero(jax.grad(lambda ref, e=est: losses.kl_loss(x[0], ref, mask, coef=0.5, estimator=e)[0])(
         x[1]))
-  zero(jax.grad(lambda old, smp: jnp.sum(losses.truncated_is_weight(old, smp, mask, 1.2)[0]))(
+  zero(jax.grad(lambda old, smp: jnp.sum(correction.is_weight(old, smp, mask, 1.2)[0]))(
       x[1], x[2]))
 
 

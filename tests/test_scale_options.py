@@ -17,7 +17,7 @@ import optax
 import pytest
 from test_step import _assert_close, _iterate, _params, toy_config
 
-from ppojax.core import losses
+from ppojax.core import correction, losses
 from ppojax.core import optim as optim_lib
 from ppojax.learner import step as step_lib
 from ppojax.models import passes as passes_lib
@@ -42,8 +42,7 @@ def test_truncated_is_weight_matches_numpy():
   sampler = old + rng.normal(0.0, 0.8, mask.shape)
   sampler[~mask] = np.nan  # padding is inert
   cap = 1.5
-  w, m = losses.truncated_is_weight(jnp.asarray(old), jnp.asarray(sampler), jnp.asarray(mask),
-                                    cap)
+  w, m = correction.is_weight(jnp.asarray(old), jnp.asarray(sampler), jnp.asarray(mask), cap)
   ratio = np.exp(old - np.where(mask, sampler, 0.0))
   want = np.where(mask, np.minimum(ratio, cap), 0.0)
   np.testing.assert_allclose(np.asarray(w), want, rtol=1e-5, atol=0)
@@ -52,8 +51,8 @@ def test_truncated_is_weight_matches_numpy():
   np.testing.assert_allclose(float(m["mismatch"]),
                              np.abs(old - sampler)[mask].mean(), rtol=1e-5)
   assert 0 < float(m["is_truncated"]) < 1  # both branches exercised
-  same, m_same = losses.truncated_is_weight(jnp.asarray(old), jnp.asarray(old),
-                                            jnp.asarray(mask), cap)
+  same, m_same = correction.is_weight(jnp.asarray(old), jnp.asarray(old), jnp.asarray(mask),
+                                     cap)
   np.testing.assert_array_equal(np.asarray(same), mask.astype(np.float32))  # agreement: w ≡ 1
   assert float(m_same["mismatch"]) == 0.0
 

@@ -10,8 +10,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
 import reference as ref
+
 from ppojax.core import algorithms, losses, surrogates
 from ppojax.run import build as build_lib
 from ppojax.run import checks

@@ -46,7 +46,7 @@ def policy_loss(
   advantage's favour (A > 0, ρ > 1 + ε_high; or A < 0, ρ < 1 − ε_low) the gradient is exactly 0.
   ``surrogate`` (``surrogates.SURROGATES``): the per-token term, PPO's token ratio by default,
   or a sequence ratio (GSPO) or a clipped-weight REINFORCE term (CISPO); ``dual_clip`` only
-  with PPO's. ``is_weight`` w [B, T] (constant; ``truncated_is_weight``) multiplies each token's
+  with PPO's. ``is_weight`` w [B, T] (constant; ``correction.is_weight``) multiplies each token's
   term: L = agg(w_t · ℓ_t), the importance correction for tokens sampled by another engine.
   ``aggregation`` and ``max_len``: ``ops.aggregate``. Checked where given as Python numbers
   (``_check_policy_options``): ε and ε_low in (0, 1), ε_high > 0, c > 1.
@@ -108,34 +108,6 @@ def _check_policy_options(clip_eps=0.2, clip_eps_low=None, clip_eps_high=None,
   for name, value in (("clip_eps", clip_eps), ("clip_eps_low", clip_eps_low),
                       ("clip_eps_high", clip_eps_high), ("dual_clip", dual_clip)):
     check_option(name, value)
-
-
-def truncated_is_weight(old_logp: Array, sampler_logp: Array, mask: Array, cap: float
-                        ) -> tuple[Array, dict[str, Array]]:
-  """Truncated importance sampling (TIS; Yao et al. 2025, "Your efficient RL framework secretly
-  brings you off-policy RL training"): the responses were sampled by an engine whose
-  probabilities π_s differ from the learner's π_old at the same parameters (bfloat16 decode vs
-  float32 forward, another kernel), so each token's policy-gradient term is reweighted by
-
-      w_t = min(π_old(y_t) / π_s(y_t), C) = min(exp(old_logp_t − sampler_logp_t), C)
-
-  (constant; 0 off the mask). The cap C bounds the variance; C = ∞ is plain importance
-  sampling, and w ≡ 1 where the two engines agree.
-
-  Returns:
-    w [B, T] and metrics: ``mismatch`` = mean |old_logp − sampler_logp| (nats per token),
-    ``is_weight`` = mean w, ``is_truncated`` = fraction of tokens where the cap is active.
-  """
-  chex.assert_equal_shape([old_logp, sampler_logp, mask])
-  mask, old_logp, sampler_logp = _masked_inputs(mask, old_logp, sampler_logp)
-  ratio = jnp.exp(old_logp - sampler_logp)
-  w = jax.lax.stop_gradient(jnp.where(mask, jnp.minimum(ratio, cap), 0.0))
-  metrics = {
-      "mismatch": ops.masked_mean(jnp.abs(old_logp - sampler_logp), mask),
-      "is_weight": ops.masked_mean(w, mask),
-      "is_truncated": ops.masked_mean((ratio > cap).astype(jnp.float32), mask),
-  }
-  return w, jax.tree.map(jax.lax.stop_gradient, metrics)
 
 
 def value_loss(

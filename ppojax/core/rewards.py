@@ -36,6 +36,27 @@ def adjust_scores(
   return scores
 
 
+def overlong_penalty(lengths: Array, max_len: int, buffer: int, factor: float = 1.0) -> Array:
+  """DAPO's soft overlong punishment (Yu et al. 2025, eq. 13), added to the sequence score:
+
+      R_len(L) = 0                                   L ≤ L_max − L_buf
+               = −factor·(L − (L_max − L_buf))/L_buf  L_max − L_buf < L ≤ L_max
+
+  a penalty growing linearly over the last L_buf tokens before the length limit L_max
+  (``max_new_tokens``), −factor at the limit (a response is never longer). verl's
+  ``overlong_buffer`` (len, penalty_factor) computes the same.
+
+  Args:
+    lengths: [B] response lengths L (the mask's token counts).
+    max_len: L_max; buffer: L_buf, 0 < L_buf ≤ L_max; factor ≥ 0.
+  """
+  chex.assert_rank(lengths, 1)
+  if not 0 < buffer <= max_len:
+    raise ValueError(f"overlong buffer={buffer} must be in [1, max_new_tokens={max_len}]")
+  excess = lengths.astype(jnp.float32) - (max_len - buffer)
+  return -factor * jnp.clip(excess, 0.0, None) / buffer
+
+
 def shape_rewards(
     scores: Array,
     logp: Array,

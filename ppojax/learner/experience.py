@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 
 from ppojax.core import advantages as adv_lib
-from ppojax.core import ops, rewards
+from ppojax.core import correction, ops, rewards
 from ppojax.core.algorithms import Algorithm
 from ppojax.rollout.rollout import Rollout
 
@@ -30,6 +30,14 @@ class Experience(NamedTuple):
   returns: Array | None  # the critic's regression target (None: no critic)
   # β of a KL term in the loss (``rl.kl_in = "loss"``, a scalar); None: no KL in the loss
   kl_coef: Array | None = None
+  # [B, R] the tokens the loss counts: the response mask less what ``rl.overlong_filter`` and
+  # ``rl.reject`` take out (``loss_tokens``); None: the response mask
+  loss_mask: Array | None = None
+
+
+def loss_tokens(exp: Experience) -> Array:
+  """The mask of the tokens the update's loss counts [B, R]."""
+  return exp.rollout.mask if exp.loss_mask is None else exp.loss_mask
 
 
 def take_rows(exp: Experience, idx: Array) -> Experience:
@@ -60,6 +68,8 @@ def make_experience(r: Rollout, scores: Array, beta: Array, algorithm: Algorithm
   """
   kl_in_loss = algorithm.kl_in_loss
   ref_logp = r.old_logp if r.ref_logp is None else r.ref_logp
+  scores, shaping = overlong_shaping(scores, r.mask, cfg)
+  loss_mask, filtered = filters(r, cfg)
   token_rewards, metrics = rewards.shape_rewards(
       scores, r.old_logp, ref_logp, r.mask, 0.0 if kl_in_loss else beta, has_stop=r.has_stop,
       kl_estimator=algorithm.kl, score_clip=cfg.score_clip,
@@ -68,7 +78,8 @@ def make_experience(r: Rollout, scores: Array, beta: Array, algorithm: Algorithm
                                    mask=r.mask, values=r.old_values)
   adv, ret = algorithm.estimate(inputs, adv_lib.AdvantageParams(
       gamma=cfg.gamma, lam=cfg.lam, whiten=cfg.whiten_advantages, group_size=group_size))
-  metrics = {f"objective/{k}": v for k, v in metrics.items()}
+  metrics = {f"objective/{k}": v for k, v in {**metrics, **shaping}.items()}
+  metrics.update(filtered)
   lengths = jnp.sum(r.mask, axis=1)
   metrics.update({
       # the sampled responses' mean Σ_t −log π(token) over response tokens (trl's
@@ -88,7 +99,35 @@ def make_experience(r: Rollout, scores: Array, beta: Array, algorithm: Algorithm
     metrics["rollout/logp_mismatch"] = ops.masked_mean(jnp.abs(r.old_logp - r.sampler_logp),
                                                        r.mask)
   kl_coef = jnp.asarray(beta, jnp.float32) if kl_in_loss and r.ref_logp is not None else None
-  return Experience(r, adv, ret, kl_coef), metrics
+  return Experience(r, adv, ret, kl_coef, loss_mask), metrics
+
+
+def overlong_shaping(scores: Array, mask: Array, cfg) -> tuple[Array, dict]:
+  """The scores plus DAPO's soft overlong penalty where ``cfg.overlong_buffer`` > 0
+  (``rewards.overlong_penalty`` over the last ``overlong_buffer`` tokens before the limit)."""
+  buffer = cfg.get("overlong_buffer", 0)
+  if not buffer:
+    return scores, {}
+  penalty = rewards.overlong_penalty(jnp.sum(mask, axis=1), mask.shape[1], buffer,
+                                     cfg.get("overlong_factor", 1.0))
+  return scores.astype(jnp.float32) + penalty, {"overlong_penalty": jnp.mean(penalty)}
+
+
+def filters(r: Rollout, cfg) -> tuple[Array | None, dict]:
+  """The loss's token mask where a filter is on (None otherwise) and its metrics:
+  ``rl.overlong_filter`` drops responses cut off by the length limit (no stop token; DAPO's
+  overlong filtering), ``rl.reject`` the tokens or responses whose sampler/learner ratio leaves
+  [``reject_low``, ``reject_high``] (``correction.rejection_mask``)."""
+  keep, metrics = r.mask.astype(jnp.bool_), {}
+  if cfg.get("overlong_filter", False):
+    keep = keep & r.has_stop[:, None]
+    metrics["rollout/overlong_filtered"] = 1.0 - jnp.mean(r.has_stop.astype(jnp.float32))
+  if cfg.get("reject", ""):
+    kept, rejected = correction.rejection_mask(r.old_logp, r.sampler_logp, r.mask,
+                                               cfg.reject_low, cfg.reject_high, cfg.reject)
+    keep = keep & kept
+    metrics.update({f"rollout/{k}": v for k, v in rejected.items()})
+  return (keep if metrics else None), metrics
 
 
 def group_metrics(scores: Array, kl: Array, mask: Array, group_size: int) -> dict[str, Array]:

@@ -14,9 +14,9 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from ppojax.core import losses
+from ppojax.core import correction, losses
 from ppojax.core.algorithms import Algorithm
-from ppojax.learner.experience import Experience, make_experience
+from ppojax.learner.experience import Experience, loss_tokens, make_experience
 from ppojax.learner.state import Context, Models, critic_params, policy_params
 from ppojax.models import lora
 from ppojax.models.passes import head_logprobs, response_hidden, response_values
@@ -63,16 +63,19 @@ def update_forward(params, models: Models, r: Rollout, temperature: float, ent_c
 
 def clipped_loss(logp, entropy, values, exp: Experience, algorithm: Algorithm, cfg
                  ) -> tuple[Array, dict]:
-  """``losses.ppo_loss`` of the forward outputs on ``exp`` (no value term where ``values`` is
-  None, a KL term where the experience carries its β), each token's policy term weighted by
-  min(π_old/π_sampler, ``cfg.tis_cap``) where that is set (``losses.truncated_is_weight``)."""
-  r = exp.rollout
+  """``losses.ppo_loss`` of the forward outputs on ``exp`` over its loss tokens
+  (``experience.loss_tokens``; no value term where ``values`` is None, a KL term where the
+  experience carries its β), each token's policy term weighted by the truncated ratio
+  min(π_old/π_sampler, ``cfg.tis_cap``), per token or per sequence (``cfg.tis_level``;
+  ``correction.is_weight``) where a cap is set."""
+  r, mask = exp.rollout, loss_tokens(exp)
   weight, tis = None, {}
   if cfg.get("tis_cap") is not None:
-    weight, tis = losses.truncated_is_weight(r.old_logp, r.sampler_logp, r.mask, cfg.tis_cap)
+    weight, tis = correction.is_weight(r.old_logp, r.sampler_logp, mask, cfg.tis_cap,
+                                       cfg.get("tis_level", "token"))
     tis = {f"policy/{k}": v for k, v in tis.items() if k != "mismatch"}
   loss, metrics = losses.ppo_loss(
-      logp, r.old_logp, exp.advantages, values, r.old_values, exp.returns, r.mask, entropy,
+      logp, r.old_logp, exp.advantages, values, r.old_values, exp.returns, mask, entropy,
       vf_coef=cfg.vf_coef, ent_coef=cfg.ent_coef, clip_eps=cfg.clip_eps,
       clip_eps_low=cfg.get("clip_eps_low"), clip_eps_high=cfg.get("clip_eps_high"),
       dual_clip=cfg.dual_clip, value_clip=cfg.value_clip, aggregation=algorithm.aggregation,

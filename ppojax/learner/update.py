@@ -18,12 +18,11 @@ import jax.numpy as jnp
 import optax
 
 from ppojax.core import ops
-from ppojax.core.optim import accumulate
 from ppojax.core.algorithms import Algorithm
+from ppojax.core.optim import accumulate
 from ppojax.infra import sharding
-from ppojax.learner.experience import Experience, make_experience, take_rows
-from ppojax.learner.loss import (AGGREGATED, actor_forward, critic_forward, loss_on,
-                                 own_forward_loss)
+from ppojax.learner.experience import Experience, loss_tokens, make_experience, take_rows
+from ppojax.learner.loss import AGGREGATED, actor_forward, critic_forward, loss_on, own_forward_loss
 from ppojax.learner.state import Context, Models, TrainState
 from ppojax.models import lora
 from ppojax.rollout.rollout import Rollout
@@ -99,7 +98,7 @@ def _minibatch_grads(params, models: Models, exp: Experience, idx: Array, algori
                      cfg, temperature, shardings=None, ctx: Context = Context()):
   """Gradient and metrics of the minibatch ``idx`` [K, n], summed over its K micro-batches
   (a ``lax.scan``) and laid out as ``shardings``; a dropout key is split per micro-batch."""
-  mb_mask = exp.rollout.mask[idx.reshape(-1)]
+  mb_mask = loss_tokens(exp)[idx.reshape(-1)]
 
   def grad_fn(*args):
     g, metrics = jax.grad(loss_on, has_aux=True)(*args)
@@ -108,8 +107,8 @@ def _minibatch_grads(params, models: Models, exp: Experience, idx: Array, algori
   def micro(xs):  # (w·g, metrics weighted to add up to the minibatch's)
     micro_idx, key = xs
     part = take_rows(exp, micro_idx)
-    w = _micro_weight(part.rollout.mask, mb_mask, algorithm.aggregation)
-    w_tokens = _micro_weight(part.rollout.mask, mb_mask, "token_mean")
+    w = _micro_weight(loss_tokens(part), mb_mask, algorithm.aggregation)
+    w_tokens = _micro_weight(loss_tokens(part), mb_mask, "token_mean")
     g, metrics = grad_fn(params, models, part, algorithm, cfg, temperature,
                          ctx._replace(dropout_key=key))
     # losses and the entropy bonus add up with the aggregation's weights, token means by tokens

@@ -16,7 +16,7 @@ import importlib.util
 import ml_collections
 import numpy as np
 
-from ppojax.core import advantages, algorithms, kl, ops, options, surrogates
+from ppojax.core import advantages, algorithms, correction, kl, ops, options, surrogates
 from ppojax.models.config import ATTENTION_CHOICES
 
 # sections whose keys are the user's names
@@ -33,6 +33,8 @@ CHOICES = {
     "rl.old_logprobs": ("recompute", "sampler"),
     "rl.kl_estimator": ("", *kl.KL_ESTIMATORS),
     "rl.loss_mode": ("", *surrogates.SURROGATES),
+    "rl.tis_level": correction.IS_LEVELS,
+    "rl.reject": ("", *correction.REJECT_LEVELS),
     "model.dtype": ("float32", "bfloat16", "float16"),
     "model.remat_policy": ("nothing", "dots", "dots_no_batch"),
     "model.attention": ATTENTION_CHOICES,
@@ -143,6 +145,10 @@ def check_sizes(config: ml_collections.ConfigDict, num_devices: int,
                       f"{batch}")
   if rl.get("tis_cap") is not None and rl.tis_cap <= 0:
     raise ConfigError(f"rl.tis_cap={rl.tis_cap} must be > 0 (about 2 is usual), or None")
+  if rl.get("overlong_buffer", 0) > config.sampling.max_new_tokens:
+    raise ConfigError(f"rl.overlong_buffer={rl.overlong_buffer} is longer than "
+                      f"sampling.max_new_tokens={config.sampling.max_new_tokens}: the penalty "
+                      "ramps over the last overlong_buffer tokens before that limit")
   shape = list(config.mesh.shape)
   if len(shape) != 3 or shape.count(-1) > 1 or any(s == 0 or s < -1 for s in shape):
     raise ConfigError(f"mesh.shape={tuple(shape)}: give three sizes (data, fsdp, tensor), "
@@ -199,6 +205,14 @@ RANGES = (
      "update (0: none, peft's default; 0.05-0.1 is usual)"),
     ("optim.max_grad_norm", lambda v: v > 0, "must be > 0 (gradients are clipped to this "
      "global norm; 1.0 is usual)"),
+    ("rl.overlong_buffer", lambda v: is_int(v, 0),
+     "must be an integer >= 0: the tokens before sampling.max_new_tokens over which the score "
+     "is penalised (DAPO's soft overlong punishment; 0: off)"),
+    ("rl.overlong_factor", lambda v: v >= 0, "must be >= 0 (the penalty at the length limit)"),
+    ("rl.reject_low", lambda v: 0 < v <= 1,
+     "must be in (0, 1]: tokens whose sampler/learner ratio is below it leave the loss"),
+    ("rl.reject_high", lambda v: v >= 1,
+     "must be >= 1: tokens whose sampler/learner ratio is above it leave the loss"),
     ("data.prompt_bucket", lambda v: is_int(v, 0),
      "must be an integer >= 0: a batch's prompts are padded to the next multiple of it (tokens; "
      "0: always to data.max_prompt_len)"),

@@ -161,6 +161,17 @@ def defaults() -> ml_collections.ConfigDict:
   # truncated importance sampling: each token's policy term weighted by
   # min(π_old/π_sampler, tis_cap), for a sampler in another dtype; None: off
   c.rl.tis_cap = config_dict.placeholder(float)
+  c.rl.tis_level = "token"  # the ratio capped: each token's, or the response's product
+  # rollout correction by rejection: "token", "sequence" or "geometric" (the product's |y|-th
+  # root) ratios π_old/π_sampler outside [reject_low, reject_high] leave the loss ("": off)
+  c.rl.reject = ""
+  c.rl.reject_low = 0.5
+  c.rl.reject_high = 2.0
+  # DAPO's soft overlong punishment: the score penalised linearly over the last
+  # overlong_buffer tokens before max_new_tokens, −overlong_factor at the limit (0: off)
+  c.rl.overlong_buffer = 0
+  c.rl.overlong_factor = 1.0
+  c.rl.overlong_filter = False  # DAPO's overlong filtering: cut-off responses leave the loss
   c.rl.gamma = 1.0
   c.rl.lam = 0.95
   c.rl.clip_eps = 0.2
