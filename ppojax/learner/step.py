@@ -28,6 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from ppojax.core import selection
 from ppojax.core.algorithms import Algorithm
 from ppojax.data.batch import Prompts
 from ppojax.infra import sharding
@@ -83,9 +84,10 @@ def score(plan: Plan, frozen: Frozen, r: Rollout) -> Array:
 
 
 def learn(plan: Plan, state: TrainState, r: Rollout, scores: Array
-          ) -> tuple[TrainState, dict, Rollout]:
-  """(state, metrics, the rollout with old log-probs and values filled in): experience, update,
-  checks, KL controller."""
+          ) -> tuple[TrainState, dict, Rollout, Array]:
+  """(state, metrics, the rollout learned from with old log-probs and values filled in, its
+  scores): the groups kept, experience, update, checks, KL controller."""
+  r, scores, kept = keep_groups(plan, r, scores)
   next_key, _, k_update = _keys(state)
   lr = plan.actor_schedule(_opt_count(state.actor_opt))
   new, exp, exp_metrics, upd = update(
@@ -94,21 +96,33 @@ def learn(plan: Plan, state: TrainState, r: Rollout, scores: Array
       shardings=plan.grad_shardings, group_size=plan.sampling.num_samples_per_prompt)
   ok, flags = finite_checks(scores, exp, upd)
   keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(ok, a, b), new, old)  # noqa
-  metrics = {**exp_metrics, **{f"{k}_avg": v for k, v in upd.items()},
+  metrics = {**exp_metrics, **kept, **{f"{k}_avg": v for k, v in upd.items()},
              "clip_ratio": upd["policy/clipfrac"],  # trl GRPOTrainer's name
              "objective/kl_coef": state.kl.beta, "lr": lr, **flags}
   kl_state = kl_controller(plan.cfg).update(state.kl, exp_metrics["objective/kl"],
                                             scores.shape[0])
   new = new._replace(kl=keep(kl_state, state.kl), step=keep(state.step + 1, state.step))
-  return new._replace(key=next_key), metrics, exp.rollout
+  return new._replace(key=next_key), metrics, exp.rollout, scores
+
+
+def keep_groups(plan: Plan, r: Rollout, scores: Array) -> tuple[Rollout, Array, dict]:
+  """Dynamic sampling (``rl.dynamic_sampling``): the rows of ``rl.batch_size`` of the sampled
+  groups, those with a spread of scores first, the fill's rows out of the loss
+  (``selection.select_groups``, ``Rollout.in_loss``), and their scores; else all as they are."""
+  if not plan.cfg.get("dynamic_sampling", False):
+    return r, scores, {}
+  rows, in_loss, metrics = selection.select_groups(
+      scores, plan.sampling.num_samples_per_prompt, plan.cfg.batch_size)
+  kept = jax.tree.map(lambda x: x[rows], r._replace(prefix=None))
+  return (kept._replace(prefix=r.prefix, in_loss=in_loss), scores[rows],
+          {f"rollout/{k}": v for k, v in metrics.items()})
 
 
 def iteration(plan: Plan, state: TrainState, frozen: Frozen, prompts: Prompts):
   """The whole iteration: (state, metrics, rollout, scores)."""
   r = rollout_of(plan, state, frozen, prompts)
   scores = score(plan, frozen, r)
-  state, metrics, r = learn(plan, state, r, scores)
-  return state, metrics, r, scores
+  return learn(plan, state, r, scores)
 
 
 class Step(NamedTuple):
@@ -174,7 +188,8 @@ def forward_micro_batches(cfg, mesh: jax.sharding.Mesh | None = None) -> int:
     return k
   if single_pass(cfg):
     return 1
-  batch, k = cfg.batch_size, cfg.num_minibatches * cfg.grad_accum
+  batch = selection.sampled_prompts(cfg.batch_size, cfg.get("oversample", 1.0))
+  k = cfg.num_minibatches * cfg.grad_accum
   devices = 1 if mesh is None else math.prod(mesh.shape[a] for a in sharding.BATCH)
   return max(d for d in range(1, k + 1) if k % d == 0 and batch % (d * devices) == 0)
 

@@ -41,6 +41,9 @@ class Rollout(NamedTuple):
   # log π_T(token) as the sampler computed it while sampling (``Generation.logprobs``: its
   # compute dtype, its KV-cache decode), for the mismatch metric and ``rl.tis_cap``
   sampler_logp: Array | None = None
+  # [B] bool: the rows the loss counts (dynamic sampling's fill is out: ``step.keep_groups``);
+  # None: all
+  in_loss: Array | None = None
 
 
 def rollout(policy: nn.Module, critic: nn.Module | None, actor, reference_params, critic_params,

@@ -45,6 +45,7 @@ from ppojax.learner import update as update_lib
 from ppojax.run import build as build_lib
 from ppojax.run import checks as checks_lib
 from ppojax.run import models as models_lib
+from ppojax.tasks import sources
 
 TPU_INSTALL = 'pip install -e ".[tpu]"  (jax[tpu]: the libtpu that matches the installed jax)'
 
@@ -143,7 +144,7 @@ def _bytes(number: str, unit: str) -> int:
 def abstract_prompts(config, mesh, prefix_len: int = 0) -> Prompts:
   """The shapes of a batch of prompts, [B, P], placed over the mesh's batch axes, and with
   ``prefix_len`` > 0 the [C] ids of the prefix they share (``Prompts.prefix``), replicated."""
-  b, p = config.rl.batch_size, checks_lib.prompt_length(config)
+  b, p = sources.prompts_per_batch(config), checks_lib.prompt_length(config)
   rows = sharding_lib.batch_sharding(mesh)
   prefix = None
   if prefix_len:

@@ -16,7 +16,8 @@ import importlib.util
 import ml_collections
 import numpy as np
 
-from ppojax.core import advantages, algorithms, correction, kl, ops, options, surrogates
+from ppojax.core import (advantages, algorithms, correction, kl, ops, options, selection,
+                         surrogates)
 from ppojax.models.config import ATTENTION_CHOICES
 
 # sections whose keys are the user's names
@@ -145,10 +146,6 @@ def check_sizes(config: ml_collections.ConfigDict, num_devices: int,
                       f"{batch}")
   if rl.get("tis_cap") is not None and rl.tis_cap <= 0:
     raise ConfigError(f"rl.tis_cap={rl.tis_cap} must be > 0 (about 2 is usual), or None")
-  if rl.get("overlong_buffer", 0) > config.sampling.max_new_tokens:
-    raise ConfigError(f"rl.overlong_buffer={rl.overlong_buffer} is longer than "
-                      f"sampling.max_new_tokens={config.sampling.max_new_tokens}: the penalty "
-                      "ramps over the last overlong_buffer tokens before that limit")
   shape = list(config.mesh.shape)
   if len(shape) != 3 or shape.count(-1) > 1 or any(s == 0 or s < -1 for s in shape):
     raise ConfigError(f"mesh.shape={tuple(shape)}: give three sizes (data, fsdp, tensor), "
@@ -165,6 +162,10 @@ def check_sizes(config: ml_collections.ConfigDict, num_devices: int,
         f"{batch} is not divisible by rl.num_minibatches × "
         f"data-parallel devices = {rl.num_minibatches} × {data_parallel} (mesh data × fsdp = "
         f"{shape[0]} × {shape[1]}): every minibatch must split evenly over the devices")
+  sampled = selection.sampled_prompts(rl.batch_size, rl.get("oversample", 1.0)) * n
+  if sampled % data_parallel:
+    raise ConfigError(f"rl.oversample={rl.oversample}: the {sampled} responses sampled do not "
+                      f"split over the {data_parallel} data-parallel devices")
   if k and rows % (k * data_parallel):
     raise ConfigError(
         f"rl.forward_micro_batches={k}: {rows // k} rows per part do not split over "
@@ -209,6 +210,8 @@ RANGES = (
      "must be an integer >= 0: the tokens before sampling.max_new_tokens over which the score "
      "is penalised (DAPO's soft overlong punishment; 0: off)"),
     ("rl.overlong_factor", lambda v: v >= 0, "must be >= 0 (the penalty at the length limit)"),
+    ("rl.oversample", lambda v: v >= 1, "must be >= 1: the prompts sampled per iteration, "
+     "as a multiple of rl.batch_size (dynamic sampling learns from rl.batch_size of them)"),
     ("rl.reject_low", lambda v: 0 < v <= 1,
      "must be in (0, 1]: tokens whose sampler/learner ratio is below it leave the loss"),
     ("rl.reject_high", lambda v: v >= 1,
@@ -297,9 +300,27 @@ def check_algorithm(config: ml_collections.ConfigDict) -> None:
         f"rl.estimator={rl.estimator!r} (algorithm {config.algorithm!r}) compares the samples "
         f"of a prompt, but sampling.num_samples_per_prompt={n}: every advantage would be 0. "
         "Set --config.sampling.num_samples_per_prompt=4 (or more), or another estimator")
-  if rl.loss_mode != "clip" and config.rl.get("dual_clip") is not None:
+
+
+def check_recipe(config: ml_collections.ConfigDict) -> None:
+  """The recipe options fit together: dynamic sampling has groups to compare, the overlong
+  buffer lies within the length limit, dual-clip caps PPO's token-ratio term only."""
+  rl, n = algorithms.resolve(config).rl, config.sampling.get("num_samples_per_prompt", 1)
+  if rl.get("dynamic_sampling", False) and n < 2:
     raise ConfigError(
-        f"rl.dual_clip={config.rl.dual_clip} caps PPO's token-ratio term, but rl.loss_mode="
+        "rl.dynamic_sampling keeps the groups whose scores differ, but "
+        f"sampling.num_samples_per_prompt={n}: set it to 4 (or more)")
+  if rl.get("oversample", 1.0) != 1.0 and not rl.get("dynamic_sampling", False):
+    raise ConfigError(f"rl.oversample={rl.oversample} samples more prompts than "
+                      "rl.batch_size for dynamic sampling to choose from: set "
+                      "--config.rl.dynamic_sampling=True, or rl.oversample=1.0")
+  if rl.get("overlong_buffer", 0) > config.sampling.max_new_tokens:
+    raise ConfigError(f"rl.overlong_buffer={rl.overlong_buffer} is longer than "
+                      f"sampling.max_new_tokens={config.sampling.max_new_tokens}: the penalty "
+                      "ramps over the last overlong_buffer tokens before that limit")
+  if rl.loss_mode != "clip" and rl.get("dual_clip") is not None:
+    raise ConfigError(
+        f"rl.dual_clip={rl.dual_clip} caps PPO's token-ratio term, but rl.loss_mode="
         f"{rl.loss_mode!r} (algorithm {config.algorithm!r}) has another policy term: set "
         "--config.rl.dual_clip=None, or rl.loss_mode='clip'")
 
@@ -318,6 +339,7 @@ def validate(config: ml_collections.ConfigDict, num_devices: int,
   check_ranges(config)
   check_kl_controller(config)
   check_algorithm(config)
+  check_recipe(config)
   check_sizes(config, num_devices, context_length)
   check_packages(config)
   check_tasks(config)

@@ -172,6 +172,10 @@ def defaults() -> ml_collections.ConfigDict:
   c.rl.overlong_buffer = 0
   c.rl.overlong_factor = 1.0
   c.rl.overlong_filter = False  # DAPO's overlong filtering: cut-off responses leave the loss
+  # DAPO's dynamic sampling: sample round(batch_size × oversample) prompts' groups, learn from
+  # batch_size of them, those whose scores differ first (core/selection.py)
+  c.rl.dynamic_sampling = False
+  c.rl.oversample = 1.0
   c.rl.gamma = 1.0
   c.rl.lam = 0.95
   c.rl.clip_eps = 0.2

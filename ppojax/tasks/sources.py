@@ -26,6 +26,7 @@ from typing import Callable, NamedTuple
 
 import numpy as np
 
+from ppojax.core import selection
 from ppojax.data import encoding
 from ppojax.data import records as records_lib
 from ppojax.data.batch import Prompts, repad, to_bucket, with_prefix
@@ -46,9 +47,15 @@ class Source(NamedTuple):
   prefix: list[int] | None = None  # the prompts' shared prefix (None: data.shared_prefix off)
 
 
+def prompts_per_batch(config) -> int:
+  """The prompts a rollout samples: ``rl.batch_size``, × ``rl.oversample`` for dynamic
+  sampling (``selection.sampled_prompts``)."""
+  return selection.sampled_prompts(config.rl.batch_size, config.rl.get("oversample", 1.0))
+
+
 def make_source(config, tokenizer, shared_prefix: bool | None = None) -> Source:
   """``shared_prefix`` overrides ``data.shared_prefix``."""
-  d, batch_size = config.data, config.rl.batch_size
+  d, batch_size = config.data, prompts_per_batch(config)
   if shared_prefix is None:
     shared_prefix = d.get("shared_prefix", True)
   share = lambda prompts, prefix: (  # noqa: E731
@@ -130,7 +137,7 @@ def reasoning_gym_task(config) -> tuple[Callable[[int], list[dict]], list[dict] 
               if rg.eval_size else [])
   exclude = frozenset(r["prompt"] for r in held_out)
   pick = lambda pos: reasoning.train_records(  # noqa: E731
-      rg.dataset, options, config.seed, pos, config.rl.batch_size, exclude, rg.extract)
+      rg.dataset, options, config.seed, pos, prompts_per_batch(config), exclude, rg.extract)
   return pick, held_out or None
 
 
