@@ -1,11 +1,13 @@
-"""One RL iteration over a ``TrainState``, compiled. PPO, GRPO, Dr. GRPO, RLOO and REINFORCE++ are
-this same step with another ``Algorithm`` record (``core.algorithms``); it never asks which.
+"""One RL iteration over a ``TrainState``, compiled. PPO, GRPO, Dr. GRPO, RLOO, REINFORCE++, GSPO
+and CISPO are this same step with another ``Algorithm`` record (``core.algorithms``); it never
+asks which.
 
     key        → next key, k_sample, k_update
     rollout    = n responses per prompt, old / reference log-probs, values  (``rollout``)
     scores     = reward model, JAX reward function, or a host function      (``score``)
+    groups     = with dynamic sampling, B of the sampled groups             (``keep_groups``)
     experience = r_t = −β·KL_t (+ score on the last token) or KL in the loss,
-                 (A, R) = algorithm.estimate(...)                           (``learn``)
+                 (A, R) = algorithm.estimate(...), the loss's token mask    (``learn``)
     update     = E epochs × M minibatches × K micro-batches, clipped loss, Adam; with
                  E·M·K = 1 the update's own forward pass gives the old log-probs and values
     checks     = an iteration with a non-finite score, advantage, loss or gradient norm keeps
