@@ -149,7 +149,7 @@ def _run_config(policy, tmp_path) -> ml_collections.ConfigDict:
   train = [{"prompt": "x" * n, "answer": "1"} for n in (1, 2, 3, 12, 18, 25, 2, 4)]
   held = [{"prompt": f"count {i}", "answer": str(i)} for i in range(5)]
   c = config_lib.defaults()
-  c.num_iterations, c.save_every, c.sample_every, c.seed = 4, 0, 0, 1
+  c.num_iterations, c.save_every, c.sample_every, c.seed = 4, 4, 0, 1
   c.model.policy = str(policy)
   c.data.update(task="file", path=str(tmp_path / "train.jsonl"),
                 eval_path=str(tmp_path / "eval.jsonl"), max_prompt_len=32, prompt_bucket=8)

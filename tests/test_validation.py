@@ -268,3 +268,10 @@ def test_a_loss_option_has_one_range_and_one_message():
   with pytest.raises(ValueError) as from_loss:
     losses.policy_loss(x, x, x, m, dual_clip=0.5)
   assert str(from_config.value) == "rl." + str(from_loss.value)
+
+
+@pytest.mark.parametrize("name, value", [("save_every", 0), ("keep", 0)])
+def test_checkpoint_cadence_is_checked_before_anything_loads(name, value):
+  """save_every=0 used to pass the checks and fail in the checkpointer after the models loaded."""
+  with pytest.raises(checks_lib.ConfigError, match=f"{name}={value} must be an integer >= 1"):
+    checks_lib.validate(toy(**{name: value}), num_devices=1)

@@ -3,9 +3,7 @@
 ranges, sizes that must fit together (batch vs minibatches × micro-batches × data-parallel
 devices, the mesh vs the devices, prompt + response vs the model's context), the algorithm's
 resolved choices, the packages an option needs and the task's own options. ``validate`` runs
-them all and raises ``ConfigError`` with one clear message.
-
-Also the sizes a config implies (``rollout_rows``, ``prompt_length``).
+them all and raises ``ConfigError`` with one clear message. Also the sizes a config implies.
 """
 
 from __future__ import annotations
@@ -216,6 +214,8 @@ RANGES = (
      "must be in (0, 1]: tokens whose sampler/learner ratio is below it leave the loss"),
     ("rl.reject_high", lambda v: v >= 1,
      "must be >= 1: tokens whose sampler/learner ratio is above it leave the loss"),
+    ("save_every", lambda v: is_int(v, 1), "must be an integer >= 1 (iterations per checkpoint)"),
+    ("keep", lambda v: is_int(v, 1), "must be an integer >= 1 (checkpoints kept)"),
     ("data.prompt_bucket", lambda v: is_int(v, 0),
      "must be an integer >= 0: a batch's prompts are padded to the next multiple of it (tokens; "
      "0: always to data.max_prompt_len)"),
