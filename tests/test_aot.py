@@ -98,8 +98,21 @@ def test_shard_rows_constrains_only_under_a_mesh_that_divides_the_rows():
     assert "sharding_constraint" not in str(jax.make_jaxpr(shard_rows)(x))
 
 
-def test_tiny_step_compiles_for_a_tpu_topology_and_shards_its_parameters():
-  out = _compile_deviceless(ppo={})["ppo"]
+GRPO_OVERRIDES = {"algorithm": "grpo", "rl__batch_size": 4, "sampling__num_samples_per_prompt": 4}
+LORA_OVERRIDES = {"lora__rank": 4, "lora__critic": True, "model__critic_init": "policy"}
+
+
+@pytest.fixture(scope="module")
+def deviceless():
+  """The four programs the tests below read, compiled in one child process (one libtpu start):
+  PPO, GRPO on the same rows, PPO with a critic from the policy, and LoRA PPO beside it."""
+  return _compile_deviceless(ppo={}, grpo=GRPO_OVERRIDES,
+                             ppo_policy_critic={"model__critic_init": "policy"},
+                             lora=LORA_OVERRIDES)
+
+
+def test_tiny_step_compiles_for_a_tpu_topology_and_shards_its_parameters(deviceless):
+  out = deviceless["ppo"]
   r, (arguments, outputs, temporaries, aliased) = out["report"], out["memory"]
   assert r["devices"] == 4 and r["mesh"] == {"data": 1, "fsdp": 4, "tensor": 1}
   assert r["per_device_bytes"] == arguments + outputs + temporaries - aliased
@@ -111,17 +124,15 @@ def test_tiny_step_compiles_for_a_tpu_topology_and_shards_its_parameters():
   assert r["flops_per_iteration"] == out["iteration_flops"] > 0
 
 
-def test_critic_free_step_compiles_deviceless_without_critic_memory_or_flops():
+def test_critic_free_step_compiles_deviceless_without_critic_memory_or_flops(deviceless):
   """GRPO on the same rows (4 prompts × 4 samples = 16): no critic or critic optimizer state
   among the arguments, no critic FLOPs, the prefill over 4 prompts."""
-  grpo_overrides = {"algorithm": "grpo", "rl__batch_size": 4,
-                    "sampling__num_samples_per_prompt": 4}
-  out = _compile_deviceless(ppo={}, grpo=grpo_overrides)
+  out = deviceless
   ppo, grpo = out["ppo"]["report"], out["grpo"]["report"]
   assert out["ppo"]["critic"] and not out["grpo"]["critic"] and grpo["fits"] is True
   assert grpo["argument_bytes"] < 0.75 * ppo["argument_bytes"]
   assert grpo["flops_per_iteration"] < 0.8 * ppo["flops_per_iteration"]
-  cfg = build_lib.build(build_lib.load_config(SCALE + ":tiny", **grpo_overrides),
+  cfg = build_lib.build(build_lib.load_config(SCALE + ":tiny", **GRPO_OVERRIDES),
                      abstract=True).policy.cfg
   per_prompt = flops.model_flops(cfg, 4, 32, 16, samples=4)["generation (prefill)"]
   assert per_prompt == pytest.approx(flops.model_flops(cfg, 16, 32, 16)["generation (prefill)"] / 4)
@@ -177,12 +188,10 @@ def test_a_refused_compile_never_fits():
     assert r["per_device_bytes"] == (per_device or r["argument_bytes"] + 1)
 
 
-def test_lora_step_compiles_deviceless_with_one_base_and_counts_it():
+def test_lora_step_compiles_deviceless_with_one_base_and_counts_it(deviceless):
   """LoRA on policy and critic: the report counts the frozen base among the parameters (and
   the adapters as the trained ones), and the arguments hold less than full PPO's."""
-  lora = {"lora__rank": 4, "lora__critic": True, "model__critic_init": "policy"}
-  out = _compile_deviceless(ppo={"model__critic_init": "policy"}, lora=lora)
-  full, r = out["ppo"]["report"], out["lora"]["report"]
+  full, r = deviceless["ppo_policy_critic"]["report"], deviceless["lora"]["report"]
   # the policy's parameters: the base's (full fine-tuning's) and the adapters'
   assert r["params"] == full["params"] + r["trained_params"]
   assert 0 < r["trained_params"] < r["params"] / 10

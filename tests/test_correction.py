@@ -131,6 +131,8 @@ def test_the_experience_shapes_scores_and_masks_the_loss_tokens():
   want = mask & has_stop[:, None] & (ratio >= 0.7) & (ratio <= 1.4)
   np.testing.assert_array_equal(np.asarray(experience.loss_tokens(exp)), want)
   assert float(metrics["objective/overlong_penalty"]) == pytest.approx(penalty.mean())
+  assert float(metrics["objective/scores_raw"]) == pytest.approx(scores.mean())
+  assert float(metrics["objective/scores"]) == pytest.approx((scores + penalty).mean())
   assert float(metrics["rollout/overlong_filtered"]) == pytest.approx(2 / 6)
   off = experience.make_experience(_rollout(mask, has_stop, old, sampler), jnp.asarray(scores),
                                    0.0, algorithms.from_config(config),

@@ -68,6 +68,7 @@ def make_experience(r: Rollout, scores: Array, beta: Array, algorithm: Algorithm
   """
   kl_in_loss = algorithm.kl_in_loss
   ref_logp = r.old_logp if r.ref_logp is None else r.ref_logp
+  raw = scores
   scores, shaping = overlong_shaping(scores, r.mask, cfg)
   loss_mask, filtered = filters(r, cfg)
   token_rewards, metrics = rewards.shape_rewards(
@@ -85,7 +86,7 @@ def make_experience(r: Rollout, scores: Array, beta: Array, algorithm: Algorithm
       # the sampled responses' mean Σ_t −log π(token) over response tokens (trl's
       # objective/entropy also counts −1 per padding position: its INVALID_LOGPROB)
       "objective/entropy_masked": jnp.mean(jnp.sum(-r.old_logp, axis=1)),
-      "objective/scores_raw": jnp.mean(scores.astype(jnp.float32)),
+      "objective/scores_raw": jnp.mean(raw.astype(jnp.float32)),  # before any shaping
       "val/num_stopped": jnp.sum(r.has_stop),  # responses ending on a stop token
       "val/response_length": jnp.mean(lengths),
       **group_metrics(rewards.adjust_scores(scores, r.has_stop, score_clip=cfg.score_clip,
