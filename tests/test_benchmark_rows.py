@@ -111,8 +111,9 @@ def test_comparisons_default_row_doing_the_peers_work():
 def test_iteration_flops_full_critic_keeps_weight_gradients():
   """LoRA policy with a full critic: the policy's update is 2× its forward (activation
   gradients only), the critic's 3× (weight gradients too), every other part unchanged."""
-  cfg = types.SimpleNamespace(vocab_size=64, hidden_size=16, intermediate_size=32,
-                              num_layers=2, num_heads=2, num_kv_heads=1, head_dim=8)
+  cfg = types.SimpleNamespace(model_type="llama", vocab_size=64, hidden_size=16,
+                              intermediate_size=32, num_layers=2, num_heads=2,
+                              num_kv_heads=1, head_dim=8)
   kw = {"old_logp_fwd": False, "critic_fwd": False}
   lora = ppo_step.iteration_flops(cfg, 2, 5, 3, lora=True, lora_critic=True, **kw)
   mixed = ppo_step.iteration_flops(cfg, 2, 5, 3, lora=True, lora_critic=False, **kw)
