@@ -390,8 +390,8 @@ def decode_batch(module, params, sampling, batch: int, sizes: dict, name: str, r
 
 
 def dims(cfg) -> dict:
-  keys = ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
-          "num_kv_heads", "head_dim")
+  keys = ("model_type", "vocab_size", "hidden_size", "intermediate_size", "num_layers",
+          "num_heads", "num_kv_heads", "head_dim")
   return {k: getattr(cfg, k) for k in keys}
 
 

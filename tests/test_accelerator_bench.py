@@ -98,8 +98,8 @@ def test_roofline_limits():
   cache read up to each position, or all of it); with an unbounded bandwidth it is the prefill
   and decode FLOPs of ``flops.model_flops`` over the peak."""
   script = _script()
-  d = dict(vocab_size=32, hidden_size=16, intermediate_size=24, num_layers=2, num_heads=4,
-           num_kv_heads=2, head_dim=4)
+  d = dict(model_type="qwen2", vocab_size=32, hidden_size=16, intermediate_size=24,
+           num_layers=2, num_heads=4, num_kv_heads=2, head_dim=4)
   raw = dict(dims=d, batch=3, prompt_len=5, new_tokens=4, weight_bytes=1000, kv_itemsize=2)
   kv = 3 * 2 * 2 * 2 * 4 * 2  # B·L·2·H_kv·D·bytes per cached position
   gb_s = 1e-6  # 1000 bytes per second
