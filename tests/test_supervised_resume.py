@@ -1,8 +1,8 @@
 """SFT and reward-model training checkpoint and resume as the PPO run does
 (ppojax/supervised/loop.py ``fit``, ppojax/run/resume.py): a run stopped in the middle, or
 SIGKILLed on the command line (in the middle of a checkpoint save after a number of steps drawn
-at random for each run), resumes from its latest complete checkpoint and ends with the metrics.jsonl rows and the
-exported weights of an uninterrupted run, byte for byte; a corrupt latest checkpoint falls back
+at random for each run), resumes from its latest complete checkpoint and ends with the
+metrics.jsonl rows and the exported weights of an uninterrupted run, byte for byte; a corrupt latest checkpoint falls back
 to the one before; a rerun with another config or training data is refused and changes nothing.
 
 Each stage's uninterrupted run is made once (a module fixture); the configs come from

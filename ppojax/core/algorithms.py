@@ -98,7 +98,7 @@ def resolve(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
 
 def make(estimator: str, kl_in: str, aggregation: str, kl_estimator: str,
          loss_mode: str = "clip") -> Algorithm:
-  """The record from its four choices (names as in ``Defaults``); ``ValueError`` names a bad
+  """The record from its five choices (names as in ``Defaults``); ``ValueError`` names a bad
   one."""
   est = advantages.estimator(estimator)
   if kl_in not in KL_PLACEMENTS:
@@ -108,7 +108,8 @@ def make(estimator: str, kl_in: str, aggregation: str, kl_estimator: str,
                      f"{sorted(kl.KL_ESTIMATORS)}")
   return Algorithm(estimate=est.fn, kl=kl.KL_ESTIMATORS[kl_estimator],
                    kl_in_loss=kl_in == "loss", aggregation=aggregation,
-                   surrogate=surrogates.surrogate(loss_mode), needs_critic=est.needs_critic, needs_groups=est.needs_groups)
+                   surrogate=surrogates.surrogate(loss_mode), needs_critic=est.needs_critic,
+                   needs_groups=est.needs_groups)
 
 
 def from_config(config: ml_collections.ConfigDict) -> Algorithm:

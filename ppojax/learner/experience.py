@@ -116,9 +116,10 @@ def overlong_shaping(scores: Array, mask: Array, cfg) -> tuple[Array, dict]:
 
 def filters(r: Rollout, cfg) -> tuple[Array | None, dict]:
   """The loss's token mask where a filter is on (None otherwise) and its metrics: the rows
-  dynamic sampling left out (``Rollout.in_loss``); ``rl.overlong_filter`` drops responses cut off by the length limit (no stop token; DAPO's
-  overlong filtering), ``rl.reject`` the tokens or responses whose sampler/learner ratio leaves
-  [``reject_low``, ``reject_high``] (``correction.rejection_mask``)."""
+  dynamic sampling left out (``Rollout.in_loss``); ``rl.overlong_filter`` drops responses cut
+  off by the length limit (no stop token; DAPO's overlong filtering), ``rl.reject`` the tokens
+  or responses whose sampler/learner ratio leaves [``reject_low``, ``reject_high``]
+  (``correction.rejection_mask``)."""
   keep, metrics = r.mask.astype(jnp.bool_), {}
   if r.in_loss is not None:  # dynamic sampling's fill (``step.keep_groups``)
     keep = keep & r.in_loss[:, None]
