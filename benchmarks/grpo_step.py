@@ -52,9 +52,10 @@ seconds, model FLOPs (``flops.model_flops``: the reference forward and the updat
 or reward model) and peak memory; the JSON line's ``rows`` lists them and its flat keys name
 each ratio's pair: ``ratio_vs_trl_default`` / ``ratio_vs_trl_equal_work`` (peer seconds /
 ppojax seconds) and ``memory_vs_trl_default`` / ``memory_vs_trl_equal_work`` (ppojax peak /
-peer peak), likewise for tunix; ``speedup`` and ``tunix_ratio`` stay the default row's. Every response must be
-exactly ``--response-length`` tokens on every side: ppojax checks each iteration's rollout,
-``trl_grpo.py`` and ``tunix_grpo.py`` theirs, and a length that differs ends the run.
+peer peak), likewise for tunix; ``speedup`` and ``tunix_ratio`` stay the default row's.
+Every response must be exactly ``--response-length`` tokens on every side: ppojax checks each
+iteration's rollout, ``trl_grpo.py`` and ``tunix_grpo.py`` theirs, and a length that differs
+ends the run.
 
 Timing: ppojax's first ``--warmup`` iterations (the first compiles) are not counted, nor are
 trl's; ``seconds_per_iteration`` is the median of the next ``--iterations``, each from the
