@@ -16,7 +16,7 @@ import chex
 import jax
 import jax.numpy as jnp
 
-from ppojax.core import ops
+from ppojax.core import ops, surrogates
 
 Array = jax.Array
 
@@ -33,11 +33,19 @@ def _log_ratio(old_logp: Array, sampler_logp: Array, mask: Array) -> tuple[Array
 
 def sequence_log_ratio(delta: Array, mask: Array, geometric: bool = False) -> Array:
   """log of the sequence's ratio [B]: Σ_t Δ_t (the product of its token ratios), or with
-  ``geometric`` the mean over its tokens (the product's |y|-th root; 0 for an empty row)."""
-  total = jnp.sum(jnp.where(mask, delta, 0.0), axis=1)
-  if not geometric:
-    return total
-  return total / jnp.maximum(jnp.sum(mask, axis=1), 1).astype(jnp.float32)
+  ``geometric`` the mean over its tokens (the product's |y|-th root, GSPO's sequence ratio:
+  ``surrogates.sequence_log_ratio``; 0 for an empty row)."""
+  if geometric:
+    return surrogates.sequence_log_ratio(delta, mask)
+  return jnp.sum(jnp.where(mask, delta, 0.0), axis=1)
+
+
+def _level_log_ratio(delta: Array, mask: Array, level: str) -> Array:
+  """log ρ per token [B, T] at ``level``: each token's own ("token"), or its row's product
+  ("sequence") or the product's |y|-th root ("geometric") on each of the row's tokens."""
+  if level == "token":
+    return delta
+  return sequence_log_ratio(delta, mask, level == "geometric")[:, None] * jnp.ones_like(delta)
 
 
 def is_weight(old_logp: Array, sampler_logp: Array, mask: Array, cap: float,
@@ -59,11 +67,7 @@ def is_weight(old_logp: Array, sampler_logp: Array, mask: Array, cap: float,
   if level not in IS_LEVELS:
     raise ValueError(f"rl.tis_level={level!r}: choose one of {', '.join(IS_LEVELS)}")
   delta, mask = _log_ratio(old_logp, sampler_logp, mask)
-  if level == "token":
-    log_ratio = delta
-  else:
-    log_ratio = sequence_log_ratio(delta, mask)[:, None] * jnp.ones_like(delta)
-  ratio = jnp.exp(log_ratio)
+  ratio = jnp.exp(_level_log_ratio(delta, mask, level))
   w = jnp.where(mask, jnp.minimum(ratio, cap), 0.0)
   metrics = {
       "mismatch": ops.masked_mean(jnp.abs(delta), mask),
@@ -88,11 +92,7 @@ def rejection_mask(old_logp: Array, sampler_logp: Array, mask: Array, low: float
   if level not in REJECT_LEVELS:
     raise ValueError(f"rl.reject={level!r}: choose one of {', '.join(REJECT_LEVELS)} (or '')")
   delta, mask = _log_ratio(old_logp, sampler_logp, mask)
-  if level == "token":
-    log_ratio = delta
-  else:
-    log_ratio = sequence_log_ratio(delta, mask, level == "geometric")[:, None] * jnp.ones_like(
-        delta)
+  log_ratio = _level_log_ratio(delta, mask, level)
   inside = (log_ratio >= jnp.log(low)) & (log_ratio <= jnp.log(high))
   keep = mask & inside
   rejected = mask & ~inside
