@@ -11,6 +11,8 @@ the same forward pass (the single-pass update: one step at the rollout's own par
 
 from __future__ import annotations
 
+from typing import Any, Callable
+
 import jax
 import jax.numpy as jnp
 
@@ -18,8 +20,10 @@ from ppojax.core import correction, losses
 from ppojax.core.algorithms import Algorithm
 from ppojax.learner.experience import Experience, loss_tokens, make_experience
 from ppojax.learner.state import Context, Models, critic_params, policy_params
-from ppojax.models import lora
-from ppojax.models.passes import head_logprobs, response_hidden, response_values
+from ppojax.models import lora, packing
+from ppojax.models.packing import Packing, unpack
+from ppojax.models.passes import (head_logprobs, packed_hidden, packed_values, response_hidden,
+                                  response_values, sequence)
 from ppojax.rollout.rollout import Rollout
 
 Array = jax.Array
@@ -29,36 +33,65 @@ AGGREGATED = ("loss/", "policy/entropy_masked")
 
 
 def actor_forward(actor, models: Models, r: Rollout, temperature: float, ent_coef: float,
-                  ctx: Context = Context()) -> tuple[Array, Array]:
+                  ctx: Context = Context(), packed: Packing | None = None
+                  ) -> tuple[Array, Array]:
   """(log π_T(response_t), entropy_t), each [B, R], at the sampling ``temperature``; the
   entropy carries a gradient only where ``ent_coef`` ≠ 0. ``ctx``: LoRA's frozen base (then
-  ``actor`` holds the adapters) and dropout key."""
-  args = (r.prompts, r.prompt_mask, r.responses, r.mask, r.prefix)
+  ``actor`` holds the adapters) and dropout key. ``packed``: the rows packed
+  (``packed_or_padded``; model and head run on the packed slots, both 0 off the mask)."""
   actor = policy_params(actor, ctx.base)
-  hidden = response_hidden(models.policy, actor, *args,
-                           rngs=lora.dropout_rngs(models.policy, ctx.dropout_key, 0))
-  logp, entropy = head_logprobs(models.policy, actor, hidden, r.responses, temperature,
+  rngs = lora.dropout_rngs(models.policy, ctx.dropout_key, 0)
+  if packed is None:
+    args = (r.prompts, r.prompt_mask, r.responses, r.mask, r.prefix)
+    hidden, targets = response_hidden(models.policy, actor, *args, rngs=rngs), r.responses
+  else:
+    hidden, targets = packed_hidden(models.policy, actor, packed, r.prefix, rngs), packed.targets
+  logp, entropy = head_logprobs(models.policy, actor, hidden, targets, temperature,
                                 entropy=True, chunk_size=None)
+  if packed is not None:
+    logp, entropy = unpack(logp, packed, r.mask), unpack(entropy, packed, r.mask)
   return logp, entropy if ent_coef else jax.lax.stop_gradient(entropy)
 
 
-def critic_forward(critic, models: Models, r: Rollout, ctx: Context = Context()
-                   ) -> Array | None:
+def critic_forward(critic, models: Models, r: Rollout, ctx: Context = Context(),
+                   packed: Packing | None = None) -> Array | None:
   """V(s_t) [B, R], 0 off the mask (None without a critic); a LoRA critic's adapters get the
-  policy's dropout, with a key of their own."""
+  policy's dropout, with a key of their own. ``packed``: as ``actor_forward``'s."""
   if models.critic is None:
     return None
   critic = critic_params(critic, models, ctx.base)
+  rngs = lora.dropout_rngs(models.critic, ctx.dropout_key, 1)
+  if packed is not None:
+    return packed_values(models.critic, critic, packed, r.mask, r.prefix, rngs)
   return response_values(models.critic, critic, r.prompts, r.prompt_mask, r.responses, r.mask,
-                         r.prefix, rngs=lora.dropout_rngs(models.critic, ctx.dropout_key, 1))
+                         r.prefix, rngs=rngs)
 
 
 def update_forward(params, models: Models, r: Rollout, temperature: float, ent_coef: float,
-                   ctx: Context = Context()) -> tuple[Array, Array, Array]:
+                   ctx: Context = Context(), packed: Packing | None = None
+                   ) -> tuple[Array, Array, Array]:
   """(log π_T(response_t), entropy_t, V(s_t)), each [B, R], of params = (actor, critic)."""
   actor, critic = params
-  return (*actor_forward(actor, models, r, temperature, ent_coef, ctx),
-          critic_forward(critic, models, r, ctx))
+  return (*actor_forward(actor, models, r, temperature, ent_coef, ctx, packed),
+          critic_forward(critic, models, r, ctx, packed))
+
+
+def packed_or_padded(fn: Callable[[Packing | None], Any], r: Rollout, cfg) -> tuple[Any, dict]:
+  """(``fn(packing)``, packing metrics): with ``cfg.pack_fraction`` f > 0 the rows of ``r``
+  packed into ⌈f·B⌉ rows (``models.packing``) where they fit, ``fn(None)`` (the padded rows)
+  where they do not, chosen at run time (a ``lax.cond``: both are compiled, one runs; ``fn``
+  should hold the whole gradient, so that no residual crosses the branch). Metrics:
+  ``update/packed`` (1: the packed rows ran) and ``update/pack_fill`` (their real-token share).
+  f = 0: ``fn(None)`` alone."""
+  fraction = cfg.get("pack_fraction", 0.0)
+  if not fraction:
+    return fn(None), {}
+  tokens, mask, positions = sequence(r.prompts, r.prompt_mask, r.responses, r.mask, r.prefix)
+  packed = packing.pack(tokens, mask, positions, r.responses.shape[1],
+                        packing.packed_rows(tokens.shape[0], fraction))
+  out = jax.lax.cond(packed.fits, fn, lambda _: fn(None), packed)
+  return out, {"update/packed": packed.fits.astype(jnp.float32),
+               "update/pack_fill": packing.fill(packed)}
 
 
 def clipped_loss(logp, entropy, values, exp: Experience, algorithm: Algorithm, cfg
@@ -86,11 +119,12 @@ def clipped_loss(logp, entropy, values, exp: Experience, algorithm: Algorithm, c
 
 
 def loss_on(params, models: Models, exp: Experience, algorithm: Algorithm, cfg,
-            temperature: float, ctx: Context = Context()) -> tuple[Array, dict]:
+            temperature: float, ctx: Context = Context(), packed: Packing | None = None
+            ) -> tuple[Array, dict]:
   """The clipped loss of actor and critic on (a slice of) a precomputed experience (with LoRA
   dropout where ``ctx`` has a key: the old log-probs are the sampling policy's, without)."""
   logp, entropy, values = update_forward(params, models, exp.rollout, temperature, cfg.ent_coef,
-                                         ctx)
+                                         ctx, packed)
   return clipped_loss(logp, entropy, values, exp, algorithm, cfg)
 
 

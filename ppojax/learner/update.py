@@ -6,6 +6,8 @@ of K micro-batch gradients, every step guarded by the finiteness of what it read
     E·M·K = 1 and ``reuse_forward``: the one step's own forward pass also gives the old
              log-probs and values, and the experience is built inside its gradient
              (``loss.own_forward_loss``): one actor and one critic forward pass fewer
+    ``rl.pack_fraction`` f > 0: each gradient over the micro-batch's sequences packed into
+             ⌈f·n⌉ rows where they fit, else padded (``loss.packed_or_padded``)
 
 The guard: every optimizer step is a ``lax.cond`` on the finiteness of the scores, the
 advantages (on the mask) and its own losses and gradient norms (``finite_checks``).
@@ -22,9 +24,11 @@ from ppojax.core.algorithms import Algorithm
 from ppojax.core.optim import accumulate
 from ppojax.infra import sharding
 from ppojax.learner.experience import Experience, loss_tokens, make_experience, take_rows
-from ppojax.learner.loss import AGGREGATED, actor_forward, critic_forward, loss_on, own_forward_loss
+from ppojax.learner.loss import (AGGREGATED, actor_forward, critic_forward, loss_on,
+                                 own_forward_loss, packed_or_padded)
 from ppojax.learner.state import Context, Models, TrainState
 from ppojax.models import lora
+from ppojax.models.packing import Packing
 from ppojax.rollout.rollout import Rollout
 
 Array = jax.Array
@@ -100,9 +104,13 @@ def _minibatch_grads(params, models: Models, exp: Experience, idx: Array, algori
   (a ``lax.scan``) and laid out as ``shardings``; a dropout key is split per micro-batch."""
   mb_mask = loss_tokens(exp)[idx.reshape(-1)]
 
-  def grad_fn(*args):
-    g, metrics = jax.grad(loss_on, has_aux=True)(*args)
-    return sharding.constrain(g, shardings), metrics
+  def grad_fn(params, models, part, algorithm, cfg, temperature, ctx):  # packed where it pays
+    def grads(packed):
+      g, metrics = jax.grad(loss_on, has_aux=True)(params, models, part, algorithm, cfg,
+                                                   temperature, ctx, packed)
+      return sharding.constrain(g, shardings), metrics
+    (g, metrics), packing_metrics = packed_or_padded(grads, part.rollout, cfg)
+    return g, {**metrics, **packing_metrics}
 
   def micro(xs):  # (w·g, metrics weighted to add up to the minibatch's)
     micro_idx, key = xs
@@ -128,18 +136,32 @@ def _own_forward_step(models: Models, algorithm: Algorithm, actor_tx, critic_tx,
                       shardings, group_size: int) -> tuple[TrainState, Experience, dict, dict]:
   """The ``reuse_forward`` update: one gradient of ``own_forward_loss``, the critic's backward
   pass and step after the actor's (``lax.optimization_barrier``: the two gradients are never
-  alive together), each step a ``lax.cond``.
+  alive together), each step a ``lax.cond``; over packed rows where they fit
+  (``packed_or_padded``).
 
       (log π, H), vjp_π = vjp(actor_forward, θ);  V, vjp_V = vjp(critic_forward, φ)
       θ ← Adam(vjp_π(∂L/∂(log π, H)))   if experience, loss and ∇θ are finite
       φ ← Adam(vjp_V(∂L/∂V))            if those and ∇φ are finite"""
+  def step(packed):
+    return _own_forward_body(models, algorithm, actor_tx, critic_tx, state, r, scores, cfg,
+                             temperature, shardings, group_size, packed)
+  (state, exp, exp_metrics, metrics), packing_metrics = packed_or_padded(step, r, cfg)
+  return state, exp, exp_metrics, {**metrics, **packing_metrics}
+
+
+def _own_forward_body(models: Models, algorithm: Algorithm, actor_tx, critic_tx,
+                      state: TrainState, r: Rollout, scores: Array, cfg, temperature: float,
+                      shardings, group_size: int, packed: Packing | None
+                      ) -> tuple[TrainState, Experience, dict, dict]:
+  """``_own_forward_step`` on the padded rows (``packed`` None) or the packed ones."""
   actor_shardings, critic_shardings = (None, None) if shardings is None else shardings
   ctx = Context(state.base)  # no dropout: these log-probs and values are also the old ones
   (logp, entropy), actor_vjp = jax.vjp(
-      lambda a: actor_forward(a, models, r, temperature, cfg.ent_coef, ctx), state.actor)
+      lambda a: actor_forward(a, models, r, temperature, cfg.ent_coef, ctx, packed), state.actor)
   values = None
   if state.critic is not None:
-    values, critic_vjp = jax.vjp(lambda c: critic_forward(c, models, r, ctx), state.critic)
+    values, critic_vjp = jax.vjp(lambda c: critic_forward(c, models, r, ctx, packed),
+                                 state.critic)
   (d_logp, d_entropy, d_values), (metrics, exp, exp_metrics) = jax.grad(
       own_forward_loss, has_aux=True)((logp, entropy, values), r, scores, state.kl.beta,
                                       algorithm, cfg, group_size)

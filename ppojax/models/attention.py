@@ -142,12 +142,18 @@ def attend(q: Array, k: Array, v: Array, allowed: Array, keys_transposed: bool =
 def allowed_keys(q_slots: Array, kv_slots: Array, window, kv_mask: Array,
                  see_self: bool = False) -> Array:
   """Bool [B, T, S]: query slot q_slots[t] may see key slot kv_slots[s]: causal over the slots,
-  within the sliding ``window`` (0: no window), and a real token (``kv_mask`` [B, S]) — or,
+  within the sliding ``window`` (0: no window), and a real token (``kv_mask`` [B, S] ≠ 0) — or,
   with ``see_self``, its own slot even where that is padding (a left-padded row's padding then
-  sees itself, not nothing; a real token's own slot is real, so its row is unchanged)."""
+  sees itself, not nothing; a real token's own slot is real, so its row is unchanged).
+
+  An integer ``kv_mask`` holds segment ids (packed rows, ``models.packing``; a cache-free pass,
+  where query t sits at slot t): 0 is padding, and a query sees only keys of its own segment.
+  A 0/1 mask is one segment: the same as a bool mask."""
   allowed = kv_slots[None, :] <= q_slots[:, None]  # causal, over cache slots
   allowed &= (window == 0) | (kv_slots[None, :] > q_slots[:, None] - window)  # sliding window
-  allowed = allowed[None] & kv_mask[:, None, :].astype(jnp.bool_)
+  allowed = allowed[None] & (kv_mask[:, None, :] != 0)
+  if jnp.issubdtype(kv_mask.dtype, jnp.integer):  # segment ids: within the query's segment
+    allowed &= kv_mask[:, None, :] == jnp.take(kv_mask, q_slots, axis=1)[:, :, None]
   if see_self:
     allowed |= (kv_slots[None, :] == q_slots[:, None])[None]
   return allowed

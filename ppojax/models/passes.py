@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 
 from ppojax.core import logprobs, ops
+from ppojax.models.packing import Packing, unpack
 from ppojax.models.cache import positions_from_mask
 
 Array = jax.Array
@@ -64,6 +65,24 @@ def response_hidden(module: nn.Module, params, prompts, prompt_mask, responses, 
                            method="hidden", rngs=rngs)
   r = responses.shape[1]
   return hidden[:, -r - 1:-1]
+
+
+def packed_hidden(module: nn.Module, params, packing: Packing, prefix: Array | None = None,
+                  rngs: dict | None = None) -> Array:
+  """The policy's final hidden states [N, L, D] over packed rows (``models.packing``): every
+  segment attends to itself only (and to the shared ``prefix`` [C], run once)."""
+  hidden, _ = module.apply({"params": params}, packing.tokens, packing.positions,
+                           packing.segments, prefix=prefix, method="hidden", rngs=rngs)
+  return hidden
+
+
+def packed_values(module: nn.Module, params, packing: Packing, response_mask: Array,
+                  prefix: Array | None = None, rngs: dict | None = None) -> Array:
+  """V(s_t) [B, R] from a ``ValueModel`` run over packed rows: ``response_values`` without the
+  padding's FLOPs."""
+  out, _ = module.apply({"params": params}, packing.tokens, packing.positions,
+                        packing.segments, prefix=prefix, rngs=rngs)
+  return unpack(out, packing, response_mask)
 
 
 def head_params(params) -> dict:

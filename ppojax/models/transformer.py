@@ -12,6 +12,8 @@ Calling convention (``CausalLM`` and ``ValueModel`` alike)::
 * ``tokens``/``positions``: [B, T] int32. Prompts are left-padded; ``positions`` count real tokens
   only (``positions_from_mask``), so a row's first real token has position 0.
 * without a cache: ``kv_mask`` [B, T] marks real tokens; attention is causal over the T tokens.
+  An int32 ``kv_mask`` holds segment ids instead (packed rows, ``models/packing.py``): 0 is
+  padding, and each token attends only within its own segment.
 * with a cache (``models/cache.py``; ``init_cache``: keys [L, B, H_kv, D, S], values [L, B, H_kv,
   S, D]): the T new tokens are written at slots ``cache_index … cache_index + T − 1``; ``kv_mask``
   [B, S] marks every slot holding a real token (prompt and generated so far, the new ones

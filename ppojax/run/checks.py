@@ -1,9 +1,8 @@
-"""The checks of a run's config, before any model is loaded or anything compiles: option names
-(with the nearest valid ones suggested) and types against ``ppojax.run.config.defaults()``, choices,
-ranges, sizes that must fit together (batch vs minibatches × micro-batches × data-parallel
-devices, the mesh vs the devices, prompt + response vs the model's context), the algorithm's
-resolved choices, the packages an option needs and the task's own options. ``validate`` runs
-them all and raises ``ConfigError`` with one clear message. Also the sizes a config implies.
+"""The checks of a run's config, before any model loads or anything compiles: option names (the
+nearest valid ones suggested) and types against ``config.defaults()``, choices, ranges, sizes that
+must fit together (batch vs minibatches × micro-batches × data-parallel devices, the mesh vs the
+devices, prompt + response vs the context), the algorithm's resolved choices, the packages an
+option needs, the task's options. ``validate`` raises ``ConfigError`` with one clear message.
 """
 
 from __future__ import annotations
@@ -210,6 +209,7 @@ RANGES = (
     ("rl.overlong_factor", lambda v: v >= 0, "must be >= 0 (the penalty at the length limit)"),
     ("rl.oversample", lambda v: v >= 1, "must be >= 1: the prompts sampled per iteration, "
      "as a multiple of rl.batch_size (dynamic sampling learns from rl.batch_size of them)"),
+    ("rl.pack_fraction", lambda v: 0 <= v <= 1, "must be in [0, 1] (packed rows per row; 0: off)"),
     ("rl.reject_low", lambda v: 0 < v <= 1,
      "must be in (0, 1]: tokens whose sampler/learner ratio is below it leave the loss"),
     ("rl.reject_high", lambda v: v >= 1,

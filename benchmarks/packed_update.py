@@ -1,0 +1,179 @@
+"""The learn phase with packed rows vs padded rows (``rl.pack_fraction``), side by side in one run,
+on responses whose lengths have a long tail.
+
+    python benchmarks/packed_update.py [--config configs/grpo_arith.py] [--batch 16]
+        [--response-length 128] [--median-length 24] [--pack-fraction 0.5] [--iterations 3]
+        [--small]
+
+One GRPO rollout of configs/grpo_arith.py (SmolLM2-135M-Instruct, the arithmetic task's
+chat-templated prompts, ``--batch`` rows, float32, the single-pass update) is sampled once at
+``--response-length`` tokens; then each row's response is cut to a length drawn from a
+log-normal distribution with median ``--median-length`` (σ = 0.8, seed 0), clipped to
+[1, ``--response-length``]: most responses short, a few at the limit (those lose their stop
+token: truncated). The same rollout and scores then go through two compiled ``learn`` steps
+built from the same config and weights, one padded (``rl.pack_fraction = 0``) and one packed
+(``--pack-fraction``), their calls interleaved so that load drift hits both alike:
+``padded_seconds`` and ``packed_seconds`` (medians of ``--iterations`` calls after a warm-up
+that compiles), ``speedup`` (padded / packed), whether the packed step really ran packed
+(``update/packed``), the slots' fill, and each side's XLA FLOPs (``cost_analysis`` of the
+gradient alone, padded rows vs packed rows, without the ``lax.cond`` that picks one).
+The two steps' losses and gradient norms must agree (``max_relative_diff``). ``--small``: a tiny
+random model instead of SmolLM2, packed one sequence per row (a check of the script, not a
+figure). The last line is JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import statistics
+import subprocess
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ppojax.learner import loss as loss_lib
+from ppojax.learner.experience import make_experience
+from ppojax.learner.state import Context
+from ppojax.models import packing
+from ppojax.models.passes import sequence
+from ppojax.run import build as build_lib
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+from ppo_step import matmul_peak  # noqa: E402
+
+CONFIGS = pathlib.Path(__file__).resolve().parents[1] / "configs"
+
+
+def make_config(args, fraction: float):
+  overrides = {"rl__batch_size": args.batch // args.samples, "rl__pack_fraction": fraction,
+               "sampling__num_samples_per_prompt": args.samples,
+               "sampling__max_new_tokens": args.response_length, "rl__num_epochs": 1,
+               "rl__num_minibatches": 1, "rl__grad_accum": 1}
+  if args.small:
+    overrides.update(model__policy="tiny", data__task="count", reward__kind="jax",
+                     reward__fn="ppojax.tasks.count:count_reward", sampling__stop_ids=[0],
+                     sampling__pad_id=0)
+  return build_lib.load_config(pathlib.Path(args.config), **overrides)
+
+
+def long_tail(r, args):
+  """The rollout with each response cut to a log-normal length (median ``--median-length``):
+  tokens after it become padding; one cut at the limit keeps no stop token."""
+  rng = np.random.RandomState(0)
+  b, big_r = r.responses.shape
+  lengths = np.clip(np.round(rng.lognormal(np.log(args.median_length), 0.8, b)), 1, big_r)
+  mask = np.arange(big_r)[None] < lengths[:, None]
+  pad = 0 if args.small else int(np.asarray(r.responses)[0, -1])
+  responses = np.where(mask, np.asarray(r.responses), pad)
+  cut = lambda x: None if x is None else jnp.where(mask, x, 0.0)  # noqa: E731
+  return r._replace(responses=jnp.asarray(responses, jnp.int32), mask=jnp.asarray(mask),
+                    has_stop=jnp.asarray(lengths < big_r), old_logp=cut(r.old_logp),
+                    ref_logp=cut(r.ref_logp), sampler_logp=cut(r.sampler_logp)), lengths
+
+
+def grad_flops(run, r, scores, layout) -> float:
+  """XLA's FLOPs of the policy's loss gradient on the padded rows (``layout`` None) or packed."""
+  cfg, algorithm = run.config.rl, run.algorithm
+
+  def loss(actor):
+    logp, ent = loss_lib.actor_forward(actor, run.models, r, run.sampling.temperature,
+                                       cfg.ent_coef, Context(run.state.base), layout)
+    exp, _ = make_experience(r._replace(old_logp=jax.lax.stop_gradient(logp)), scores,
+                             run.state.kl.beta, algorithm, cfg,
+                             run.sampling.num_samples_per_prompt)
+    return loss_lib.clipped_loss(logp, ent, None, exp, algorithm, cfg)[0]
+
+  compiled = jax.jit(jax.grad(loss)).lower(run.state.actor).compile()
+  cost = compiled.cost_analysis()
+  cost = cost[0] if isinstance(cost, list) else cost
+  return float(cost.get("flops", float("nan")))
+
+
+def cpu_name() -> str:
+  for line in subprocess.run(["lscpu"], capture_output=True, text=True,
+                             check=False).stdout.splitlines():
+    if line.startswith("Model name:"):
+      return line.split(":", 1)[1].strip()
+  return "unknown"
+
+
+def main(argv=None):
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--config", default=str(CONFIGS / "grpo_arith.py"))
+  parser.add_argument("--batch", type=int, default=16, help="rows (prompts × samples)")
+  parser.add_argument("--samples", type=int, default=4)
+  parser.add_argument("--response-length", type=int, default=128)
+  parser.add_argument("--median-length", type=float, default=24)
+  parser.add_argument("--pack-fraction", type=float, default=0.5)
+  parser.add_argument("--iterations", type=int, default=3)
+  parser.add_argument("--small", action="store_true")
+  args = parser.parse_args(argv)
+  if args.small:
+    args.response_length, args.median_length = min(args.response_length, 6), 2
+    args.pack_fraction = 1.0  # toy rows are too short for two sequences: pack one per row
+
+  runs = {f: build_lib.build(make_config(args, f)) for f in (0.0, args.pack_fraction)}
+  padded_run = runs[0.0]
+  prompts = padded_run.source.batch(0).prompts
+  r = padded_run.step.rollout(padded_run.state, padded_run.frozen, prompts)
+  r, lengths = long_tail(r, args)
+  scores = jnp.asarray(np.random.RandomState(1).randint(0, 2, r.mask.shape[0]), jnp.float32)
+
+  def call(run):  # (seconds, new state, metrics): the state is donated, so a copy goes in
+    state = jax.block_until_ready(jax.tree.map(jnp.copy, run.state))
+    start = time.perf_counter()
+    new, metrics = jax.block_until_ready(run.step.learn(state, r, scores))
+    return time.perf_counter() - start, new, jax.device_get(metrics)
+
+  warm = {f: call(run)[0] for f, run in runs.items()}
+  times, last = {f: [] for f in runs}, {}
+  for _ in range(args.iterations):
+    for f, run in runs.items():
+      seconds, new, metrics = call(run)
+      times[f].append(seconds)
+      last[f] = (new, metrics)
+  (_, padded_metrics), (_, packed_metrics) = last[0.0], last[args.pack_fraction]
+  # the loss, KL and gradient norm of the two forms (Adam's first step is sign(g)·lr, so the
+  # parameters alone would hide a wrong gradient)
+  diff = {k: abs(float(packed_metrics[k]) / float(padded_metrics[k]) - 1.0)
+          for k in padded_metrics if k.startswith(("loss/", "policy/grad_norm", "policy/kl"))}
+
+  tokens, mask, positions = sequence(r.prompts, r.prompt_mask, r.responses, r.mask, r.prefix)
+  rows = packing.packed_rows(tokens.shape[0], args.pack_fraction)
+  layout = packing.pack(tokens, mask, positions, r.responses.shape[1], rows)
+  flops = {name: grad_flops(padded_run, r, scores, lay)
+           for name, lay in (("padded", None), ("packed", layout))}
+  padded_s, packed_s = (statistics.median(times[f]) for f in (0.0, args.pack_fraction))
+  out = {
+      "benchmark": "packed_update", "model": "tiny" if args.small else "smollm2",
+      "rows": int(tokens.shape[0]), "row_length": int(tokens.shape[1]),
+      "packed_rows": rows, "response_length": args.response_length,
+      "mean_response_length": float(np.mean(lengths)),
+      "max_response_length": int(np.max(lengths)),
+      "truncated_fraction": float(np.mean(lengths >= args.response_length)),
+      "slot_fill_padded": float(jnp.mean(mask.astype(jnp.float32))),
+      "slot_fill_packed": float(packed_metrics["update/pack_fill_avg"]),
+      "ran_packed": float(packed_metrics["update/packed_avg"]),
+      "padded_seconds": padded_s, "packed_seconds": packed_s,
+      "speedup": padded_s / packed_s,
+      "padded_times": times[0.0], "packed_times": times[args.pack_fraction],
+      "compile_and_first_seconds": {"padded": warm[0.0], "packed": warm[args.pack_fraction]},
+      "grad_gflop_padded": flops["padded"] / 1e9, "grad_gflop_packed": flops["packed"] / 1e9,
+      "flop_ratio": flops["padded"] / flops["packed"],
+      "max_relative_diff": max(diff.values()), "compared": sorted(diff), "cpu": cpu_name(),
+      "fp32_matmul_gflops": matmul_peak(jnp.float32, 256 if args.small else 2048),
+      "jax": jax.__version__, "commit": subprocess.run(
+          ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+          check=False).stdout.strip(),
+  }
+  print(json.dumps(out))
+  return out
+
+
+if __name__ == "__main__":
+  main()
