@@ -138,10 +138,11 @@ def main(argv=None):
       times[f].append(seconds)
       last[f] = (new, metrics)
   (_, padded_metrics), (_, packed_metrics) = last[0.0], last[args.pack_fraction]
-  # the loss, KL and gradient norm of the two forms (Adam's first step is sign(g)·lr, so the
+  # the losses and gradient norm of the two forms (Adam's first step is sign(g)·lr, so the
   # parameters alone would hide a wrong gradient)
-  diff = {k: abs(float(packed_metrics[k]) / float(padded_metrics[k]) - 1.0)
-          for k in padded_metrics if k.startswith(("loss/", "policy/grad_norm", "policy/kl"))}
+  diff = {k: abs(float(packed_metrics[k]) - float(padded_metrics[k]))
+          / max(abs(float(padded_metrics[k])), 1e-12)
+          for k in ("loss/policy_avg", "loss/total_avg", "policy/grad_norm_avg")}
 
   tokens, mask, positions = sequence(r.prompts, r.prompt_mask, r.responses, r.mask, r.prefix)
   rows = packing.packed_rows(tokens.shape[0], args.pack_fraction)
