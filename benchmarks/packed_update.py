@@ -15,8 +15,8 @@ built from the same config and weights, one padded (``rl.pack_fraction = 0``) an
 (``--pack-fraction``), their calls interleaved so that load drift hits both alike:
 ``padded_seconds`` and ``packed_seconds`` (medians of ``--iterations`` calls after a warm-up
 that compiles), ``speedup`` (padded / packed), whether the packed step really ran packed
-(``update/packed``), the slots' fill, and each side's XLA FLOPs (``cost_analysis`` of the
-gradient alone, padded rows vs packed rows, without the ``lax.cond`` that picks one).
+(``update/packed``), the slots' fill, and each side's model FLOPs of the policy's forward and
+backward (``update_tflop``) with the GFLOP/s they ran at.
 The two steps' losses and gradient norms must agree (``max_relative_diff``). ``--small``: a tiny
 random model instead of SmolLM2, packed one sequence per row (a check of the script, not a
 figure). The last line is JSON.
@@ -36,11 +36,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ppojax.learner import loss as loss_lib
-from ppojax.learner.experience import make_experience
-from ppojax.learner.state import Context
+from ppojax.infra import flops
 from ppojax.models import packing
-from ppojax.models.passes import sequence
 from ppojax.run import build as build_lib
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
@@ -76,22 +73,16 @@ def long_tail(r, args):
                     ref_logp=cut(r.ref_logp), sampler_logp=cut(r.sampler_logp)), lengths
 
 
-def grad_flops(run, r, scores, layout) -> float:
-  """XLA's FLOPs of the policy's loss gradient on the padded rows (``layout`` None) or packed."""
-  cfg, algorithm = run.config.rl, run.algorithm
-
-  def loss(actor):
-    logp, ent = loss_lib.actor_forward(actor, run.models, r, run.sampling.temperature,
-                                       cfg.ent_coef, Context(run.state.base), layout)
-    exp, _ = make_experience(r._replace(old_logp=jax.lax.stop_gradient(logp)), scores,
-                             run.state.kl.beta, algorithm, cfg,
-                             run.sampling.num_samples_per_prompt)
-    return loss_lib.clipped_loss(logp, ent, None, exp, algorithm, cfg)[0]
-
-  compiled = jax.jit(jax.grad(loss)).lower(run.state.actor).compile()
-  cost = compiled.cost_analysis()
-  cost = cost[0] if isinstance(cost, list) else cost
-  return float(cost.get("flops", float("nan")))
+def update_tflop(cfg, rows: int, length: int, head_slots: int) -> float:
+  """Model TFLOP of the policy's forward and backward (3× the forward; ``infra/flops.py``'s
+  convention) over ``rows`` rows of ``length`` tokens, each attending to all earlier slots of
+  its row (a packed row's masked scores are computed too), the LM head on ``head_slots``
+  positions (padded: the B·R response positions; packed: every slot). A shared prefix runs
+  once for the batch either way and is left out."""
+  attn = 4 * cfg.num_layers * cfg.num_heads * cfg.head_dim * length * (length + 1) / 2
+  forward = rows * (2 * flops.body_params(cfg) * length + attn) + (
+      2 * cfg.hidden_size * cfg.vocab_size * head_slots)
+  return 3 * forward / 1e12
 
 
 def cpu_name() -> str:
@@ -144,28 +135,32 @@ def main(argv=None):
           / max(abs(float(padded_metrics[k])), 1e-12)
           for k in ("loss/policy_avg", "loss/total_avg", "policy/grad_norm_avg")}
 
-  tokens, mask, positions = sequence(r.prompts, r.prompt_mask, r.responses, r.mask, r.prefix)
-  rows = packing.packed_rows(tokens.shape[0], args.pack_fraction)
-  layout = packing.pack(tokens, mask, positions, r.responses.shape[1], rows)
-  flops = {name: grad_flops(padded_run, r, scores, lay)
-           for name, lay in (("padded", None), ("packed", layout))}
+  b, length = r.prompts.shape[0], r.prompts.shape[1] + r.responses.shape[1] - (
+      0 if r.prefix is None else r.prefix.shape[0])
+  rows = packing.packed_rows(b, args.pack_fraction)
+  cfg = padded_run.models.policy.cfg
+  tflop = {"padded": update_tflop(cfg, b, length, b * r.responses.shape[1]),
+           "packed": update_tflop(cfg, rows, length, rows * length)}
   padded_s, packed_s = (statistics.median(times[f]) for f in (0.0, args.pack_fraction))
   out = {
       "benchmark": "packed_update", "model": "tiny" if args.small else "smollm2",
-      "rows": int(tokens.shape[0]), "row_length": int(tokens.shape[1]),
+      "rows": b, "row_length": length,
       "packed_rows": rows, "response_length": args.response_length,
       "mean_response_length": float(np.mean(lengths)),
       "max_response_length": int(np.max(lengths)),
       "truncated_fraction": float(np.mean(lengths >= args.response_length)),
-      "slot_fill_padded": float(jnp.mean(mask.astype(jnp.float32))),
+      "slot_fill_padded": float(jnp.sum(r.mask) + jnp.sum(r.prompt_mask)
+                                - b * (0 if r.prefix is None else r.prefix.shape[0])) / (b * length),
       "slot_fill_packed": float(packed_metrics["update/pack_fill_avg"]),
       "ran_packed": float(packed_metrics["update/packed_avg"]),
       "padded_seconds": padded_s, "packed_seconds": packed_s,
       "speedup": padded_s / packed_s,
       "padded_times": times[0.0], "packed_times": times[args.pack_fraction],
       "compile_and_first_seconds": {"padded": warm[0.0], "packed": warm[args.pack_fraction]},
-      "grad_gflop_padded": flops["padded"] / 1e9, "grad_gflop_packed": flops["packed"] / 1e9,
-      "flop_ratio": flops["padded"] / flops["packed"],
+      "update_tflop_padded": tflop["padded"], "update_tflop_packed": tflop["packed"],
+      "flop_ratio": tflop["padded"] / tflop["packed"],
+      "gflops_padded": 1e3 * tflop["padded"] / padded_s,
+      "gflops_packed": 1e3 * tflop["packed"] / packed_s,
       "max_relative_diff": max(diff.values()), "compared": sorted(diff), "cpu": cpu_name(),
       "fp32_matmul_gflops": matmul_peak(jnp.float32, 256 if args.small else 2048),
       "jax": jax.__version__, "commit": subprocess.run(

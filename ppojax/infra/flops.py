@@ -27,6 +27,14 @@ MFU convention). ``benchmarks/ppo_step.py`` and ``ppojax.run.aot`` report these 
 from __future__ import annotations
 
 
+def body_params(cfg) -> int:
+  """N_body: the matmul parameters each token passes through in the layers (above)."""
+  d, f, h, hk, hd = (cfg.hidden_size, cfg.intermediate_size, cfg.num_heads, cfg.num_kv_heads,
+                     cfg.head_dim)
+  mlp = 2 if cfg.model_type == "gpt2" else 3  # fc, proj; or SwiGLU's gate, up, down
+  return cfg.num_layers * (d * h * hd + 2 * d * hk * hd + h * hd * d + mlp * d * f)
+
+
 def model_flops(cfg, batch: int, prompt_len: int, response_len: int, lm_head: str = "ppojax",
                 old_logp_fwd: bool = True, critic_fwd: bool = True, shared: int = 0,
                 epochs: int = 1, samples: int = 1, critic: bool = True, reference: bool = True,
@@ -43,11 +51,9 @@ def model_flops(cfg, batch: int, prompt_len: int, response_len: int, lm_head: st
   the update trains adapters only (policy and critic), so its backward pass computes the
   activations' gradients (1× the forward) and no weight gradients: fwd+bwd = 2× the forward
   instead of 3× (the rank-r adapters' own matmuls, ~2r/d of the layer's, are not counted)."""
-  d, f, n_layers = cfg.hidden_size, cfg.intermediate_size, cfg.num_layers
-  h, hk, hd, vocab = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.vocab_size
-  mlp = 2 if cfg.model_type == "gpt2" else 3  # fc, proj; or SwiGLU's gate, up, down
-  n_body = n_layers * (d * h * hd + 2 * d * hk * hd + h * hd * d + mlp * d * f)
-  n_lm, n_score = (0 if lm_head == "none" else d * vocab), d
+  d, n_layers, h, hd = cfg.hidden_size, cfg.num_layers, cfg.num_heads, cfg.head_dim
+  n_body = body_params(cfg)
+  n_lm, n_score = (0 if lm_head == "none" else d * cfg.vocab_size), d
   attn = lambda c: 4 * n_layers * h * hd * c  # noqa: E731
   p, r = prompt_len, response_len
   t = p + r
