@@ -127,3 +127,32 @@ def test_a_forward_has_the_model_flops_xla_counts(shape):
   model = flops.model_flops(cfg, batch, p, r, lm_head="all")["reference log-probs (fwd)"]
   upper = batch * 4 * n_layers * heads * cfg.head_dim * (t * t - t * (t + 1) // 2)
   assert 1.0 <= xla / (model + upper) < 1.0 + ELEMENTWISE, (xla, model, upper)
+
+
+def test_aot_counts_the_rollout_over_the_oversampled_prompts_and_the_update_over_the_batch():
+  """Dynamic sampling (``rl.oversample`` = 2) samples, generates and scores twice the prompts
+  and learns from ``rl.batch_size`` of them: twice the rollout's FLOPs, the same update's."""
+  import types  # pylint: disable=import-outside-toplevel
+
+  from ppojax.run import aot  # pylint: disable=import-outside-toplevel
+  from ppojax.run import build as build_lib  # pylint: disable=import-outside-toplevel
+  from test_step import _CONFIGS  # pylint: disable=import-outside-toplevel
+  cfg = ModelConfig(model_type="llama", vocab_size=64, hidden_size=32, intermediate_size=48,
+                    num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8,
+                    max_position_embeddings=64, norm_eps=1e-5, tie_word_embeddings=False)
+
+  def total(oversample):
+    config = build_lib.load_config(
+        _CONFIGS / "toy.py", algorithm="grpo", rl__batch_size=8, rl__dynamic_sampling=True,
+        rl__oversample=oversample, sampling__num_samples_per_prompt=2, rl__num_epochs=1,
+        rl__num_minibatches=1)  # single pass: no old log-probs or values in the rollout
+    run = types.SimpleNamespace(config=config, policy=types.SimpleNamespace(cfg=cfg),
+                                models=types.SimpleNamespace(critic=None, reward=None),
+                                frozen=types.SimpleNamespace(reference=object()))
+    return aot.iteration_flops(run)
+
+  parts = flops.model_flops(cfg, 8, 6, 6, old_logp_fwd=False, critic_fwd=False, samples=2,
+                            critic=False, reward_model=False)
+  update = parts["policy fwd+bwd"]
+  assert total(1.0) == pytest.approx(sum(parts.values()))
+  assert total(2.0) == pytest.approx(2 * sum(parts.values()) - update)

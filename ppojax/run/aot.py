@@ -3,13 +3,11 @@
     python -m ppojax.run.aot --config configs/scale.py:qwen2_5_0_5b --topology v5e:2x4 \\
         [--config.section.field=value ...]
 
-The step is the one a training run compiles: ``build_lib.build(config, devices=..., abstract=True)``
-builds the same models, optimizers, partition rules and ``make_step`` as ``build_lib.build``
-does for a run, with parameters and optimizer states as ``jax.ShapeDtypeStruct``s (no weights
-are read) placed on a mesh over the topology's devices (``jax.experimental.topologies``, which
-needs libtpu: ``pip install -e ".[tpu]"``). The fused iteration is then lowered and compiled for
-those devices on this machine, and the compiled program's ``memory_analysis()`` gives the bytes
-each device needs:
+The step is the one a training run compiles: ``build_lib.build(config, devices=...,
+abstract=True)`` builds a run's models, optimizers, partition rules and ``make_step``, with
+parameters and optimizer states as ``jax.ShapeDtypeStruct``s (no weights read) on a mesh over
+the topology's devices (``jax.experimental.topologies``; needs ``pip install -e ".[tpu]"``). The
+fused iteration is compiled for them here; ``memory_analysis()`` gives each device's bytes:
 
     per device = arguments + outputs + temporaries − aliased (outputs written over donated inputs)
 
@@ -37,6 +35,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
+from ppojax.core import selection  # noqa: E402
 from ppojax.data import encoding  # noqa: E402
 from ppojax.data.batch import Prompts  # noqa: E402
 from ppojax.infra import flops
@@ -241,17 +240,24 @@ def _param_bytes(trees) -> tuple[int, int, int]:
 
 def iteration_flops(run, prefix_len: int = 0) -> float:
   """Model FLOPs of one iteration (``ppojax.infra.flops``; XLA's ``cost_analysis`` counts a loop's
-  body once, so it cannot give them for a scanned, decoding step)."""
+  body once, so it cannot give them for a scanned, decoding step): the rollout's over the
+  prompts sampled (× ``rl.oversample``), the update's over ``rl.batch_size``, rows padded
+  (packed rows, ``rl.pack_fraction``, lower the update's share by what the lengths allow)."""
   config = run.config
   one_pass = update_lib.single_pass(config.rl, config.lora.dropout)
-  parts = flops.model_flops(
-      run.policy.cfg, config.rl.batch_size, checks_lib.prompt_length(config),
-      config.sampling.max_new_tokens, old_logp_fwd=not one_pass and
-      config.rl.old_logprobs == "recompute", critic_fwd=not one_pass,
-      epochs=config.rl.num_epochs, samples=config.sampling.num_samples_per_prompt,
-      critic=run.models.critic is not None, reference=run.frozen.reference is not None,
-      reward_model=run.models.reward is not None, shared=prefix_len)
-  return sum(parts.values())
+
+  def parts(prompts: int) -> dict[str, float]:
+    return flops.model_flops(
+        run.policy.cfg, prompts, checks_lib.prompt_length(config),
+        config.sampling.max_new_tokens, old_logp_fwd=not one_pass and
+        config.rl.old_logprobs == "recompute", critic_fwd=not one_pass,
+        epochs=config.rl.num_epochs, samples=config.sampling.num_samples_per_prompt,
+        critic=run.models.critic is not None, reference=run.frozen.reference is not None,
+        reward_model=run.models.reward is not None, shared=prefix_len)
+
+  sampled = parts(selection.sampled_prompts(config.rl.batch_size, config.rl.oversample))
+  learned = parts(config.rl.batch_size)
+  return sum(learned[k] if k.endswith("fwd+bwd") else v for k, v in sampled.items())
 
 
 def report(config, topology: str, result: Compiled) -> dict[str, Any]:
