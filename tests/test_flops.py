@@ -134,9 +134,10 @@ def test_aot_counts_the_rollout_over_the_oversampled_prompts_and_the_update_over
   and learns from ``rl.batch_size`` of them: twice the rollout's FLOPs, the same update's."""
   import types  # pylint: disable=import-outside-toplevel
 
+  from test_step import _CONFIGS  # pylint: disable=import-outside-toplevel
+
   from ppojax.run import aot  # pylint: disable=import-outside-toplevel
   from ppojax.run import build as build_lib  # pylint: disable=import-outside-toplevel
-  from test_step import _CONFIGS  # pylint: disable=import-outside-toplevel
   cfg = ModelConfig(model_type="llama", vocab_size=64, hidden_size=32, intermediate_size=48,
                     num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8,
                     max_position_embeddings=64, norm_eps=1e-5, tie_word_embeddings=False)

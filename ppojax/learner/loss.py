@@ -22,8 +22,14 @@ from ppojax.learner.experience import Experience, loss_tokens, make_experience
 from ppojax.learner.state import Context, Models, critic_params, policy_params
 from ppojax.models import lora, packing
 from ppojax.models.packing import Packing, unpack
-from ppojax.models.passes import (head_logprobs, packed_hidden, packed_values, response_hidden,
-                                  response_values, sequence)
+from ppojax.models.passes import (
+  head_logprobs,
+  packed_hidden,
+  packed_values,
+  response_hidden,
+  response_values,
+  sequence,
+)
 from ppojax.rollout.rollout import Rollout
 
 Array = jax.Array

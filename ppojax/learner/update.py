@@ -24,8 +24,14 @@ from ppojax.core.algorithms import Algorithm
 from ppojax.core.optim import accumulate
 from ppojax.infra import sharding
 from ppojax.learner.experience import Experience, loss_tokens, make_experience, take_rows
-from ppojax.learner.loss import (AGGREGATED, actor_forward, critic_forward, loss_on,
-                                 own_forward_loss, packed_or_padded)
+from ppojax.learner.loss import (
+  AGGREGATED,
+  actor_forward,
+  critic_forward,
+  loss_on,
+  own_forward_loss,
+  packed_or_padded,
+)
 from ppojax.learner.state import Context, Models, TrainState
 from ppojax.models import lora
 from ppojax.models.packing import Packing
