@@ -336,7 +336,7 @@ MISWIRINGS = {
         exp, (idx + 1) % exp.advantages.shape[0])),
     # the update's log-probs and entropy at T = 1 whatever the sampler's temperature
     "update_at_temperature_1": (loss_lib, "actor_forward", lambda f: (
-        lambda a, m, r, t, e, base=None: f(a, m, r, 1.0, e, base))),
+        lambda a, m, r, t, e, *rest: f(a, m, r, 1.0, e, *rest))),
 }
 
 

@@ -12,12 +12,14 @@ import subprocess
 import sys
 
 import numpy as np
+from conftest import TEST_XLA_FLAGS
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 SCRIPT = """
 import json, os, sys
 devices, process_id, port = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
-os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
+os.environ["XLA_FLAGS"] = (f"--xla_force_host_platform_device_count={devices} "
+                           + os.environ.get("XLA_FLAGS", ""))  # the suite's flags (conftest)
 import importlib.util
 import jax
 from ppojax.run import runner
@@ -45,7 +47,8 @@ def _free_port() -> int:
 def _start(tmp_path, devices, process_id, port):
   script = tmp_path / "train.py"
   script.write_text(SCRIPT)
-  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  env = {**{k: v for k, v in os.environ.items() if k != "XLA_FLAGS"},
+         "XLA_FLAGS": TEST_XLA_FLAGS}  # the script adds its device count
   return subprocess.Popen(
       [sys.executable, str(script), str(devices), str(process_id), str(port),
        str(ROOT / "configs" / "toy.py")],

@@ -9,7 +9,7 @@ restarting at each segment's start), so the update's FLOPs follow the tokens sam
     log π(response_i,t) = packed output at (row_i, offset_i + p_i − 1 + t)  (``unpack``)
 
 Shapes are static (N and L are fixed per program): where a batch's sequences do not fit, ``fits``
-is False and the caller runs the padded rows instead (``learner.packed.packed_or_padded``).
+is False and the caller runs the padded rows instead (``learner.loss.packed_or_padded``).
 The segment ids ride in the model's ``kv_mask`` (int32: 0 padding, i + 1 sequence i;
 ``attention.allowed_keys``). verl's ``use_remove_padding`` packs into one token stream of
 dynamic length (flash-attention varlen); here the row count is static and the shape compiles

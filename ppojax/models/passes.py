@@ -18,8 +18,8 @@ import jax
 import jax.numpy as jnp
 
 from ppojax.core import logprobs, ops
-from ppojax.models.packing import Packing, unpack
 from ppojax.models.cache import positions_from_mask
+from ppojax.models.packing import Packing, unpack
 
 Array = jax.Array
 
