@@ -194,7 +194,8 @@ def test_rlhf_held_out_evaluation_reports_the_reward_models_score(  # noqa: F811
       *held_out.policy_model(r, r.state), r.source.eval_records, r.source.encode,
       evaluation.greedy(r.sampling), r.policy.tokenizer, 3, scorer=spy)
   assert texts == [x["completion"] for x in rows]
-  np.testing.assert_allclose(scores, [x["reward_model"] for x in rows], rtol=1e-6)
+  # two compiled programs: each its own rounding
+  np.testing.assert_allclose(scores, [x["reward_model"] for x in rows], rtol=1e-5, atol=1e-6)
   assert len(seen) == 2 and len(set(np.round(scores, 6))) > 1
   for prompts, prompt_mask, responses, response_mask, got in seen:
     for i in range(3):

@@ -309,7 +309,8 @@ def test_reward_model_and_critic_initialised_from_it(tmp_path):
   args = (rollout.prompts, rollout.prompt_mask, rollout.responses, rollout.mask)
   assert rollout.prefix is not None  # every count prompt begins with BOS
   want = passes_lib.model_scores(r.models.reward, r.frozen.reward, *args, rollout.prefix)
-  np.testing.assert_allclose(np.asarray(scores), np.asarray(want), rtol=1e-6)
+  # two compiled programs: each its own rounding
+  np.testing.assert_allclose(np.asarray(scores), np.asarray(want), rtol=1e-5, atol=1e-6)
   whole = passes_lib.model_scores(r.models.reward, r.frozen.reward, *args)  # prefix per row
   np.testing.assert_allclose(np.asarray(scores), np.asarray(whole), rtol=1e-5, atol=1e-6)
   assert np.isfinite(metrics["loss/value_avg"]) and int(state.step) == 1
