@@ -36,9 +36,6 @@ def get_config() -> ml_collections.ConfigDict:
   c.data.rg.extract = "last_number"  # "2 + 9 = 11" answers 11 (the default: the last line)
   c.data.rg.eval_size = 128
   c.data.max_prompt_len = 48  # the longest: "99 - 99 =" through the chat template
-  # answers end well before the limit: the update packs its sequences into half the rows where
-  # they fit (docs/design.md, "Packed rows"; equal results)
-  c.rl.pack_fraction = 0.5
 
   c.reward.kind = "text"
   c.reward.fn = "ppojax.tasks.reasoning:reward"
