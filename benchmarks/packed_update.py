@@ -41,6 +41,7 @@ from ppojax.models import packing
 from ppojax.run import build as build_lib
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+from algorithms import cpu_name  # noqa: E402
 from ppo_step import matmul_peak  # noqa: E402
 
 CONFIGS = pathlib.Path(__file__).resolve().parents[1] / "configs"
@@ -83,14 +84,6 @@ def update_tflop(cfg, rows: int, length: int, head_slots: int) -> float:
   forward = rows * (2 * flops.body_params(cfg) * length + attn) + (
       2 * cfg.hidden_size * cfg.vocab_size * head_slots)
   return 3 * forward / 1e12
-
-
-def cpu_name() -> str:
-  for line in subprocess.run(["lscpu"], capture_output=True, text=True,
-                             check=False).stdout.splitlines():
-    if line.startswith("Model name:"):
-      return line.split(":", 1)[1].strip()
-  return "unknown"
 
 
 def main(argv=None):
