@@ -59,15 +59,14 @@ def make_config(args, fraction: float):
   return build_lib.load_config(pathlib.Path(args.config), **overrides)
 
 
-def long_tail(r, args):
+def long_tail(r, args, pad_id: int):
   """The rollout with each response cut to a log-normal length (median ``--median-length``):
   tokens after it become padding; one cut at the limit keeps no stop token."""
   rng = np.random.RandomState(0)
   b, big_r = r.responses.shape
   lengths = np.clip(np.round(rng.lognormal(np.log(args.median_length), 0.8, b)), 1, big_r)
   mask = np.arange(big_r)[None] < lengths[:, None]
-  pad = 0 if args.small else int(np.asarray(r.responses)[0, -1])
-  responses = np.where(mask, np.asarray(r.responses), pad)
+  responses = np.where(mask, np.asarray(r.responses), pad_id)
   cut = lambda x: None if x is None else jnp.where(mask, x, 0.0)  # noqa: E731
   return r._replace(responses=jnp.asarray(responses, jnp.int32), mask=jnp.asarray(mask),
                     has_stop=jnp.asarray(lengths < big_r), old_logp=cut(r.old_logp),
@@ -105,23 +104,22 @@ def main(argv=None):
   padded_run = runs[0.0]
   prompts = padded_run.source.batch(0).prompts
   r = padded_run.step.rollout(padded_run.state, padded_run.frozen, prompts)
-  r, lengths = long_tail(r, args)
+  r, lengths = long_tail(r, args, padded_run.sampling.pad_id)
   scores = jnp.asarray(np.random.RandomState(1).randint(0, 2, r.mask.shape[0]), jnp.float32)
 
-  def call(run):  # (seconds, new state, metrics): the state is donated, so a copy goes in
+  def call(run):  # (seconds, metrics): the state is donated, so a copy goes in
     state = jax.block_until_ready(jax.tree.map(jnp.copy, run.state))
     start = time.perf_counter()
-    new, metrics = jax.block_until_ready(run.step.learn(state, r, scores))
-    return time.perf_counter() - start, new, jax.device_get(metrics)
+    _, metrics = jax.block_until_ready(run.step.learn(state, r, scores))
+    return time.perf_counter() - start, jax.device_get(metrics)
 
   warm = {f: call(run)[0] for f, run in runs.items()}
   times, last = {f: [] for f in runs}, {}
   for _ in range(args.iterations):
     for f, run in runs.items():
-      seconds, new, metrics = call(run)
+      seconds, last[f] = call(run)
       times[f].append(seconds)
-      last[f] = (new, metrics)
-  (_, padded_metrics), (_, packed_metrics) = last[0.0], last[args.pack_fraction]
+  padded_metrics, packed_metrics = last[0.0], last[args.pack_fraction]
   # the losses and gradient norm of the two forms (Adam's first step is sign(g)·lr, so the
   # parameters alone would hide a wrong gradient)
   diff = {k: abs(float(packed_metrics[k]) - float(padded_metrics[k]))
