@@ -97,7 +97,10 @@ def read_run(workdir: pathlib.Path) -> dict:
   peak = lambda key: max((r[key] for r in rows if key in r), default=None)  # noqa: E731
   acc = {phase: {k.removeprefix("eval/"): v for k, v in e.items() if "accuracy" in k}
          for phase, e in evals.items()}
+  mean = lambda key: spread([r[key] for r in rows if key in r])["mean"]  # noqa: E731
   return {"accuracy": acc, "curve": curve, "train_s": max(train_s.values()),
+          "response_length": mean("val/response_length"),
+          "truncated": mean("objective/missing_stop_frac"),
           "peak_rss_mb": peak("memory/peak_rss_mb"),
           "device_peak_mb": peak("memory/device_peak_mb"),
           "scores": [(r["step"], r["objective/scores"]) for r in rows if "objective/scores" in r]}
@@ -118,6 +121,8 @@ def summarize(runs: list[dict]) -> dict:
       "accuracy_before": spread([r["accuracy"]["before"]["accuracy"] for r in runs]),
       **{f"{k.replace('/', '_').replace('=', '')}": spread([a[k] for a in after])
          for k in after[0]},
+      "response_length": spread([r["response_length"] for r in runs]),
+      "truncated": spread([r["truncated"] for r in runs]),
       "train_s": spread([r["train_s"] for r in runs]),
       "wall_s": spread([r["wall_s"] for r in runs]),
       "peak_rss_mb": spread([r["peak_rss_mb"] for r in runs]),
@@ -126,21 +131,31 @@ def summarize(runs: list[dict]) -> dict:
 
 
 def table(summary: dict[str, dict]) -> str:
-  """The Markdown table of the docs: mean [min, max] over seeds."""
+  """The Markdown table of the docs: mean [min, max] over seeds. Held-out accuracy whole and by
+  the evaluation's own breakdown (digits for the arithmetic tasks, ``num_digits`` for
+  reasoning-gym's chain_sum); the sampled responses' mean length and the share cut off at the
+  length limit (no stop token), both averaged over every training iteration."""
   def cell(s, fmt):
     if s["mean"] is None:
       return "–"
     return f"{fmt(s['mean'])} [{fmt(s['min'])}, {fmt(s['max'])}]"
   pct = lambda v: f"{100 * v:.1f}"  # noqa: E731
+  num = lambda v: f"{v:.1f}"  # noqa: E731
   sec = lambda v: f"{v:.0f}"  # noqa: E731
   gib = lambda v: f"{v / 1024:.1f}"  # noqa: E731
-  lines = ["| job | held-out exact match % | 1-digit % | 2-digit % | training s | wall s | "
-           "peak RSS GiB | device peak GiB |", "| --- " * 8 + "|"]
+  parts = sorted({k for s in summary.values() for k in s if k.startswith("accuracy_")
+                  and k != "accuracy_before"})
+  columns = [("held-out exact match %", "accuracy", pct),
+             *[(f"{k.removeprefix('accuracy_')} %", k, pct) for k in parts],
+             ("response tokens", "response_length", num), ("truncated %", "truncated", pct),
+             ("training s", "train_s", sec), ("wall s", "wall_s", sec),
+             ("peak RSS GiB", "peak_rss_mb", gib), ("device peak GiB", "device_peak_mb", gib)]
+  empty = {"mean": None}
+  lines = ["| job | " + " | ".join(c[0] for c in columns) + " |",
+           "| --- " * (len(columns) + 1) + "|"]
   for name, s in summary.items():
-    lines.append(f"| {name} | {cell(s['accuracy'], pct)} | {cell(s['accuracy_digits1'], pct)} | "
-                 f"{cell(s['accuracy_digits2'], pct)} | {cell(s['train_s'], sec)} | "
-                 f"{cell(s['wall_s'], sec)} | {cell(s['peak_rss_mb'], gib)} | "
-                 f"{cell(s['device_peak_mb'], gib)} |")
+    lines.append(f"| {name} | " + " | ".join(cell(s.get(key, empty), fmt)
+                                           for _, key, fmt in columns) + " |")
   return "\n".join(lines)
 
 
