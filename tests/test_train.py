@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 import pytest
+from conftest import runtime_env
 from test_step import toy_config
 
 from ppojax.run import reporting, runner
@@ -26,7 +27,8 @@ def test_cli_learns_the_count_task_and_writes_its_outputs(tmp_path):
   command = [sys.executable, "-m", "ppojax.train", "--config", str(ROOT / "configs" / "toy.py"),
              "--workdir", str(tmp_path), "--config.sample_every=75"]
   result = subprocess.run(["bash", "-c", 'umask 027 && exec "$@"', "bash", *command],
-                          cwd=ROOT, capture_output=True, text=True, timeout=600)
+                          cwd=ROOT, env=runtime_env(), capture_output=True, text=True,
+                          timeout=600)  # 150 iterations: optimised code (conftest)
   assert result.returncode == 0, result.stderr[-3000:]
   out = result.stdout
   assert "batch_size: 128" in out  # the resolved config is printed
