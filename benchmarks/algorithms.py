@@ -2,7 +2,7 @@
 time and peak memory in one table, and the accuracy-against-time curves in one figure.
 
     python benchmarks/algorithms.py --out runs/algorithms [--seeds 0 1 2] [--parallel 1]
-        [--figure docs/algorithms.png] [--eval-every 5] [JOB ...]
+        [--figure docs/algorithms.png [--figure-by-iteration]] [--eval-every 5] [JOB ...]
 
 A JOB is ``NAME=CONFIG[,--config.FIELD=VALUE...]``; the default jobs are the five algorithms'
 configs: ``ppo=configs/quickstart.py``, ``grpo=configs/grpo_arith.py``,
@@ -17,7 +17,9 @@ Per run it reads eval.json (held-out greedy exact match before, at every ``--eva
 iteration and after) and metrics.jsonl: ``time/train_s`` (the iterations' seconds, held-out
 evaluations not counted), the peaks ``memory/peak_rss_mb`` and ``memory/device_peak_mb`` (where
 the device counts), and the process's wall time as this script saw it (loading, compiling and
-the evaluations included). Per job: the mean, min and max over seeds. The last line printed is
+the evaluations included), the sampled responses' mean length (``val/response_length``) and
+the share cut off at the length limit (``objective/missing_stop_frac``), both averaged over the
+iterations. Per job: the mean, min and max over seeds. The last line printed is
 a JSON object with the rows, the CPU (``lscpu``) and the device. Runs in parallel share the
 machine, so their times are comparable with each other, not with a run alone.
 """
@@ -103,7 +105,9 @@ def read_run(workdir: pathlib.Path) -> dict:
           "truncated": mean("objective/missing_stop_frac"),
           "peak_rss_mb": peak("memory/peak_rss_mb"),
           "device_peak_mb": peak("memory/device_peak_mb"),
-          "scores": [(r["step"], r["objective/scores"]) for r in rows if "objective/scores" in r]}
+          # the verifier's score before any shaping (an overlong penalty), where the run has it
+          "scores": [(r["step"], r.get("objective/scores_raw", r["objective/scores"]))
+                     for r in rows if "objective/scores" in r]}
 
 
 def spread(values: list[float]) -> dict:
@@ -159,22 +163,24 @@ def table(summary: dict[str, dict]) -> str:
   return "\n".join(lines)
 
 
-def figure(runs: dict[str, list[dict]], path: pathlib.Path) -> None:
-  """Held-out accuracy against the iterations' seconds, and the sampled score per iteration:
-  one colour per job, one line per seed."""
+def figure(runs: dict[str, list[dict]], path: pathlib.Path, by_iteration: bool = False) -> None:
+  """Held-out accuracy against the iterations' seconds (or the iteration, where the runs' times
+  are not comparable), and the sampled score per iteration: one colour per job, one line per
+  seed."""
   import matplotlib  # pylint: disable=import-outside-toplevel
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt  # pylint: disable=import-outside-toplevel
   fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4))
   for i, (name, seeds) in enumerate(runs.items()):
     for j, r in enumerate(seeds):
-      curve = [(t, a) for _, t, a in r["curve"] if t is not None]
+      curve = [(step if by_iteration else t, a) for step, t, a in r["curve"] if t is not None]
       left.plot(*zip(*curve), "o-", color=f"C{i}", alpha=0.8, ms=3,
                 label=name if j == 0 else None)
       right.plot(*zip(*r["scores"]), color=f"C{i}", alpha=0.6, label=name if j == 0 else None)
-  left.set(xlabel="training seconds (held-out evaluations not counted)",
+  left.set(xlabel="iteration" if by_iteration else
+           "training seconds (held-out evaluations not counted)",
            ylabel="held-out exact match", title="greedy held-out accuracy", ylim=(0, 1))
-  right.set(xlabel="iteration", ylabel="mean score of the sampled responses",
+  right.set(xlabel="iteration", ylabel="mean score of the sampled responses (unshaped)",
             title="reward while training")
   left.legend()
   fig.tight_layout()
@@ -210,6 +216,8 @@ def main(argv=None):
   parser.add_argument("--parallel", type=int, default=1)
   parser.add_argument("--eval-every", type=int, default=5)
   parser.add_argument("--figure", type=pathlib.Path, default=None)
+  parser.add_argument("--figure-by-iteration", action="store_true",
+                      help="the accuracy curves against the iteration, not training seconds")
   parser.add_argument("--keep-checkpoints", action="store_true",
                       help="keep each finished run's checkpoints (deleted by default)")
   parser.add_argument("--report-only", action="store_true",
@@ -251,7 +259,7 @@ def main(argv=None):
   summary = {n: summarize(rs) for n, rs in runs.items()}
   print(table(summary), file=sys.stderr)
   if args.figure and runs:
-    figure(runs, args.figure)
+    figure(runs, args.figure, args.figure_by_iteration)
   print(json.dumps({"summary": summary, "machine": machine(), "parallel": args.parallel,
                     "eval_every": args.eval_every, "failures": len(failures),
                     "jobs": {n: [c, f] for n, c, f in jobs}}))
