@@ -8,6 +8,13 @@ import tempfile
 import pytest
 import real_model  # tests/real_model.py (this folder is on sys.path for its conftest)
 
+# --compile-profile PATH: each test's tracing, lowering and compile seconds (compile_profile.py)
+from compile_profile import (  # noqa: F401
+    pytest_addoption,
+    pytest_configure,
+    pytest_runtest_protocol,
+)
+
 # The suite runs on the CPU. With libtpu installed (the test extra brings it for the deviceless
 # TPU compiles of tests/test_aot.py) JAX would otherwise probe for a TPU in every process.
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
