@@ -64,8 +64,8 @@ def run_one(name: str, config: str, flags: list[str], seed: int, out: pathlib.Pa
   and exported policy stay)."""
   workdir = out / name / f"seed{seed}"
   done = workdir / "done.json"
-  if done.exists():
-    return json.loads(done.read_text())
+  if done.exists():  # its wall time and command; the rest read again (this script may be newer)
+    return {**json.loads(done.read_text()), **read_run(workdir)}
   workdir.mkdir(parents=True, exist_ok=True)
   cmd = [sys.executable, "-m", "ppojax.train", "--config", config, "--workdir", str(workdir),
          f"--config.seed={seed}", f"--config.eval.every={eval_every}", *flags]
