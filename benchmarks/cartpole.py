@@ -33,7 +33,6 @@ import argparse
 import json
 import os
 import pathlib
-import platform
 import subprocess
 import sys
 import time
@@ -43,21 +42,11 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 import gymnax  # noqa: E402,F401  pylint: disable=unused-import
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
+from algorithms import cpu_name  # noqa: E402  (this folder is a script's sys.path[0])
 
 from ppojax.classic import ppo, runner  # noqa: E402
 
 TARGET = 475.0
-
-
-def cpu_model() -> str:
-  try:
-    out = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
-    for line in out.splitlines():
-      if line.startswith("Model name:"):
-        return line.split(":", 1)[1].strip()
-  except (OSError, subprocess.CalledProcessError):
-    pass
-  return platform.processor() or "unknown"
 
 
 def summary(returns: np.ndarray) -> dict:
@@ -199,7 +188,7 @@ def main():
   log(many)
   many["seconds_vs_one_seed"] = round(many["seconds"] / one["seconds"], 2)
   many["run_seconds_vs_one_seed"] = round(many["run_seconds"] / one["run_seconds"], 2)
-  result = {"benchmark": "cartpole", "cpu": cpu_model(), "cores": os.cpu_count(),
+  result = {"benchmark": "cartpole", "cpu": cpu_name(), "cores": os.cpu_count(),
             "matmul_mflop_per_env_step": round(matmul_flops_per_env_step(hp) / 1e6, 3),
             "small_matmul_gflop_per_second": {r: small_matmul_gflops(r) for r in (128, 2048)},
             "total_timesteps": hp.num_updates * hp.batch_size, "jax": jax.__version__,

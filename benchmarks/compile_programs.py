@@ -17,12 +17,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import subprocess
 import sys
 import time
 from importlib import metadata
 from pathlib import Path
+
+from algorithms import cpu_name  # this folder: sys.path[0] of a script
 
 ROOT = Path(__file__).resolve().parent.parent
 CHILD = """
@@ -45,16 +46,6 @@ print(json.dumps({"model": model, "program": program, "topology": topology,
                   "compile_seconds": round(result.seconds, 1),
                   "out_of_memory": result.out_of_memory is not None}))
 """
-
-
-def cpu_name() -> str:
-  try:
-    out = subprocess.run(["lscpu"], capture_output=True, text=True, check=False).stdout
-  except OSError:
-    return platform.processor()
-  names = [line.split(":", 1)[1].strip() for line in out.splitlines()
-           if line.startswith("Model name")]
-  return names[0] if names else platform.processor()
 
 
 def compile_one(model: str, program: str, topology: str, overrides: list[str]) -> dict:

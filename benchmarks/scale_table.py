@@ -14,11 +14,13 @@ from __future__ import annotations
 import argparse
 import concurrent.futures
 import json
-import platform
 import subprocess
 import sys
 from importlib import metadata
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # also when loaded by a test
+from algorithms import cpu_name  # noqa: E402  (grpo_step.py reads it here)
 
 ROOT = Path(__file__).resolve().parent.parent
 MODELS = ("qwen2_5_0_5b", "qwen2_5_1_5b", "llama3_2_1b", "llama3_2_3b", "qwen2_5_7b",
@@ -93,15 +95,6 @@ def markdown(r: dict) -> str:
           f"{gib(r['hbm_bytes_per_device'])} | {verdict} | {gib(r['argument_bytes'])} | "
           f"{gib(r['temp_bytes'])} | {r['param_shard_ratio']:.3f} | "
           f"{r['flops_per_iteration'] / 1e12:.0f} | {at40} | {r['compile_seconds']:.0f} |")
-
-
-def cpu_name() -> str:
-  try:
-    out = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
-    return next(line.split(":", 1)[1].strip() for line in out.splitlines()
-                if line.startswith("Model name"))
-  except (OSError, subprocess.CalledProcessError, StopIteration):
-    return platform.processor()
 
 
 def main() -> None:
