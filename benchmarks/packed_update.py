@@ -1,8 +1,8 @@
-"""The learn phase with packed rows vs padded rows (``rl.pack_fraction``), side by side in one run,
-on responses whose lengths have a long tail.
+"""The learn phase with packed rows vs padded rows (``rl.pack_fractions``), side by side in one
+run, on responses whose lengths have a long tail.
 
     python benchmarks/packed_update.py [--config configs/grpo_arith.py] [--batch 16]
-        [--response-length 128] [--median-length 24] [--pack-fraction 0.5] [--iterations 3]
+        [--response-length 128] [--median-length 24] [--pack-fractions 0.5 ...] [--iterations 3]
         [--small]
 
 One GRPO rollout of configs/grpo_arith.py (SmolLM2-135M-Instruct, the arithmetic task's
@@ -11,11 +11,11 @@ chat-templated prompts, ``--batch`` rows, float32, the single-pass update) is sa
 log-normal distribution with median ``--median-length`` (σ = 0.8, seed 0), clipped to
 [1, ``--response-length``]: most responses short, a few at the limit (those lose their stop
 token: truncated). The same rollout and scores then go through two compiled ``learn`` steps
-built from the same config and weights, one padded (``rl.pack_fraction = 0``) and one packed
-(``--pack-fraction``), their calls interleaved so that load drift hits both alike:
+built from the same config and weights, one padded (``rl.pack_fractions = ()``) and one packed
+(``--pack-fractions``: the fewest rows of the list that hold the batch), their calls interleaved so that load drift hits both alike:
 ``padded_seconds`` and ``packed_seconds`` (medians of ``--iterations`` calls after a warm-up
 that compiles), ``speedup`` (padded / packed), whether the packed step really ran packed
-(``update/packed``), the slots' fill, and each side's model FLOPs of the policy's forward and
+(``update/packed``) and in how many rows (``packed_rows``), the slots' fill, and each side's model FLOPs of the policy's forward and
 backward (``update_tflop``) with the GFLOP/s they ran at.
 The two steps' losses and gradient norms must agree (``max_relative_diff``). ``--small``: a tiny
 random model instead of SmolLM2, packed one sequence per row (a check of the script, not a
@@ -37,7 +37,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from ppojax.infra import flops
-from ppojax.models import packing
 from ppojax.run import build as build_lib
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
@@ -47,8 +46,8 @@ from ppo_step import matmul_peak  # noqa: E402
 CONFIGS = pathlib.Path(__file__).resolve().parents[1] / "configs"
 
 
-def make_config(args, fraction: float):
-  overrides = {"rl__batch_size": args.batch // args.samples, "rl__pack_fraction": fraction,
+def make_config(args, fractions: tuple):
+  overrides = {"rl__batch_size": args.batch // args.samples, "rl__pack_fractions": fractions,
                "sampling__num_samples_per_prompt": args.samples,
                "sampling__max_new_tokens": args.response_length, "rl__num_epochs": 1,
                "rl__num_minibatches": 1, "rl__grad_accum": 1}
@@ -92,16 +91,16 @@ def main(argv=None):
   parser.add_argument("--samples", type=int, default=4)
   parser.add_argument("--response-length", type=int, default=128)
   parser.add_argument("--median-length", type=float, default=24)
-  parser.add_argument("--pack-fraction", type=float, default=0.5)
+  parser.add_argument("--pack-fractions", type=float, nargs="+", default=[0.5])
   parser.add_argument("--iterations", type=int, default=3)
   parser.add_argument("--small", action="store_true")
   args = parser.parse_args(argv)
   if args.small:
     args.response_length, args.median_length = min(args.response_length, 6), 2
-    args.pack_fraction = 1.0  # toy rows are too short for two sequences: pack one per row
-
-  runs = {f: build_lib.build(make_config(args, f)) for f in (0.0, args.pack_fraction)}
-  padded_run = runs[0.0]
+    args.pack_fractions = [1.0]  # toy rows are too short for two sequences: pack one per row
+  packed_key = tuple(args.pack_fractions)
+  runs = {f: build_lib.build(make_config(args, f)) for f in ((), packed_key)}
+  padded_run = runs[()]
   prompts = padded_run.source.batch(0).prompts
   r = padded_run.step.rollout(padded_run.state, padded_run.frozen, prompts)
   r, lengths = long_tail(r, args, padded_run.sampling.pad_id)
@@ -119,7 +118,7 @@ def main(argv=None):
     for f, run in runs.items():
       seconds, last[f] = call(run)
       times[f].append(seconds)
-  padded_metrics, packed_metrics = last[0.0], last[args.pack_fraction]
+  padded_metrics, packed_metrics = last[()], last[packed_key]
   # the losses and gradient norm of the two forms (Adam's first step is sign(g)·lr, so the
   # parameters alone would hide a wrong gradient)
   diff = {k: abs(float(packed_metrics[k]) - float(padded_metrics[k]))
@@ -128,11 +127,11 @@ def main(argv=None):
 
   b, length = r.prompts.shape[0], r.prompts.shape[1] + r.responses.shape[1] - (
       0 if r.prefix is None else r.prefix.shape[0])
-  rows = packing.packed_rows(b, args.pack_fraction)
+  rows = round(float(packed_metrics["update/pack_rows_avg"]) * b)  # the rows that ran
   cfg = padded_run.models.policy.cfg
   tflop = {"padded": update_tflop(cfg, b, length, b * r.responses.shape[1]),
            "packed": update_tflop(cfg, rows, length, rows * length)}
-  padded_s, packed_s = (statistics.median(times[f]) for f in (0.0, args.pack_fraction))
+  padded_s, packed_s = (statistics.median(times[f]) for f in ((), packed_key))
   out = {
       "benchmark": "packed_update", "model": "tiny" if args.small else "smollm2",
       "rows": b, "row_length": length,
@@ -146,8 +145,9 @@ def main(argv=None):
       "ran_packed": float(packed_metrics["update/packed_avg"]),
       "padded_seconds": padded_s, "packed_seconds": packed_s,
       "speedup": padded_s / packed_s,
-      "padded_times": times[0.0], "packed_times": times[args.pack_fraction],
-      "compile_and_first_seconds": {"padded": warm[0.0], "packed": warm[args.pack_fraction]},
+      "pack_fractions": list(packed_key), "padded_times": times[()],
+      "packed_times": times[packed_key],
+      "compile_and_first_seconds": {"padded": warm[()], "packed": warm[packed_key]},
       "update_tflop_padded": tflop["padded"], "update_tflop_packed": tflop["packed"],
       "flop_ratio": tflop["padded"] / tflop["packed"],
       "gflops_padded": 1e3 * tflop["padded"] / padded_s,

@@ -1,4 +1,4 @@
-"""The padding-free learn phase (models/packing.py, ``rl.pack_fraction``): first-fit decreasing
+"""The padding-free learn phase (models/packing.py, ``rl.pack_fractions``): first-fit decreasing
 against a plain NumPy loop, the packed layout read back token by token, and the packed rows'
 log-probs, entropies, values and gradients equal to the padded rows' (float32 and bfloat16,
 with a shared prefix, learned positions, a sliding window and LoRA); then whole iterations with
@@ -62,6 +62,35 @@ def test_first_fit_decreasing_matches_a_plain_loop(seed):
     # no two sequences share a slot, and every one ends inside its row
     slots = {(int(k), int(o) + j) for k, o, n in zip(row, offset, lengths) for j in range(n)}
     assert len(slots) == lengths.sum() and max(s[1] for s in slots) < row_len
+
+
+def test_the_ladder_runs_the_fewest_rows_that_hold_the_batch():
+  """``loss.packed_or_padded`` with ``rl.pack_fractions`` (0.25, 0.5, 0.75) on batches of 8
+  whose sequences grow with the seed: the branch that runs is the first fraction whose ⌈f·n⌉
+  rows hold every sequence by the plain first-fit loop, else the padded one (all four seen);
+  its metrics say which, and the fill is of the slots that ran."""
+  from ppojax.learner.loss import packed_or_padded  # pylint: disable=import-outside-toplevel
+  from ppojax.rollout.rollout import Rollout  # pylint: disable=import-outside-toplevel
+  b, fractions, seen = 8, (0.25, 0.5, 0.75), set()
+  counts = [packing.packed_rows(b, f) for f in fractions]
+  fn = lambda p: jnp.int32(b if p is None else p.tokens.shape[0])  # noqa: E731
+  run = jax.jit(lambda r: packed_or_padded(fn, r, {"pack_fractions": fractions}))
+  for seed in range(12):
+    rng, top = np.random.RandomState(seed), (2, 4, 6, 8)[seed % 4]
+    prompt_lens = np.minimum(rng.randint(1, max(top - 1, 2), b) + 3 * (top == 8), P)
+    prompts, prompt_mask, responses, mask = _batch(seed, b, prompt_lens,
+                                                   rng.randint(1, top + 1, b))
+    lengths = [int(n) for n in prompt_mask.sum(1) + mask.sum(1)]
+    expected = next((c for c in counts if _ffd_reference(lengths, c, P + R) is not None), b)
+    seen.add(expected)
+    rows_run, metrics = run(Rollout(prompts, prompt_mask, responses, mask, None, None, None,
+                                    None))
+    assert int(rows_run) == expected, (seed, lengths)
+    assert float(metrics["update/packed"]) == (expected < b)
+    np.testing.assert_allclose(metrics["update/pack_rows"], expected / b)
+    np.testing.assert_allclose(metrics["update/pack_fill"],
+                               sum(lengths) / (expected * (P + R)), rtol=1e-6)
+  assert seen == {*counts, b}
 
 
 def _batch(seed=0, b=6, prompt_lens=None, response_lens=None):
@@ -179,25 +208,28 @@ def test_packed_rows_give_the_padded_rows_outputs_and_gradients(case):
       g_pad, g_pack)
 
 
-@pytest.mark.parametrize("path,fractions", [("minibatches", (1.0,)),
-                                            ("single_pass", (1.0, 0.05))])
-def test_iterations_with_packing_equal_iterations_without(path, fractions):
+@pytest.mark.parametrize("path,ladders", [("minibatches", ((1.0,),)),
+                                          ("single_pass", ((0.05, 1.0), (0.05,)))])
+def test_iterations_with_packing_equal_iterations_without(path, ladders):
   """configs/toy.py (PPO with a critic): 2 epochs × 2 minibatches, or one step whose forward
-  pass gives the old log-probs and values. ``rl.pack_fraction`` 1 packs every micro-batch (it
-  always fits: a row per sequence at worst); 0.05 leaves one row per micro-batch, too few, so
-  the step falls back to the padded rows (once: the fallback is the same ``lax.cond`` on both
-  paths). Either way the states and metrics equal the padded run's."""
+  pass gives the old log-probs and values. ``rl.pack_fractions`` (1,) packs every micro-batch
+  (it always fits: a row per sequence at worst); (0.05,) leaves one row per micro-batch, too
+  few, so the step falls back to the padded rows; (0.05, 1) tries one row, then a row per
+  sequence, and runs the second (the ``lax.switch`` of ``loss.packed_or_padded``, the same on
+  both paths). Either way the states and metrics equal the padded run's."""
   from test_step import _assert_close, _iterate, toy_config  # pylint: disable=import-outside-toplevel
 
   from ppojax.run import build as build_lib  # pylint: disable=import-outside-toplevel
   single = {"rl.num_epochs": 1, "rl.num_minibatches": 1} if path == "single_pass" else {}
   state, rows = _iterate(build_lib.build(toy_config(**single)), 2)[:2]
-  for fraction in fractions:
-    run = build_lib.build(toy_config(**single, **{"rl.pack_fraction": fraction}))
+  for ladder in ladders:
+    run = build_lib.build(toy_config(**single, **{"rl.pack_fractions": ladder}))
     other_state, other_rows = _iterate(run, 2)[:2]
     _assert_close((state.actor, state.critic), (other_state.actor, other_state.critic),
                   rtol=2e-5, atol=2e-6)
     for a, b in zip(rows, other_rows):
-      assert b.pop("update/packed_avg") == (fraction == 1.0)
+      packed = 1.0 in ladder
+      assert b.pop("update/packed_avg") == packed
+      assert b.pop("update/pack_rows_avg") == 1.0  # a row per sequence, or padded
       assert 0 < b.pop("update/pack_fill_avg") <= 1
       _assert_close(a, b, rtol=2e-5, atol=2e-6)

@@ -95,6 +95,11 @@ def test_unknown_choices(name, value, message):
     ("lora.dropout", 1.0, r"lora\.dropout=1\.0 must be in \[0, 1\): the probability of "
      r"dropping"),
     ("lora.dropout", -0.1, r"lora\.dropout=-0\.1 must be in \[0, 1\)"),
+    ("rl.pack_fractions", (0.5, 0.25), r"rl\.pack_fractions=\(0\.5, 0\.25\) must be ascending "
+     r"numbers in \(0, 1\]"),
+    ("rl.pack_fractions", (0.5, 0.5), r"rl\.pack_fractions=\(0\.5, 0\.5\) must be ascending"),
+    ("rl.pack_fractions", (0.0,), r"rl\.pack_fractions=\(0\.0,\) must be ascending"),
+    ("rl.pack_fractions", (1.5,), r"rl\.pack_fractions=\(1\.5,\) must be ascending"),
 ])
 def test_out_of_range_values(name, value, message):
   c = toy()
@@ -104,8 +109,17 @@ def test_out_of_range_values(name, value, message):
     checks_lib.validate(c, num_devices=1)
 
 
+def test_the_old_single_pack_fraction_names_its_tuple():
+  c = toy()
+  c.rl.pack_fraction = 0.5  # a ConfigDict takes a new key; the check refuses it
+  with pytest.raises(checks_lib.ConfigError, match=r"config option rl\.pack_fraction is now "
+                     r"rl\.pack_fractions: write --config\.rl\.pack_fractions="):
+    checks_lib.validate(c, num_devices=1)
+
+
 def test_in_range_edge_values_pass():
   c = toy()
+  c.rl.pack_fractions = (0.25, 0.5, 1.0)
   c.rl.dual_clip = 1.5
   c.rl.value_clip = None
   c.rl.vf_coef = 0.0

@@ -83,21 +83,33 @@ def update_forward(params, models: Models, r: Rollout, temperature: float, ent_c
 
 
 def packed_or_padded(fn: Callable[[Packing | None], Any], r: Rollout, cfg) -> tuple[Any, dict]:
-  """(``fn(packing)``, packing metrics): with ``cfg.pack_fraction`` f > 0 the rows of ``r``
-  packed into ⌈f·B⌉ rows (``models.packing``) where they fit, ``fn(None)`` (the padded rows)
-  where they do not, chosen at run time (a ``lax.cond``: both are compiled, one runs; ``fn``
-  should hold the whole gradient, so that no residual crosses the branch). Metrics:
-  ``update/packed`` (1: the packed rows ran) and ``update/pack_fill`` (their real-token share).
-  f = 0: ``fn(None)`` alone."""
-  fraction = cfg.get("pack_fraction", 0.0)
-  if not fraction:
+  """(``fn(packing)``, packing metrics): with ``cfg.pack_fractions`` = (f_1 < … < f_k) the rows
+  of ``r`` (n of them) packed into the fewest ⌈f_i·n⌉ rows (``models.packing``) that hold them,
+  ``fn(None)`` (the padded rows) where none does, chosen at run time for each micro-batch:
+
+      i* = min {i : first-fit of the n sequences into ⌈f_i·n⌉ rows succeeds}   (else padded)
+
+  A ``lax.switch``: all k + 1 branches are compiled, one runs (``fn`` should hold the whole
+  gradient, so that no residual crosses the branches; the memory is the largest branch's).
+  First-fit decreasing never fails with more rows where it fit with fewer, so i* is the
+  cheapest packed shape of the list. Metrics: ``update/packed`` (1: a packed shape ran),
+  ``update/pack_rows`` (the rows that ran / n: f_i*, 1 when padded) and ``update/pack_fill``
+  (their real-token share). () (off): ``fn(None)`` alone."""
+  fractions = tuple(cfg.get("pack_fractions", ()))
+  if not fractions:
     return fn(None), {}
   tokens, mask, positions = sequence(r.prompts, r.prompt_mask, r.responses, r.mask, r.prefix)
-  packed = packing.pack(tokens, mask, positions, r.responses.shape[1],
-                        packing.packed_rows(tokens.shape[0], fraction))
-  out = jax.lax.cond(packed.fits, fn, lambda _: fn(None), packed)
-  return out, {"update/packed": packed.fits.astype(jnp.float32),
-               "update/pack_fill": packing.fill(packed)}
+  n = tokens.shape[0]
+  counts = sorted({packing.packed_rows(n, f) for f in fractions})
+  packs = [packing.pack(tokens, mask, positions, r.responses.shape[1], c) for c in counts]
+  fits = jnp.stack([p.fits for p in packs])
+  index = jnp.where(jnp.any(fits), jnp.argmax(fits), len(packs))  # len(packs): padded
+  branches = [lambda _, p=p: fn(p) for p in packs] + [lambda _: fn(None)]
+  out = jax.lax.switch(index, branches, None)
+  rows = jnp.asarray([c / n for c in counts] + [1.0], jnp.float32)[index]
+  fill = jnp.stack([packing.fill(p) for p in packs] + [packing.fill_padded(mask)])[index]
+  return out, {"update/packed": (index < len(packs)).astype(jnp.float32),
+               "update/pack_rows": rows, "update/pack_fill": fill}
 
 
 def clipped_loss(logp, entropy, values, exp: Experience, algorithm: Algorithm, cfg

@@ -6,8 +6,9 @@ of K micro-batch gradients, every step guarded by the finiteness of what it read
     E·M·K = 1 and ``reuse_forward``: the one step's own forward pass also gives the old
              log-probs and values, and the experience is built inside its gradient
              (``loss.own_forward_loss``): one actor and one critic forward pass fewer
-    ``rl.pack_fraction`` f > 0: each gradient over the micro-batch's sequences packed into
-             ⌈f·n⌉ rows where they fit, else padded (``loss.packed_or_padded``)
+    ``rl.pack_fractions`` (f_1 < … < f_k): each gradient over the micro-batch's sequences
+             packed into the fewest ⌈f_i·n⌉ rows that hold them, else padded
+             (``loss.packed_or_padded``)
 
 The guard: every optimizer step is a ``lax.cond`` on the finiteness of the scores, the
 advantages (on the mask) and its own losses and gradient norms (``finite_checks``).

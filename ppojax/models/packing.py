@@ -39,6 +39,12 @@ class Packing(NamedTuple):
   fits: Array  # bool: every sequence found room (else the layout is not to be used)
 
 
+def valid_fractions(fractions) -> bool:
+  """``rl.pack_fractions``: numbers in (0, 1], ascending, each once."""
+  return (all(isinstance(f, (int, float)) and not isinstance(f, bool) and 0 < f <= 1
+              for f in fractions) and list(fractions) == sorted(set(fractions)))
+
+
 def packed_rows(batch: int, fraction: float) -> int:
   """N = ⌈fraction·B⌉ rows (at least 1) for a micro-batch of B rows."""
   return max(1, math.ceil(fraction * batch - 1e-9))
@@ -102,3 +108,8 @@ def unpack(x: Array, packing: Packing, response_mask: Array) -> Array:
 def fill(packing: Packing) -> Array:
   """The share of the packed slots holding a real token."""
   return jnp.mean((packing.segments > 0).astype(jnp.float32))
+
+
+def fill_padded(mask: Array) -> Array:
+  """The share of the padded rows' slots (``mask`` [B, T]) holding a real token."""
+  return jnp.mean(mask.astype(jnp.float32))

@@ -242,7 +242,7 @@ def iteration_flops(run, prefix_len: int = 0) -> float:
   """Model FLOPs of one iteration (``ppojax.infra.flops``; XLA's ``cost_analysis`` counts a loop's
   body once, so it cannot give them for a scanned, decoding step): the rollout's over the
   prompts sampled (× ``rl.oversample``), the update's over ``rl.batch_size``, rows padded
-  (packed rows, ``rl.pack_fraction``, lower the update's share by what the lengths allow)."""
+  (packed rows, ``rl.pack_fractions``, lower the update's share by what the lengths allow)."""
   config = run.config
   one_pass = update_lib.single_pass(config.rl, config.lora.dropout)
 

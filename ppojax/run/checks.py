@@ -15,7 +15,7 @@ import numpy as np
 
 from ppojax.core import (advantages, algorithms, correction, kl, ops, options, selection,
                          surrogates)
-from ppojax.models.config import ATTENTION_CHOICES
+from ppojax.models import config as model_config, packing
 
 # sections whose keys are the user's names
 FREE_FORM = ("eval.metrics", "eval.baselines", "data.rg.options")
@@ -35,7 +35,7 @@ CHOICES = {
     "rl.reject": ("", *correction.REJECT_LEVELS),
     "model.dtype": ("float32", "bfloat16", "float16"),
     "model.remat_policy": ("nothing", "dots", "dots_no_batch"),
-    "model.attention": ATTENTION_CHOICES,
+    "model.attention": model_config.ATTENTION_CHOICES,
     "model.frozen_dtype": ("", "float32", "bfloat16", "float16"),
     "sampling.dtype": ("", "float32", "bfloat16", "float16"),
     "sampling.decode_layers": ("auto", "scan", "unroll"),
@@ -46,9 +46,9 @@ CHOICES = {
 }
 
 
-# options of ppojax 0.1 that have another name now: refused with the new one
-RENAMED = {"ppo": "rl",  # the section every algorithm shares
-           "num_samples": "sample_table_rows"}
+# options that have another name now: refused with the new one
+RENAMED = {"ppo": "rl", "num_samples": "sample_table_rows",  # rl: every algorithm's section
+           "rl.pack_fraction": "rl.pack_fractions"}  # f is now (f,)
 
 
 class ConfigError(ValueError):
@@ -69,8 +69,7 @@ def check_names_and_types(config: ml_collections.ConfigDict,
     if key not in reference and name in RENAMED:
       new = RENAMED[name]
       example = f"{new}.batch_size" if isinstance(reference.get(new), dict) else new
-      raise ConfigError(f"config option {name} is now {new} (renamed in ppojax 0.2): write "
-                        f"--config.{example}=...")
+      raise ConfigError(f"config option {name} is now {new}: write --config.{example}=...")
     if key not in reference:
       near = difflib.get_close_matches(key, list(reference.keys()), n=3, cutoff=0.6)
       hint = f"; did you mean {' or '.join(prefix + n for n in near)}?" if near else (
@@ -209,7 +208,8 @@ RANGES = (
     ("rl.overlong_factor", lambda v: v >= 0, "must be >= 0 (the penalty at the length limit)"),
     ("rl.oversample", lambda v: v >= 1, "must be >= 1: the prompts sampled per iteration, "
      "as a multiple of rl.batch_size (dynamic sampling learns from rl.batch_size of them)"),
-    ("rl.pack_fraction", lambda v: 0 <= v <= 1, "must be in [0, 1] (packed rows per row; 0: off)"),
+    ("rl.pack_fractions", packing.valid_fractions, "must be ascending numbers in (0, 1], packed "
+     "rows per padded row to try, fewest first: e.g. (0.5,) or (0.25, 0.5, 0.75); (): off"),
     ("rl.reject_low", lambda v: 0 < v <= 1,
      "must be in (0, 1]: tokens whose sampler/learner ratio is below it leave the loss"),
     ("rl.reject_high", lambda v: v >= 1,

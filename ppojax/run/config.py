@@ -208,9 +208,9 @@ def defaults() -> ml_collections.ConfigDict:
   # with 1 epoch × 1 minibatch × 1 micro-batch, the old log-probs and values from the update's
   # own forward pass (two forward passes fewer; docs/design.md); False: the rollout's
   c.rl.reuse_update_forward = True
-  # padding-free update: a micro-batch's n sequences packed into ⌈pack_fraction·n⌉ rows where
-  # they fit, else run padded (models/packing.py; docs/design.md, "Packed rows"); 0: off
-  c.rl.pack_fraction = 0.0
+  # padding-free update: a micro-batch's n sequences packed into the fewest ⌈f·n⌉ rows, f from
+  # this ascending tuple, that hold them, else padded (docs/design.md, "Packed rows"); (): off
+  c.rl.pack_fractions = ()
   # a non-finite iteration is skipped (skipped/nonfinite); after this many in a row the run
   # saves its last good state and stops (0: never stop)
   c.rl.max_bad_steps = 3
