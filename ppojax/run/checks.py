@@ -13,9 +13,9 @@ import importlib.util
 import ml_collections
 import numpy as np
 
-from ppojax.core import (advantages, algorithms, correction, kl, ops, options, selection,
-                         surrogates)
-from ppojax.models import config as model_config, packing
+from ppojax.core import advantages, algorithms, correction, kl, ops, options, selection, surrogates
+from ppojax.models import config as model_config
+from ppojax.models import packing
 
 # sections whose keys are the user's names
 FREE_FORM = ("eval.metrics", "eval.baselines", "data.rg.options")
