@@ -201,8 +201,8 @@ def _override_message(error: BaseException, argv: list[str], names: list[str]) -
     at = path.index(key)
     option = ".".join(path[:at + 1])
     renamed = getattr(sys.modules.get("ppojax.run.checks"), "RENAMED", {})
-    if option in renamed:  # an option of ppojax 0.1
-      return (f"config option {option} is now {renamed[option]} (renamed in ppojax 0.2): "
+    if option in renamed:  # an option that has another name now
+      return (f"config option {option} is now {renamed[option]}: "
               f"--{m.group(1)}.{renamed[option]}{m.group(2)[len(option):]}")
     hint = (f"; did you mean {'.'.join(path[:at] + near[:1])}?" if near else
             f": {'.'.join(path[:at]) or 'the config'} has no field {key}")
