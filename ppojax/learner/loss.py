@@ -91,25 +91,27 @@ def packed_or_padded(fn: Callable[[Packing | None], Any], r: Rollout, cfg) -> tu
 
   A ``lax.switch``: all k + 1 branches are compiled, one runs (``fn`` should hold the whole
   gradient, so that no residual crosses the branches; the memory is the largest branch's).
-  First-fit decreasing never fails with more rows where it fit with fewer, so i* is the
-  cheapest packed shape of the list. Metrics: ``update/packed`` (1: a packed shape ran),
-  ``update/pack_rows`` (the rows that ran / n: f_i*, 1 when padded) and ``update/pack_fill``
-  (their real-token share). () (off): ``fn(None)`` alone."""
+  Only the placements (``packing.first_fit``, a scan over n lengths) run for every shape; the
+  chosen branch alone lays its rows out. First-fit decreasing never fails with more rows where
+  it fit with fewer, so i* is the cheapest packed shape of the list. Metrics:
+  ``update/packed`` (1: a packed shape ran), ``update/pack_rows`` (the rows that ran / n: f_i*,
+  1 when padded) and ``update/pack_fill`` (their real-token share). () (off): ``fn(None)``."""
   fractions = tuple(cfg.get("pack_fractions", ()))
   if not fractions:
     return fn(None), {}
   tokens, mask, positions = sequence(r.prompts, r.prompt_mask, r.responses, r.mask, r.prefix)
-  n = tokens.shape[0]
+  n, t = tokens.shape
   counts = sorted({packing.packed_rows(n, f) for f in fractions})
-  packs = [packing.pack(tokens, mask, positions, r.responses.shape[1], c) for c in counts]
-  fits = jnp.stack([p.fits for p in packs])
-  index = jnp.where(jnp.any(fits), jnp.argmax(fits), len(packs))  # len(packs): padded
-  branches = [lambda _, p=p: fn(p) for p in packs] + [lambda _: fn(None)]
+  placements = [packing.first_fit(jnp.sum(mask, axis=1), c, t) for c in counts]
+  index = jnp.argmax(jnp.stack([fits for _, _, fits in placements] + [jnp.bool_(True)]))
+  branches = [lambda _, c=c, p=p: fn(packing.pack(tokens, mask, positions, r.responses.shape[1],
+                                                  c, p))
+              for c, p in zip(counts, placements)] + [lambda _: fn(None)]
   out = jax.lax.switch(index, branches, None)
-  rows = jnp.asarray([c / n for c in counts] + [1.0], jnp.float32)[index]
-  fill = jnp.stack([packing.fill(p) for p in packs] + [packing.fill_padded(mask)])[index]
-  return out, {"update/packed": (index < len(packs)).astype(jnp.float32),
-               "update/pack_rows": rows, "update/pack_fill": fill}
+  rows = jnp.asarray(counts + [n], jnp.float32)[index]  # [n]: the padded branch
+  return out, {"update/packed": (index < len(counts)).astype(jnp.float32),
+               "update/pack_rows": rows / n,
+               "update/pack_fill": jnp.sum(mask, dtype=jnp.float32) / (rows * t)}
 
 
 def clipped_loss(logp, entropy, values, exp: Experience, algorithm: Algorithm, cfg

@@ -70,17 +70,19 @@ def first_fit(lengths: Array, rows: int, row_len: int) -> tuple[Array, Array, Ar
   return unsort(row).astype(jnp.int32), unsort(offset).astype(jnp.int32), jnp.all(ok)
 
 
-def pack(tokens: Array, mask: Array, positions: Array, response_len: int, rows: int
-         ) -> Packing:
+def pack(tokens: Array, mask: Array, positions: Array, response_len: int, rows: int,
+         placement: tuple[Array, Array, Array] | None = None) -> Packing:
   """The sequences of ``tokens``/``mask``/``positions`` [B, T] (left-padded prompt + response,
   the response in the last ``response_len`` columns: ``passes.sequence``) packed into
   ``rows`` rows of T slots. Each sequence's real tokens keep their order and positions; a
   sequence's real tokens must be contiguous (a left-padded prompt, then its response up to
-  its stop token) with at least one prompt token."""
+  its stop token) with at least one prompt token. ``placement``: ``first_fit``'s (row, offset,
+  fits) for these lengths and rows, where the caller already has it."""
   chex.assert_equal_shape([tokens, mask, positions])
   b, t = tokens.shape
   mask = mask.astype(jnp.bool_)
-  row, offset, fits = first_fit(jnp.sum(mask, axis=1), rows, t)
+  row, offset, fits = (first_fit(jnp.sum(mask, axis=1), rows, t) if placement is None
+                       else placement)
   rank = jnp.cumsum(mask, axis=1) - 1  # each real token's index within its sequence
   dest = jnp.where(mask, row[:, None] * t + offset[:, None] + rank, rows * t).reshape(-1)
 
@@ -109,7 +111,3 @@ def fill(packing: Packing) -> Array:
   """The share of the packed slots holding a real token."""
   return jnp.mean((packing.segments > 0).astype(jnp.float32))
 
-
-def fill_padded(mask: Array) -> Array:
-  """The share of the padded rows' slots (``mask`` [B, T]) holding a real token."""
-  return jnp.mean(mask.astype(jnp.float32))
