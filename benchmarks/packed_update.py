@@ -12,10 +12,11 @@ log-normal distribution with median ``--median-length`` (σ = 0.8, seed 0), clip
 [1, ``--response-length``]: most responses short, a few at the limit (those lose their stop
 token: truncated). The same rollout and scores then go through two compiled ``learn`` steps
 built from the same config and weights, one padded (``rl.pack_fractions = ()``) and one packed
-(``--pack-fractions``: the fewest rows of the list that hold the batch), their calls interleaved so that load drift hits both alike:
-``padded_seconds`` and ``packed_seconds`` (medians of ``--iterations`` calls after a warm-up
-that compiles), ``speedup`` (padded / packed), whether the packed step really ran packed
-(``update/packed``) and in how many rows (``packed_rows``), the slots' fill, and each side's model FLOPs of the policy's forward and
+(``--pack-fractions``: the fewest rows of the list that hold the batch), their calls
+interleaved so that load drift hits both alike: ``padded_seconds`` and ``packed_seconds``
+(medians of ``--iterations`` calls after a warm-up that compiles), ``speedup`` (padded /
+packed), whether the packed step really ran packed (``update/packed``) and in how many rows
+(``packed_rows``), the slots' fill, and each side's model FLOPs of the policy's forward and
 backward (``update_tflop``) with the GFLOP/s they ran at.
 The two steps' losses and gradient norms must agree (``max_relative_diff``). ``--small``: a tiny
 random model instead of SmolLM2, packed one sequence per row (a check of the script, not a
