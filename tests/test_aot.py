@@ -104,10 +104,10 @@ LORA_OVERRIDES = {"lora__rank": 4, "lora__critic": True, "model__critic_init": "
 
 @pytest.fixture(scope="module")
 def deviceless():
-  """The four programs the tests below read, compiled in one child process (one libtpu start):
-  PPO, GRPO on the same rows, PPO with a critic from the policy, and LoRA PPO beside it."""
-  return _compile_deviceless(ppo={}, grpo=GRPO_OVERRIDES,
-                             ppo_policy_critic={"model__critic_init": "policy"},
+  """The three programs the tests below read, compiled in one child process (one libtpu start):
+  PPO with its critic initialised from the policy (the config's default, from the reward
+  model, compiles in test_cli_prints_a_table_...), GRPO on the same rows, and LoRA PPO."""
+  return _compile_deviceless(ppo={"model__critic_init": "policy"}, grpo=GRPO_OVERRIDES,
                              lora=LORA_OVERRIDES)
 
 
@@ -191,7 +191,7 @@ def test_a_refused_compile_never_fits():
 def test_lora_step_compiles_deviceless_with_one_base_and_counts_it(deviceless):
   """LoRA on policy and critic: the report counts the frozen base among the parameters (and
   the adapters as the trained ones), and the arguments hold less than full PPO's."""
-  full, r = deviceless["ppo_policy_critic"]["report"], deviceless["lora"]["report"]
+  full, r = deviceless["ppo"]["report"], deviceless["lora"]["report"]
   # the policy's parameters: the base's (full fine-tuning's) and the adapters'
   assert r["params"] == full["params"] + r["trained_params"]
   assert 0 < r["trained_params"] < r["params"] / 10

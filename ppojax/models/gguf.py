@@ -17,6 +17,7 @@ Two layout facts of GGUF matter (llama.cpp ``convert_hf_to_gguf.py``):
 
 from __future__ import annotations
 
+import functools
 import os
 import pathlib
 import subprocess
@@ -113,11 +114,21 @@ def _extract_atomically(archive: pathlib.Path, name: str, target: pathlib.Path) 
 
 
 def _reader(path: pathlib.Path) -> gguf.GGUFReader:
-  """The file's reader (memory-mapped: nothing is read until asked for)."""
+  """The file's reader (memory-mapped: no tensor is read until asked for), one per file as it is
+  now (path, size, modification time) in this process: gguf's reader parses the whole header on
+  opening, SmolLM2's 49,152-token vocabulary and its merges included (3 s), and a build asks
+  for the context length, the config, the tokenizer and the weights apart."""
+  stat = path.stat()
   try:
-    return gguf.GGUFReader(path)
+    return _open_reader(path.resolve(), stat.st_size, stat.st_mtime_ns)
   except Exception as e:  # the reader raises bare ValueErrors on truncated or foreign files
     raise GGUFError(f"{path} is not a readable GGUF file (truncated or corrupt?): {e}") from e
+
+
+@functools.lru_cache(maxsize=4)
+def _open_reader(path: pathlib.Path, size: int, mtime_ns: int) -> gguf.GGUFReader:
+  del size, mtime_ns  # the cache's key: a rewritten file is opened again
+  return gguf.GGUFReader(path)
 
 
 def load_gguf(path: str | os.PathLike) -> GGUFModel:

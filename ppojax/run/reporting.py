@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import sys
 import uuid
 from typing import Any, Iterable
 
@@ -130,6 +131,21 @@ def _import_wandb(project: str):
   return wandb
 
 
+def _tensorboard_writer():
+  """tensorboardX's ``SummaryWriter``, imported without PyTorch where PyTorch is not loaded yet:
+  tensorboardX imports torch where it is installed only to accept torch tensors (1.7 s of a
+  command's start-up; ppojax logs Python floats)."""
+  if "torch" in sys.modules or "tensorboardX" in sys.modules:
+    from tensorboardX import SummaryWriter  # pylint: disable=import-outside-toplevel
+    return SummaryWriter
+  sys.modules["torch"] = None  # ``import torch`` raises ImportError: tensorboardX goes without
+  try:
+    from tensorboardX import SummaryWriter  # pylint: disable=import-outside-toplevel
+  finally:
+    del sys.modules["torch"]
+  return SummaryWriter
+
+
 class MetricWriter:
   """Writes metrics to ``workdir/metrics.jsonl``, TensorBoard and (optionally) Weights & Biases.
 
@@ -148,8 +164,7 @@ class MetricWriter:
   def __init__(self, workdir: str, *, tensorboard: bool = True, wandb_project: str | None = None,
                wandb_config: dict | None = None, resume_step: int | None = None):
     wandb = _import_wandb(wandb_project) if wandb_project is not None else None
-    if tensorboard:
-      from tensorboardX import SummaryWriter  # pylint: disable=import-outside-toplevel
+    SummaryWriter = _tensorboard_writer() if tensorboard else None
     self.workdir = os.fspath(workdir)
     os.makedirs(self.workdir, exist_ok=True)
     self.metrics_path = os.path.join(self.workdir, METRICS_FILE)
