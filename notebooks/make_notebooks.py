@@ -82,7 +82,7 @@ verifiable reward: 1 for the right final number plus 0.1 for ending on a number
 5. accuracy after training, curves of reward, KL and entropy, and completions before / after.
 
 Runs on a CPU (about 15 minutes for the 20 iterations on 2 cores), a GPU or a TPU runtime.
-With `PPOJAX_NOTEBOOK_SMALL=1` it runs the tiny setting the tests use (2 iterations of 8
+With `PPOJAX_NOTEBOOK_SMALL=1` it runs the tiny setting the tests use (2 iterations of 4
 prompts, 8 new tokens, 8 held-out problems).'''),
       code(INSTALL),
       md("## Devices and mesh"),
@@ -145,7 +145,7 @@ def find_config(name):
 
 
 if SMALL:
-  overrides = dict(num_iterations=2, rl__batch_size=8, rl__num_minibatches=2,
+  overrides = dict(num_iterations=2, rl__batch_size=4, rl__num_minibatches=2,
                    sampling__max_new_tokens=8, eval__batch_size=8)
   n_eval = 8
 else:
