@@ -47,8 +47,8 @@ from ppojax.tasks import count
 ROOT = pathlib.Path(__file__).parents[1]
 VOLATILE = ("time/", "eps", "memory/", "compile/")  # differ between runs and processes
 KILLS = 6  # two in each of the three ways of choosing the moment (test_sigkill_...)
-N = 16  # iterations of the CLI runs: the kills must land before a run reaches N (a kill ends
-# 0 to 3 iterations after the one before, 1.5 on average)
+N = 16  # iterations of the CLI runs: the kills must land before a run reaches N (the six kills
+# of one run here left it at 3 rows: a kill lands before, during or just after one iteration)
 CLI = [sys.executable, "-m", "ppojax.train", "--config", str(ROOT / "configs" / "toy.py"),
        f"--config.num_iterations={N}", "--config.save_every=1", "--config.keep=2",
        "--config.rl.batch_size=16", "--config.log_every=1", "--config.sample_every=0"]
@@ -479,7 +479,7 @@ def _leftovers(ckpts: pathlib.Path) -> list[str]:
 
 
 def test_sigkill_at_random_moments_loses_nothing(cli_env, reference, tmp_path):
-  """KILLS SIGKILLs, each of a fresh process resuming the same workdir, at moments
+  """Six SIGKILLs (KILLS), each of a fresh process resuming the same workdir, at moments
   drawn from a seeded RNG in three ways by turns: a random time after start (start-up,
   compile, first iterations), a random time after the next iteration's metrics row (inside an
   iteration or its checkpoint save), and the moment a checkpoint's tmp directory appears (in

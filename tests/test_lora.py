@@ -210,11 +210,15 @@ def test_a_lora_run_trains_only_adapters_with_the_base_as_reference(algorithm):
 
 
 def test_a_lora_run_resumes_exactly_saves_small_checkpoints_and_exports(tmp_path):
+  """With LoRA dropout (0.1), whose masks come from the run's key: the resumed run equals the
+  whole one, and the export names the dropout. (Without dropout the update holds no random
+  bits, test_lora_dropout_0_compiles_the_update_without_random_bits; resuming it is resuming
+  any run, tests/test_train.py.)"""
   import json  # pylint: disable=import-outside-toplevel
 
   from ppojax.models import load_model  # pylint: disable=import-outside-toplevel
   from ppojax.run import reporting, runner  # pylint: disable=import-outside-toplevel
-  config = _toy(**{"lora.rank": 4, "rl.kl_coef": 0.1})
+  config = _toy(**{"lora.rank": 4, "lora.dropout": 0.1, "rl.kl_coef": 0.1})
   whole = runner.run(config, str(tmp_path / "whole")).history
   runner.run(config, str(tmp_path / "parts"), stop_after=2)
   runner.run(config, str(tmp_path / "parts"))
@@ -222,6 +226,8 @@ def test_a_lora_run_resumes_exactly_saves_small_checkpoints_and_exports(tmp_path
   read = lambda d: [{k: v for k, v in row.items() if not k.startswith(volatile)}  # noqa: E731
                     for row in reporting.read_metrics(str(tmp_path / d / "metrics.jsonl"))]
   assert read("parts") == read("whole") and len(whole) == 4
+  assert all(np.isfinite(row["loss/policy_avg"]) and row["skipped/nonfinite"] == 0
+             for row in read("whole"))
   # without a critic, a checkpoint is the adapters and their Adam moments (and the small
   # rest of the state): no base, no reference
   grpo = {"algorithm": "grpo", "sampling.num_samples_per_prompt": 4, "rl.batch_size": 4,
@@ -241,6 +247,7 @@ def test_a_lora_run_resumes_exactly_saves_small_checkpoints_and_exports(tmp_path
                  for p, _ in jax.tree_util.tree_leaves_with_path(exported.params))
   adapter_config = json.loads((tmp_path / "whole" / "adapters" / "adapter_config.json").read_text())
   assert adapter_config["r"] == 4 and adapter_config["peft_type"] == "LORA"
+  assert adapter_config["lora_dropout"] == 0.1
   assert (tmp_path / "whole" / "adapters" / "adapter_model.safetensors").exists()
   assert r.models.reference.cfg.lora_rank == 0
 
@@ -492,21 +499,3 @@ def test_lora_dropout_acts_in_the_update_only_and_is_reproducible():
   assert _same(once.actor, again.actor) and _same(once.critic, again.critic)
   assert not _same(once.actor, without.actor) and not _same(once.critic, without.critic)
   assert np.isfinite(m_once["loss/policy_avg"]) and np.isfinite(m_once["loss/value_avg"])
-
-
-def test_a_lora_dropout_run_resumes_exactly_and_exports_its_dropout(tmp_path):
-  import json  # pylint: disable=import-outside-toplevel
-
-  from ppojax.run import reporting, runner  # pylint: disable=import-outside-toplevel
-  config = _toy(**{"lora.rank": 4, "lora.dropout": 0.1, "rl.kl_coef": 0.1})
-  whole = runner.run(config, str(tmp_path / "whole")).history
-  runner.run(config, str(tmp_path / "parts"), stop_after=2)
-  runner.run(config, str(tmp_path / "parts"))
-  volatile = ("time/", "eps", "memory/", "compile/")
-  read = lambda d: [{k: v for k, v in row.items() if not k.startswith(volatile)}  # noqa: E731
-                    for row in reporting.read_metrics(str(tmp_path / d / "metrics.jsonl"))]
-  assert read("parts") == read("whole") and len(whole) == 4
-  assert all(np.isfinite(row["loss/policy_avg"]) and row["skipped/nonfinite"] == 0
-             for row in read("whole"))
-  adapter_config = json.loads((tmp_path / "whole" / "adapters" / "adapter_config.json").read_text())
-  assert adapter_config["lora_dropout"] == 0.1
