@@ -42,6 +42,8 @@ def get_config(model: str = "qwen2_5_0_5b") -> ml_collections.ConfigDict:
   c.model.frozen_dtype = "bfloat16"  # reference and reward model: 2 bytes per parameter
   if model in ("qwen2_5_7b", "llama3_1_8b"):
     c.optim.state_dtype = "bfloat16"  # Adam's moments: 4 bytes per parameter, not 8
+  if model == "llama3_1_8b":  # PPO on v5e 4x4: 15.50 GiB unrolled, 16.70 scanned (docs/scale.md);
+    c.sampling.decode_layers = "unroll"  # GRPO is smaller scanned (11.25 GiB): pass "scan"
   c.reward.kind = "model"
 
   c.data.task = "file"  # data.path: prompts, JSONL with a "prompt" field
