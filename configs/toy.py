@@ -1,6 +1,6 @@
 """A tiny random-init transformer learns the *count* task (ppojax/tasks/count.py) by PPO with a rule
-reward, on CPU in well under a minute (score 0.07 → 0.94 in 30 s on a 2-core EPYC, 2026-11-28).
-The CLI's test job.
+reward, on CPU in about a minute (score 0.07 → 0.94 over its 150 iterations, measured
+2026-11-28). The CLI's test job.
 
     python -m ppojax.train --config configs/toy.py --workdir /tmp/toy [--config.rl.kl_coef=0.1]
 """
