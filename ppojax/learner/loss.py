@@ -102,7 +102,8 @@ def packed_or_padded(fn: Callable[[Packing | None], Any], r: Rollout, cfg) -> tu
   tokens, mask, positions = sequence(r.prompts, r.prompt_mask, r.responses, r.mask, r.prefix)
   n, t = tokens.shape
   counts = sorted({packing.packed_rows(n, f) for f in fractions})
-  placements = [packing.first_fit(jnp.sum(mask, axis=1), c, t) for c in counts]
+  lengths = jnp.sum(mask, axis=1)
+  placements = [packing.first_fit(lengths, c, t) for c in counts]
   index = jnp.argmax(jnp.stack([fits for _, _, fits in placements] + [jnp.bool_(True)]))
   branches = [lambda _, c=c, p=p: fn(packing.pack(tokens, mask, positions, r.responses.shape[1],
                                                   c, p))
