@@ -14,6 +14,7 @@ Reference distributions and truncation sets are recomputed here independently of
 (NumPy, float64), from one full forward pass over prompt + response.
 """
 
+import dataclasses
 import functools
 import textwrap
 
@@ -297,12 +298,14 @@ def test_greedy_matches_transformers_generate_on_smollm2(smollm2_path):
   ref_tokens = np.pad(ref_tokens, ((0, 0), (0, SMOL_NEW - ref_tokens.shape[1])),
                       constant_values=eos)  # transformers stops early when every row is done
   np.testing.assert_array_equal(np.asarray(out.tokens), ref_tokens)
-  # The chat template's system header, shared by every row, prefilled once for the batch.
+  # The chat template's system header, shared by every row, prefilled once for the batch; and
+  # the decode's 30 layers as one scanned body (the default above, on a CPU, unrolls them).
   prefix, rest, rest_mask = sampling.split_shared_prefix(tokens, mask)
   assert prefix.size >= 20, prefix.size
+  assert sampling.decode_layers(config.layers, model.params) == "unroll"
   shared = jax.device_get(generate(model.module, model.params, jnp.asarray(rest),
-                                   jnp.asarray(rest_mask), jax.random.key(0), config,
-                                   prefix=jnp.asarray(prefix)))
+                                   jnp.asarray(rest_mask), jax.random.key(0),
+                                   dataclasses.replace(config, layers="scan"), prefix=jnp.asarray(prefix)))
   np.testing.assert_array_equal(np.asarray(shared.tokens), ref_tokens)
   np.testing.assert_allclose(shared.logprobs, out.logprobs, atol=1e-4)
 
