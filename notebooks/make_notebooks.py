@@ -84,7 +84,7 @@ verifiable reward: 1 for the right final number plus 0.1 for ending on a number
 Runs on a CPU (about 15 minutes for the 20 iterations on 2 cores), a GPU or a TPU runtime.
 With `PPOJAX_NOTEBOOK_SMALL=1` it runs the tiny setting the tests use (2 iterations of 4
 prompts, 8 new tokens, 8 held-out problems, the decode's 30 layers compiled as one scanned
-body: half the compile time of the unrolled decode a CPU otherwise gets).'''),
+body: about a quarter of the compile time of the unrolled decode, a CPU's default).'''),
       code(INSTALL),
       md("## Devices and mesh"),
       code(SMALL + '''

@@ -150,8 +150,8 @@ def test_cartpole_is_solved_by_3_of_4_seeds_in_one_vmapped_call():
   (measured: all 4 at 500)."""
   hp = ppo.Hyper(total_timesteps=200_000, lr=1e-3)
   keys = runner.seed_keys(0, 4)
-  # compiled with XLA's optimisations, not the suite's -O0 (conftest): it runs 200k steps, 6.7
-  # + 9.9 s instead of 2.8 + 20.1 s compile + run (measured 2026-11-28)
+  # compiled with XLA's optimisations, not the suite's -O0 (conftest): it runs 200k steps, 6.4
+  # + 10.0 s instead of 2.8 + 20.1 s compile + run (measured 2026-11-28)
   train = jax.jit(jax.vmap(ppo.make_train(hp))).lower(keys).compile(
       {"xla_backend_optimization_level": 3})
   _, metrics = train(keys)

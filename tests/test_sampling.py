@@ -305,7 +305,8 @@ def test_greedy_matches_transformers_generate_on_smollm2(smollm2_path):
   assert sampling.decode_layers(config.layers, model.params) == "unroll"
   shared = jax.device_get(generate(model.module, model.params, jnp.asarray(rest),
                                    jnp.asarray(rest_mask), jax.random.key(0),
-                                   dataclasses.replace(config, layers="scan"), prefix=jnp.asarray(prefix)))
+                                   dataclasses.replace(config, layers="scan"),
+                                   prefix=jnp.asarray(prefix)))
   np.testing.assert_array_equal(np.asarray(shared.tokens), ref_tokens)
   np.testing.assert_allclose(shared.logprobs, out.logprobs, atol=1e-4)
 
