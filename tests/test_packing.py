@@ -208,28 +208,26 @@ def test_packed_rows_give_the_padded_rows_outputs_and_gradients(case):
       g_pad, g_pack)
 
 
-@pytest.mark.parametrize("path,ladders", [("minibatches", ((1.0,),)),
-                                          ("single_pass", ((0.05, 1.0), (0.05,)))])
-def test_iterations_with_packing_equal_iterations_without(path, ladders):
+@pytest.mark.parametrize("path,ladder", [("minibatches", (1.0,)), ("single_pass", (0.05, 1.0))])
+def test_iterations_with_packing_equal_iterations_without(path, ladder):
   """configs/toy.py (PPO with a critic): 2 epochs × 2 minibatches, or one step whose forward
   pass gives the old log-probs and values. ``rl.pack_fractions`` (1,) packs every micro-batch
-  (it always fits: a row per sequence at worst); (0.05,) leaves one row per micro-batch, too
-  few, so the step falls back to the padded rows; (0.05, 1) tries one row, then a row per
+  (it always fits: a row per sequence at worst); (0.05, 1) tries one row, then a row per
   sequence, and runs the second (the ``lax.switch`` of ``loss.packed_or_padded``, the same on
-  both paths). Either way the states and metrics equal the padded run's."""
+  both paths; the padded branch where no fraction fits:
+  test_the_ladder_runs_the_fewest_rows_that_hold_the_batch). Either way the states and
+  metrics equal the padded run's."""
   from test_step import _assert_close, _iterate, toy_config  # pylint: disable=import-outside-toplevel
 
   from ppojax.run import build as build_lib  # pylint: disable=import-outside-toplevel
   single = {"rl.num_epochs": 1, "rl.num_minibatches": 1} if path == "single_pass" else {}
   state, rows = _iterate(build_lib.build(toy_config(**single)), 2)[:2]
-  for ladder in ladders:
-    run = build_lib.build(toy_config(**single, **{"rl.pack_fractions": ladder}))
-    other_state, other_rows = _iterate(run, 2)[:2]
-    _assert_close((state.actor, state.critic), (other_state.actor, other_state.critic),
-                  rtol=2e-5, atol=2e-6)
-    for a, b in zip(rows, other_rows):
-      packed = 1.0 in ladder
-      assert b.pop("update/packed_avg") == packed
-      assert b.pop("update/pack_rows_avg") == 1.0  # a row per sequence, or padded
-      assert 0 < b.pop("update/pack_fill_avg") <= 1
-      _assert_close(a, b, rtol=2e-5, atol=2e-6)
+  run = build_lib.build(toy_config(**single, **{"rl.pack_fractions": ladder}))
+  other_state, other_rows = _iterate(run, 2)[:2]
+  _assert_close((state.actor, state.critic), (other_state.actor, other_state.critic),
+                rtol=2e-5, atol=2e-6)
+  for a, b in zip(rows, other_rows):
+    assert b.pop("update/packed_avg") == 1.0
+    assert b.pop("update/pack_rows_avg") == 1.0  # a row per sequence
+    assert 0 < b.pop("update/pack_fill_avg") <= 1
+    _assert_close(a, b, rtol=2e-5, atol=2e-6)

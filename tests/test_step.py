@@ -57,13 +57,20 @@ def _params(state):
 
 
 @pytest.fixture(scope="module")
-def fused_run():
-  return _run_steps(toy_config())
+def toy_run():
+  """configs/toy.py at batch 16, built once for the tests that read it or iterate from its
+  state (``_iterate`` copies the state it starts from: the step donates its input)."""
+  return build_lib.build(toy_config())
 
 
-def test_fused_step_equals_its_three_phases(fused_run):
+@pytest.fixture(scope="module")
+def fused_run(toy_run):
+  return _iterate(toy_run, 2)[:2]
+
+
+def test_fused_step_equals_its_three_phases(fused_run, toy_run):
   state, rows = fused_run
-  state_p, rows_p = _run_steps(toy_config(), phases=True)
+  state_p, rows_p = _iterate(toy_run, 2, phases=True)[:2]
   _assert_close(_params(state), _params(state_p))
   for a, b in zip(rows, rows_p):
     assert a.keys() == b.keys()
@@ -146,8 +153,8 @@ def test_sampler_old_logprobs_equal_a_recompute():
   assert not np.any(r_smp.old_logp[~r_smp.mask])
   for name in ("ref_logp", "old_values"):
     np.testing.assert_array_equal(getattr(r_smp, name), getattr(r_rec, name))
-  baseline = _run_steps(toy_config(**t))
-  state, rows = _run_steps(toy_config(**t, **{"rl.old_logprobs": "sampler"}))
+  baseline = _iterate(rec, 2)[:2]
+  state, rows = _iterate(smp, 2)[:2]
   _assert_close(_params(state), _params(baseline[0]), rtol=1e-4, atol=1e-5)
   for a, b in zip(rows, baseline[1]):
     assert a.keys() == b.keys()
@@ -196,8 +203,9 @@ def test_single_pass_update_equals_a_rollout_forward(old_logprobs, temperature):
 def test_python_reward_equals_the_jax_rule(fused_run):
   state, rows = fused_run
   config = toy_config(**{"reward.kind": "python", "reward.fn": "ppojax.tasks.count:count_reward_numpy"})
-  state_py, rows_py = _run_steps(config)
-  assert build_lib.build(config).step.fused is None  # two compiled halves, one host round trip
+  run = build_lib.build(config)
+  assert run.step.fused is None  # two compiled halves, one host round trip
+  state_py, rows_py = _iterate(run, 2)[:2]
   _assert_close(_params(state), _params(state_py))
   _assert_close(rows, rows_py)
 
@@ -248,9 +256,9 @@ def test_bad_batch_split_is_refused():
     build_lib.build(toy_config(**{"rl.num_minibatches": 3}))
 
 
-def test_padding_after_the_stop_token_is_inert():
+def test_padding_after_the_stop_token_is_inert(toy_run):
   """Tokens after a response's stop token change no log-prob, value or score on the mask."""
-  r = build_lib.build(toy_config())
+  r = toy_run
   prompts = r.source.batch(0).prompts
   responses = np.array([[5, 6, 0, 0, 0, 0], [7, 8, 9, 10, 0, 0]], np.int32)
   mask = np.array([[1, 1, 1, 0, 0, 0], [1, 1, 1, 1, 1, 0]], bool)
@@ -266,10 +274,10 @@ def test_padding_after_the_stop_token_is_inert():
     np.testing.assert_allclose(clean, dirty, rtol=1e-6, atol=1e-6)
 
 
-def test_values_and_scores_read_the_right_positions():
+def test_values_and_scores_read_the_right_positions(toy_run):
   """V(s_t) is the critic's output before response token t; the score is read at the last
   response token — checked against a forward pass over the concatenated sequence."""
-  r = build_lib.build(toy_config())
+  r = toy_run
   prompts = r.source.batch(0).prompts
   p, rows = prompts.tokens[:3], slice(0, 3)
   responses = np.array([[5, 6, 0, 0], [7, 8, 9, 0], [4, 4, 4, 4]], np.int32)
@@ -332,10 +340,10 @@ def test_count_rule_in_jnp_and_numpy_agree():
   assert np.all(count.count_reward(prompts.tokens, prompts.mask, perfect, mask) == 1.25)
 
 
-def test_sharded_step_equals_single_device(run_on_8_cpu_devices, fused_run, tmp_path):
+def test_sharded_step_equals_single_device(run_on_8_cpu_devices, toy_run, tmp_path):
   """One PPO iteration on a (data 2, fsdp 2, tensor 2) mesh of 8 simulated CPU devices equals
   the same iteration on one device (this process)."""
-  one_state, one_rows = _run_steps(toy_config(), n=1)
+  one_state, one_rows = _iterate(toy_run, 1)[:2]
   leaves = jax.tree.leaves(_params(one_state))
   np.savez(tmp_path / "one.npz", *leaves)
   (tmp_path / "rows.json").write_text(__import__("json").dumps(one_rows))
