@@ -53,33 +53,42 @@ def test_cli_learns_the_count_task_and_writes_its_outputs(tmp_path):
       assert stat.S_IMODE(path.stat().st_mode) == (0o750 if path.is_dir() else 0o640), path
 
 
-def test_stopped_and_resumed_run_equals_an_uninterrupted_run(tmp_path):
-  config = toy_config(num_iterations=6, save_every=2, log_every=1, sample_every=0)
-  whole = runner.run(config, str(tmp_path / "whole")).history
-  assert runner.run(config, str(tmp_path / "parts"), stop_after=3).history[-1]["iteration"] == 3
-  assert not (tmp_path / "parts" / "policy").exists()  # not finished: no export yet
-  resumed = runner.run(config, str(tmp_path / "parts")).history
+def _config():
+  return toy_config(num_iterations=6, save_every=2, log_every=1, sample_every=0)
+
+
+def _read(workdir):
+  return reporting.read_metrics(str(pathlib.Path(workdir) / "metrics.jsonl"))
+
+
+@pytest.fixture(scope="module")
+def whole(tmp_path_factory):
+  """An uninterrupted run of ``_config()``: (its workdir, its history)."""
+  workdir = tmp_path_factory.mktemp("whole")
+  return workdir, runner.run(_config(), str(workdir)).history
+
+
+def test_stopped_and_resumed_run_equals_an_uninterrupted_run(whole, tmp_path):
+  workdir, history = whole
+  assert runner.run(_config(), str(tmp_path), stop_after=3).history[-1]["iteration"] == 3
+  assert not (tmp_path / "policy").exists()  # not finished: no export yet
+  resumed = runner.run(_config(), str(tmp_path)).history
   assert resumed[0]["iteration"] == 4
-  read = lambda d: reporting.read_metrics(str(tmp_path / d / "metrics.jsonl"))  # noqa: E731
-  assert _stable(read("whole")) == _stable(read("parts"))
-  assert [r["step"] for r in read("parts")] == [1, 2, 3, 4, 5, 6]
-  assert _stable(whole)[3:] == _stable(resumed)
+  assert _stable(_read(workdir)) == _stable(_read(tmp_path))
+  assert [r["step"] for r in _read(tmp_path)] == [1, 2, 3, 4, 5, 6]
+  assert _stable(history)[3:] == _stable(resumed)
 
 
-def test_resume_from_an_earlier_checkpoint_drops_the_lost_rows(tmp_path):
+def test_resume_from_an_earlier_checkpoint_drops_the_lost_rows(whole, tmp_path):
   """A run that died after iteration 3 with its last checkpoint at 2: the rerun restarts at 3
   and metrics.jsonl holds each iteration once, as in an uninterrupted run."""
-  config = toy_config(num_iterations=4, save_every=2, log_every=1, sample_every=0)
-  whole = runner.run(config, str(tmp_path / "whole")).history
-  runner.run(config, str(tmp_path / "parts"), stop_after=2)
-  with open(tmp_path / "parts" / "metrics.jsonl", "a") as f:  # iteration 3, never saved
+  runner.run(_config(), str(tmp_path), stop_after=2)
+  with open(tmp_path / "metrics.jsonl", "a") as f:  # iteration 3, never saved
     f.write(json.dumps({"step": 3, "objective/scores": -1.0}) + "\n")
-  runner.run(config, str(tmp_path / "parts"))
-  rows = reporting.read_metrics(str(tmp_path / "parts" / "metrics.jsonl"))
-  assert [r["step"] for r in rows] == [1, 2, 3, 4]
-  assert _stable(rows) == _stable(reporting.read_metrics(str(tmp_path / "whole" /
-                                                              "metrics.jsonl")))
-  assert len(whole) == 4
+  assert runner.run(_config(), str(tmp_path)).history[0]["iteration"] == 3
+  rows = _read(tmp_path)
+  assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6]
+  assert _stable(rows) == _stable(_read(whole[0])) and len(whole[1]) == 6
 
 
 if __name__ == "__main__":
