@@ -167,7 +167,8 @@ def test_single_pass_update_equals_a_rollout_forward(old_logprobs, temperature):
   """With 1 epoch × 1 minibatch × 1 micro-batch the update takes the old values (and recomputed
   old log-probs) from its own forward pass (rl.reuse_update_forward): the rollout skips those
   passes, and the fused step and its three phases give the iterations of the two-pass step
-  (reuse_update_forward=False), the fused step's rollout filled in as before. No warmup, so
+  (reuse_update_forward=False), the fused step's rollout filled in as before (the three phases
+  in one of the two cases). No warmup, so
   that every iteration moves the params and the critic's values are far from 0 by the third.
   At T = 0.7 the sampler's log-probs, the rollout's and the update's all use logits / T."""
   one = {"rl.num_epochs": 1, "rl.num_minibatches": 1, "rl.old_logprobs": old_logprobs,
@@ -182,7 +183,8 @@ def test_single_pass_update_equals_a_rollout_forward(old_logprobs, temperature):
   assert np.abs(last.old_values[last.mask]).mean() > 1e-2  # the critic has learnt something
   assert last.mask.any() and not last.mask.all()  # padding to check
   fused_rollouts = None
-  for phases in (False, True):
+  # the three phases in one case: at T = 0.7, the sampler's log-probs carried across them
+  for phases in (False, True) if old_logprobs == "sampler" else (False,):
     state, rows, rollouts = _iterate(single, 3, phases)
     fused_rollouts = fused_rollouts or rollouts
     # Adam divides each gradient element by its own running scale, so an element whose
@@ -230,21 +232,23 @@ def test_metrics_have_trl_names_and_sane_values(fused_run):
 
 @pytest.mark.parametrize("aggregation",
                          ["token_mean", "seq_mean", "seq_mean_token_sum_norm"])
-def test_gradient_accumulation_is_exact(aggregation):
-  """The sum of K weighted micro-batch gradients is the minibatch gradient (ragged masks)."""
+def test_gradient_accumulation_is_exact(aggregation, toy_run):
+  """The sum of K weighted micro-batch gradients is the minibatch gradient (ragged masks), for
+  each aggregation (the algorithm record's, where the loss and the micro-batch weights read
+  it: the toy run's with that one field replaced)."""
   from ppojax.learner import update as update_lib  # pylint: disable=import-outside-toplevel
 
-  config = toy_config(**{"rl.aggregation": aggregation})
-  r = build_lib.build(config)
+  r = toy_run
+  algorithm = r.algorithm._replace(aggregation=aggregation)
   rollout = r.step.rollout(r.state, r.frozen, r.source.batch(0).prompts)
   assert len(set(np.asarray(rollout.mask).sum(1).tolist())) > 1  # ragged lengths
   ppo = r.config.rl  # resolved: the algorithm's estimator, KL placement, ...
-  exp, _ = experience.make_experience(rollout, r.step.score(r.frozen, rollout), 0.05, r.algorithm,
+  exp, _ = experience.make_experience(rollout, r.step.score(r.frozen, rollout), 0.05, algorithm,
                                        ppo)
   params = (r.state.actor, r.state.critic)
   order = jnp.asarray(np.random.default_rng(0).permutation(16))
   grads = lambda k: update_lib._minibatch_grads(  # noqa: E731  pylint: disable=protected-access
-      params, r.models, exp, order.reshape(k, 16 // k), r.algorithm, ppo, 1.0)
+      params, r.models, exp, order.reshape(k, 16 // k), algorithm, ppo, 1.0)
   (g1, m1), (g4, m4) = grads(1), grads(4)
   _assert_close(g1, g4, rtol=1e-4, atol=1e-7)
   _assert_close(m1["loss/policy"], m4["loss/policy"], rtol=1e-5, atol=1e-7)
