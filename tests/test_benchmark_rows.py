@@ -1,7 +1,7 @@
 """The peer benchmarks' pure helpers (benchmarks/): which ppojax rows a run times
 (``ppo_step.plan_rows``), the ratio keys of each pair (``ppo_step.comparisons``), the response
-length check every side runs (``peer_env.check_lengths``) and the FLOPs of LoRA with a full
-critic (``ppo_step.iteration_flops``)."""
+length check every side runs (``peer_env.check_lengths``), the FLOPs of LoRA with a full
+critic (``ppo_step.iteration_flops``) and the trace summary's op kinds (``step_trace``)."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "benchmarks
 # pylint: disable=wrong-import-position
 import peer_env  # noqa: E402
 import ppo_step  # noqa: E402
+import step_trace  # noqa: E402
 
 DEFAULT = {"shared_prefix": True, "reuse_update_forward": True, "old_logprobs": "recompute"}
 TRL = {"shared_prefix": False, "reuse_update_forward": False, "old_logprobs": "sampler"}
@@ -121,3 +122,31 @@ def test_iteration_flops_full_critic_keeps_weight_gradients():
   assert lora["critic fwd+bwd"] == 2 * value_fwd and mixed["critic fwd+bwd"] == 3 * value_fwd
   assert {k: v for k, v in mixed.items() if k != "critic fwd+bwd"} == {
       k: v for k, v in lora.items() if k != "critic fwd+bwd"}
+
+
+def test_the_trace_summary_sorts_a_compiled_programs_ops_by_kind():
+  """``step_trace.hlo_ops`` on a real compiled program: its dot (or the fusion holding it) is a
+  matmul, the while loop a container (None: its body's ops count instead), its slice a slice;
+  ``summarize`` adds up a trace's events by those kinds and skips names it does not know."""
+  import jax  # pylint: disable=import-outside-toplevel
+  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
+
+  def f(a, b):
+    c = jax.lax.fori_loop(0, 3, lambda i, x: jnp.tanh(x @ b), a)
+    return jax.lax.dynamic_slice(c, (1, 0), (2, 4)) * 2.0
+
+  x = jnp.ones((4, 4))
+  kinds = step_trace.hlo_ops(jax.jit(f).lower(x, x).compile().as_text())
+  names = {kind: [n for n, k in kinds.items() if k == kind] for kind in set(kinds.values())}
+  assert names.get("matmul") and names.get(None), kinds  # the dot and the while loop
+  assert any(n.startswith("dynamic_slice") for n in names["dynamic-slice / slice"]), kinds
+  assert any(n.startswith("tanh") for n in names["elementwise / reduce"]), kinds
+  while_op = next(n for n in names[None] if n.startswith("while"))
+  matmul = names["matmul"][0]
+  events = [{"name": matmul, "dur": 2e6}, {"name": matmul, "dur": 1e6},
+            {"name": while_op, "dur": 9e6}, {"name": "not-an-op", "dur": 5e6}]
+  per_kind, top = step_trace.summarize(events, kinds)
+  assert per_kind == {"matmul": 3.0} and top == [(matmul, 3.0)]
+  assert step_trace.category("fusion", {"parameter", "transpose", "bitcast"}) == "copy / transpose"
+  assert step_trace.category("fusion", {"parameter", "dynamic-update-slice"}) == (
+      "dynamic-update-slice")
