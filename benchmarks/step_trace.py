@@ -14,9 +14,9 @@ scanned weights and caches), ``other`` (sorts, random bits, custom calls, collec
 ``elementwise / reduce`` (every other op). Container ops (while loops, conditionals, calls)
 are not counted: their bodies' ops are. Prints the wall time of the traced iteration, seconds
 per category, the matmuls' GFLOP/s over the iteration's model FLOPs
-(``ppo_step.iteration_flops``) against the float32 matmul peak measured in the same run, the 12
-costliest ops, and one JSON line. XLA:CPU runs independent ops concurrently, so the
-categories can add up to more than the wall time.
+(``ppo_step.iteration_flops``) against the float32 matmul peak (the mean of samples just before
+and after the trace), the 12 costliest ops, and one JSON line. XLA:CPU runs independent ops
+concurrently, so the categories can add up to more than the wall time.
 """
 
 import argparse
@@ -137,12 +137,15 @@ def main():
   for _ in range(2):  # compile, then one warm iteration
     state, _, rollout, _ = runner.iteration(run, state, prompts)
   ppo_step.check_rollout(rollout, args.response_length)
-  peak = ppo_step.matmul_peak(jnp.float32, args.matmul_size)
+  # this VM's speed drifts within minutes: the peak sampled just before and just after the trace
+  peaks = [ppo_step.matmul_peak(jnp.float32, args.matmul_size)]
   trace_dir = args.trace_dir or pathlib.Path(tempfile.mkdtemp(prefix="ppojax-trace-"))
   with jax.profiler.trace(str(trace_dir), create_perfetto_trace=True):
     t0 = time.perf_counter()
     state, _, rollout, _ = runner.iteration(run, state, prompts)
     wall = time.perf_counter() - t0
+  peaks.append(ppo_step.matmul_peak(jnp.float32, args.matmul_size))
+  peak = sum(peaks) / 2
   compiled = run.step.fused.lower(state, run.frozen, prompts).compile()
   per_category, top = summarize(trace_events(trace_dir), hlo_ops(compiled.as_text()))
 
@@ -154,7 +157,8 @@ def main():
   matmul_s = per_category.get("matmul", 0.0)
   print(f"device: {jax.devices()[0].device_kind}, {os.cpu_count()} CPUs, jax {jax.__version__};"
         f" {args.dtype}; batch {args.batch}, prompts {args.prompt_length}, responses "
-        f"{args.response_length}; float32 matmul peak {peak:.1f} GFLOP/s")
+        f"{args.response_length}; float32 matmul peak {peak:.1f} GFLOP/s (before / after the "
+        f"trace: {peaks[0]:.1f} / {peaks[1]:.1f})")
   print(f"traced iteration: {wall:.2f} s; model FLOPs {flops / 1e12:.3f} TFLOP")
   for name, s in sorted(per_category.items(), key=lambda kv: -kv[1]):
     print(f"  {name:<24}{s:>8.2f} s")
@@ -167,7 +171,9 @@ def main():
   summary = {"wall_seconds": round(wall, 3), "seconds_by_category": {
       k: round(v, 3) for k, v in per_category.items()}, "model_tflop": round(flops / 1e12, 4),
       "matmul_gflops": round(flops / matmul_s / 1e9, 1) if matmul_s else None,
-      "matmul_peak_gflops": round(peak, 1), "top_ops": [[n, round(s, 4)] for n, s in top],
+      "matmul_peak_gflops": round(peak, 1),
+      "matmul_peak_samples": [round(x, 1) for x in peaks],
+      "top_ops": [[n, round(s, 4)] for n, s in top],
       "checked_lengths": bool(np.all(np.asarray(rollout.mask).sum(-1) == args.response_length))}
   print(json.dumps(summary))
 
