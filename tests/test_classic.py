@@ -4,6 +4,7 @@ initializer keeps its QR unbatched under vmap (issue 28's hang); CartPole-v1 is 
 seeds trained in one vmapped call; the CLI writes the run's outputs, and its rows are those of
 a plain loop over single iterations."""
 
+import importlib.util
 import json
 import pathlib
 import re
@@ -16,7 +17,11 @@ import numpy as np
 import pytest
 from flax import linen as nn
 
-pytest.importorskip("gymnax")
+# found, not imported: gymnax's import (4.5 s here, seaborn and scipy with it) is paid by the
+# worker that makes an environment, not by every worker's collection
+if importlib.util.find_spec("gymnax") is None:
+  pytest.skip("classic control needs gymnax: pip install 'ppojax[classic]'",
+              allow_module_level=True)
 
 from ppojax.classic import agent, envs, ppo, runner  # noqa: E402
 from ppojax.core import advantages
