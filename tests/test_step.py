@@ -168,9 +168,9 @@ def test_single_pass_update_equals_a_rollout_forward(old_logprobs, temperature):
   old log-probs) from its own forward pass (rl.reuse_update_forward): the rollout skips those
   passes, and the fused step and its three phases give the iterations of the two-pass step
   (reuse_update_forward=False), the fused step's rollout filled in as before (the three phases
-  in one of the two cases). No warmup, so
-  that every iteration moves the params and the critic's values are far from 0 by the third.
-  At T = 0.7 the sampler's log-probs, the rollout's and the update's all use logits / T."""
+  in one of the two cases). No warmup, so that every iteration moves the params and the
+  critic's values are far from 0 by the third. At T = 0.7 the sampler's log-probs, the
+  rollout's and the update's all use logits / T."""
   one = {"rl.num_epochs": 1, "rl.num_minibatches": 1, "rl.old_logprobs": old_logprobs,
          "optim.actor.warmup_steps": 0, "optim.critic.warmup_steps": 0,
          "sampling.temperature": temperature}
