@@ -21,7 +21,16 @@ from ppojax.run import models as run_models
 from ppojax.run import runner
 from ppojax.tasks import reasoning, sources
 
-rg = pytest.importorskip("reasoning_gym")
+# found, not imported: reasoning_gym's import (1.5 s here, sympy with it) is paid by the worker
+# that runs these tests, not by every worker's collection
+if importlib.util.find_spec("reasoning_gym") is None:
+  pytest.skip("needs reasoning-gym: pip install -e '.[reasoning]'", allow_module_level=True)
+
+
+def _rg():
+  import reasoning_gym  # pylint: disable=import-outside-toplevel
+  return reasoning_gym
+
 
 ROOT = pathlib.Path(__file__).parents[1]
 ONE_DIGIT = {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1}  # 200 questions
@@ -57,7 +66,7 @@ def test_batches_are_a_pure_function_of_seed_and_position(char_tokenizer):
 
 def test_held_out_questions_are_distinct_and_never_trained_on():
   held = reasoning.held_out("chain_sum", ONE_DIGIT, 10_000, 100)
-  generated = rg.create_dataset("chain_sum", seed=10_000, size=100, **ONE_DIGIT)
+  generated = _rg().create_dataset("chain_sum", seed=10_000, size=100, **ONE_DIGIT)
   questions = [e["question"] for e in generated]
   assert [r["prompt"] for r in held] == list(dict.fromkeys(questions))  # order kept, repeats gone
   assert len(held) < 100  # 100 draws of 200 questions repeat some
@@ -73,8 +82,8 @@ def test_held_out_questions_are_distinct_and_never_trained_on():
 
 
 def test_a_held_out_set_that_covers_everything_is_refused():
-  exclude = frozenset(e["question"] for e in rg.create_dataset("chain_sum", seed=5, size=3000,
-                                                               **ONE_DIGIT))
+  dataset = _rg().create_dataset("chain_sum", seed=5, size=3000, **ONE_DIGIT)
+  exclude = frozenset(e["question"] for e in dataset)
   assert len(exclude) == 200
   with pytest.raises(ValueError, match="held-out set covers nearly every question.*lower "
                      r"data\.rg\.eval_size"):
@@ -97,7 +106,7 @@ def _columns(records):
 ])
 def test_the_reward_is_the_datasets_score_of_the_extracted_answer(completion, extracted):
   records = reasoning.held_out("chain_sum", ONE_DIGIT, 3, 4)
-  dataset = rg.create_dataset("chain_sum", seed=0, size=1, **ONE_DIGIT)
+  dataset = _rg().create_dataset("chain_sum", seed=0, size=1, **ONE_DIGIT)
   fill = lambda s, r: s and s.format(a=r["answer"], wrong=int(r["answer"]) + 1)  # noqa: E731
   texts = [fill(completion, r) for r in records]
   got = reasoning.reward([r["prompt"] for r in records], texts, **_columns(records))
@@ -145,7 +154,7 @@ def test_gsm_symbolic_scores_with_its_own_rule():
 
 
 def test_direct_instruction_is_reasoning_gyms():
-  assert reasoning.DIRECT == rg.utils.SYSTEM_PROMPTS["direct"]
+  assert reasoning.DIRECT == _rg().utils.SYSTEM_PROMPTS["direct"]
 
 
 @pytest.mark.parametrize("change, message", [
