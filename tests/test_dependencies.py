@@ -78,3 +78,13 @@ def test_nothing_at_run_time_needs_the_test_extra():
   test_only = {"pytest", "hypothesis", "nbclient", "nbformat", "ipykernel", "xdist"}
   used = set(_imported_modules())
   assert not used & test_only, used & test_only
+
+
+def test_the_installed_version_is_the_package_version():
+  """pyproject's version is ``ppojax.__version__`` (``[tool.setuptools.dynamic]``), so the
+  installed distribution and the imported package can never name two versions."""
+  import ppojax  # pylint: disable=import-outside-toplevel
+
+  project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+  assert "version" not in project and "version" in project["dynamic"]
+  assert importlib.metadata.version("ppojax") == ppojax.__version__
