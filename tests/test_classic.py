@@ -4,7 +4,6 @@ initializer keeps its QR unbatched under vmap (issue 28's hang); CartPole-v1 is 
 seeds trained in one vmapped call; the CLI writes the run's outputs, and its rows are those of
 a plain loop over single iterations."""
 
-import importlib.util
 import json
 import pathlib
 import re
@@ -15,13 +14,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import skip_unless_found
 from flax import linen as nn
 
-# found, not imported: gymnax's import (4.5 s here, seaborn and scipy with it) is paid by the
-# worker that makes an environment, not by every worker's collection
-if importlib.util.find_spec("gymnax") is None:
-  pytest.skip("classic control needs gymnax: pip install 'ppojax[classic]'",
-              allow_module_level=True)
+skip_unless_found("gymnax", "pip install 'ppojax[classic]'")  # found here, imported in use
 
 from ppojax.classic import agent, envs, ppo, runner  # noqa: E402
 from ppojax.core import advantages

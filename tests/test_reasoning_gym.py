@@ -12,6 +12,7 @@ import pathlib
 import jax
 import ml_collections
 import pytest
+from conftest import skip_unless_found
 
 from ppojax.models import CausalLM, LoadedModel, init_params, save_model
 from ppojax.run import build as build_lib
@@ -21,10 +22,7 @@ from ppojax.run import models as run_models
 from ppojax.run import runner
 from ppojax.tasks import reasoning, sources
 
-# found, not imported: reasoning_gym's import (1.5 s here, sympy with it) is paid by the worker
-# that runs these tests, not by every worker's collection
-if importlib.util.find_spec("reasoning_gym") is None:
-  pytest.skip("needs reasoning-gym: pip install -e '.[reasoning]'", allow_module_level=True)
+skip_unless_found("reasoning_gym", "pip install -e '.[reasoning]'")  # imported in _rg()
 
 
 def _rg():
