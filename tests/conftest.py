@@ -37,12 +37,13 @@ os.environ.setdefault("PPOJAX_COMPILE_CACHE", os.environ["JAX_COMPILATION_CACHE_
 TEST_XLA_FLAGS = "--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false"
 if TEST_XLA_FLAGS not in os.environ.get("XLA_FLAGS", ""):
   os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {TEST_XLA_FLAGS}".strip()
-# A process that runs its programs many times (the toy CLI's 150 iterations) is better served
-# by XLA's optimised code: the toy PPO iteration runs in 0.09 s instead of 0.30 at -O0, for
-# 13.8 s of compiling instead of 6.7. It keeps the older fusion emitters (they compile faster
-# at -O3 too). Not the quickstart notebook: its SmolLM2 programs compile for longer at -O3
-# than its two iterations save (91 against 72 s).
-RUNTIME_XLA_FLAGS = "--xla_cpu_use_fusion_emitters=false"
+# A process that spends more of its time running programs than compiling them (the toy CLI's
+# 60 iterations, the quickstart notebook's SmolLM2 step) is better served by LLVM at -O1, with
+# the older fusion emitters: -O0's unvectorised loops run the SmolLM2 PPO iteration in 17.8 s
+# against 9.8, for 3.6 s of XLA compiling against 8.3; XLA's default -O3 compiles longer still
+# for no faster code at these shapes. Cold cache, 2026-12-01: the toy CLI's 60 iterations 25.9 s
+# at -O1, 30.9 at -O3, 33.8 at -O0; the quickstart notebook 44.8 s at -O1, 54.7 at -O0.
+RUNTIME_XLA_FLAGS = "--xla_backend_optimization_level=1 --xla_cpu_use_fusion_emitters=false"
 # The entry points restart themselves once with glibc's huge-page tunable
 # (``hostmem.reexec_with_huge_pages``), importing everything twice: 3.0 instead of 1.6 s for a
 # CLI that stops at a bad option. The suite starts its CLIs with the tunable already set, as the

@@ -9,6 +9,7 @@ import sys
 
 import nbformat
 import pytest
+from conftest import runtime_env
 from jupyter_client.kernelspec import KernelSpecManager
 from jupyter_client.manager import KernelManager
 from nbclient import NotebookClient
@@ -43,14 +44,17 @@ def test_equal_to_generator(name):
       "python notebooks/make_notebooks.py")
 
 
-def execute(name: str, tmp_path: pathlib.Path, monkeypatch, timeout: int):
+def execute(name: str, tmp_path: pathlib.Path, monkeypatch, timeout: int, runtime: bool = False):
   """Runs the notebook in a fresh kernel of this very interpreter (a kernelspec written for
-  ``sys.executable``, whatever ``python`` is on the PATH); fails with the failing cell's error."""
+  ``sys.executable``, whatever ``python`` is on the PATH); fails with the failing cell's error.
+  ``runtime``: the kernel compiles its programs for running them (conftest's ``runtime_env``)."""
   from ipykernel.kernelspec import write_kernel_spec  # pylint: disable=import-outside-toplevel
 
   kernels = tmp_path / "kernels"
   write_kernel_spec(str(kernels / "python3"))
   monkeypatch.setenv("PPOJAX_NOTEBOOK_SMALL", "1")
+  if runtime:
+    monkeypatch.setenv("XLA_FLAGS", runtime_env()["XLA_FLAGS"])
   km = KernelManager(kernel_name="python3",
                      kernel_spec_manager=KernelSpecManager(kernel_dirs=[str(kernels)]))
   assert km.kernel_spec.argv[0] == sys.executable
@@ -88,7 +92,8 @@ def test_research_api_runs(tmp_path, monkeypatch):
 
 def test_quickstart_runs(smollm2_path, tmp_path, monkeypatch):
   del smollm2_path  # skips where the model cannot be fetched
-  nb = execute("quickstart.ipynb", tmp_path, monkeypatch, timeout=600)
+  # SmolLM2's PPO iteration runs longer than it compiles: optimised code (conftest)
+  nb = execute("quickstart.ipynb", tmp_path, monkeypatch, timeout=600, runtime=True)
   text = "".join(o.get("text", "") for o in _outputs(nb, "stream"))
   assert "setting: small (CI)" in text
   assert "iteration   1" in text

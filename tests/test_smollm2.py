@@ -42,12 +42,13 @@ def _ours(model, tokens, mask):
 
 
 def test_logits_match_transformers(smollm2, batch):
-  """Against transformers in float64 (the exact function) our float32 logits are within twice
+  """Against transformers in float64 (the exact function) our float32 logits are within 2.5 times
   transformers' own float32 error, whose max is 9.3e-5 at logits up to 39 (~25 float32 ulps after
-  30 layers) on both CPUs measured. Ours depends on XLA:CPU's kernels: 1.1e-4 (1.2x) on an
-  AVX-512 CPU, 1.5e-4 (1.6x; RMS 2.9e-5 vs 1.6e-5, 1.8x) on an AVX2-only one; the figure moves by
-  ±3e-5 with the attention's summation order. Against transformers in float32 the two roundings
-  add up (measured 1.1e-4 and 1.25e-4)."""
+  30 layers) on the CPUs measured. Ours depends on XLA:CPU's code generation: at XLA's default
+  optimisation 1.1e-4 (1.2x) on AVX-512 CPUs and 1.5e-4 (1.6x) on an AVX2-only one; at the
+  suite's -O0 (conftest.py) 2.04e-4 (2.2x) on an AVX-512 AMD EPYC (family 25 model 17); the
+  figure moves by ±3e-5 with the attention's summation order. Against transformers in float32
+  the two roundings add up (measured 1.0e-4 to 1.6e-4)."""
   tokens, mask = batch
   model = hf.to_transformers(smollm2.cfg, smollm2.params)
   args = dict(input_ids=torch.from_numpy(tokens).long(),
@@ -60,7 +61,7 @@ def test_logits_match_transformers(smollm2, batch):
   err64, err32 = (np.abs(ours - ref)[mask].max() for ref in (ref64, ref32))
   torch_err = np.abs(ref32 - ref64)[mask].max()  # transformers' own float32 rounding
   print(f"max |ours - f64| {err64:.2e}, |ours - f32| {err32:.2e}, |torch f32 - f64| {torch_err:.2e}")
-  assert err64 <= 2 * torch_err  # as exact as the reference implementation, within 2x
+  assert err64 <= 2.5 * torch_err  # as exact as the reference implementation, within 2.5x
   assert err32 <= 2e-4
 
 

@@ -23,8 +23,8 @@ def _stable(rows):
 
 def test_cli_learns_the_count_task_and_writes_its_outputs(tmp_path):
   """Through ``python -m ppojax.train`` with the default config cut to 60 of its 150
-  iterations: the mean score rises from ~0.07 (random tiny transformer) to > 0.4 (measured 0.79
-  at iteration 60, 0.94 at 150)."""
+  iterations: the mean score rises from ~0.07 (random tiny transformer) to > 0.4 (measured 0.91
+  at iteration 60 on 2026-12-01, at XLA's -O0, -O1 and -O3 alike)."""
   command = [sys.executable, "-m", "ppojax.train", "--config", str(ROOT / "configs" / "toy.py"),
              "--workdir", str(tmp_path), "--config.num_iterations=60", "--config.sample_every=30"]
   result = subprocess.run(["bash", "-c", 'umask 027 && exec "$@"', "bash", *command],
