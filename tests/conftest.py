@@ -41,8 +41,9 @@ if TEST_XLA_FLAGS not in os.environ.get("XLA_FLAGS", ""):
 # 60 iterations, the quickstart notebook's SmolLM2 step) is better served by LLVM at -O1, with
 # the older fusion emitters: -O0's unvectorised loops run the SmolLM2 PPO iteration in 17.8 s
 # against 9.8, for 3.6 s of XLA compiling against 8.3; XLA's default -O3 compiles longer still,
-# more than its faster code saves in these runs. Cold cache, 2026-12-01: the toy CLI's 60 iterations 25.9 s
-# at -O1, 30.9 at -O3, 33.8 at -O0; the quickstart notebook 44.8 s at -O1, 54.7 at -O0.
+# more than its faster code saves in these runs. Cold cache, 2026-12-01: the toy CLI's 60
+# iterations 25.9 s at -O1, 30.9 at -O3, 33.8 at -O0; the quickstart notebook 44.8 s at -O1,
+# 54.7 at -O0.
 RUNTIME_XLA_FLAGS = "--xla_backend_optimization_level=1 --xla_cpu_use_fusion_emitters=false"
 # The entry points restart themselves once with glibc's huge-page tunable
 # (``hostmem.reexec_with_huge_pages``), importing everything twice: 3.0 instead of 1.6 s for a
