@@ -14,6 +14,7 @@ from test_step import _assert_close, toy_config
 from ppojax.core import algorithms, selection
 from ppojax.infra import sharding
 from ppojax.learner import experience
+from ppojax.models import passes
 from ppojax.run import build as build_lib
 from ppojax.run import checks
 
@@ -104,3 +105,29 @@ def test_the_step_samples_b_times_f_prompts_and_learns_from_b_groups():
       float(want_metrics["loss/policy_avg"]), rel=1e-5, abs=1e-7)
   assert 0 < zero < 1  # some groups had no spread: the selection had something to do
   assert float(metrics["rollout/kept_fraction"]) == pytest.approx(float(np.mean(in_loss)))
+
+
+def test_packed_minibatches_leave_the_fill_out_and_learn_the_same():
+  """Oversample 2 and two shuffled minibatches of 8 rows, packed (``rl.pack_fractions`` (1,):
+  8 rows of T slots each) and not: the fill's rows take no slot (``loss.packed_or_padded``
+  given the loss mask), so the slots filled are the kept groups' tokens whatever the shuffle,
+  and the update equals the padded one. The scores given: only groups 1 and 6 of the 8
+  sampled differ, so 2 of the 4 groups learned from are in the loss."""
+  over = {"rl.dynamic_sampling": True, "rl.oversample": 2.0, "rl.num_minibatches": 2}
+  plain = build_lib.build(_config(**over))
+  packed = build_lib.build(_config(**over, **{"rl.pack_fractions": (1.0,)}))
+  state = jax.tree.map(jnp.copy, plain.state)
+  r = plain.step.rollout(state, plain.frozen, sharding.place_prompts(
+      plain.source.batch(0).prompts, plain.mesh))
+  scores = jnp.zeros(32).at[jnp.array([4, 6, 25])].set(1.0)
+  want, want_metrics = plain.step.learn(jax.tree.map(jnp.copy, state), r, scores)
+  got, metrics = packed.step.learn(jax.tree.map(jnp.copy, state), r, scores)
+  assert float(metrics["rollout/kept_fraction"]) == 0.5  # a fill: rows out of the loss
+  rows, in_loss, _ = selection.select_groups(scores, 4, 4)
+  _, seq_mask, _ = passes.sequence(r.prompts, r.prompt_mask, r.responses, r.mask, r.prefix)
+  tokens_in_loss = float(jnp.sum(seq_mask[rows] & in_loss[:, None]))
+  assert float(metrics["update/pack_fill_avg"]) == pytest.approx(
+      tokens_in_loss / (16 * seq_mask.shape[1]))  # the mean of two minibatches' 8 rows
+  _assert_close((got.actor, got.step), (want.actor, want.step), rtol=2e-5, atol=2e-6)
+  assert float(metrics["loss/policy_avg"]) == pytest.approx(
+      float(want_metrics["loss/policy_avg"]), rel=2e-5, abs=1e-7)

@@ -159,7 +159,8 @@ def _setup(cfg, prefix_len):
 
 def _outputs(cfg, params, batch, prefix, packed_rows):
   """(log π_T, H) from the policy and V from a value model with the same body, [B, R] each, 0
-  off the mask; packed into ``packed_rows`` rows, or padded (None)."""
+  off the mask; packed into ``packed_rows`` rows (or as the ``Packing`` given), or padded
+  (None)."""
   responses, mask = batch[2:]
   lm, vm = T.CausalLM(cfg), T.ValueModel(cfg)
   vparams = {"model": params["model"],
@@ -170,8 +171,9 @@ def _outputs(cfg, params, batch, prefix, packed_rows):
                                      chunk_size=None)
     values = passes.response_values(vm, vparams, *batch, prefix)
     return jnp.where(mask, logp, 0), jnp.where(mask, ent, 0), values, True
-  tokens, seq_mask, positions = passes.sequence(*batch, prefix)
-  p = packing.pack(tokens, seq_mask, positions, R, packed_rows)
+  p = packed_rows
+  if not isinstance(p, packing.Packing):
+    p = packing.pack(*passes.sequence(*batch, prefix), R, packed_rows)
   hidden = passes.packed_hidden(lm, params, p, prefix)
   logp, ent = passes.head_logprobs(lm, params, hidden, p.targets, 0.7, entropy=True,
                                    chunk_size=None)
@@ -206,6 +208,33 @@ def test_packed_rows_give_the_padded_rows_outputs_and_gradients(case):
   jax.tree.map(lambda a, b: np.testing.assert_allclose(
       np.asarray(b, np.float32), np.asarray(a, np.float32), rtol=tol, atol=tol * scale),
       g_pad, g_pack)
+
+
+def test_sequences_out_of_the_loss_take_no_slot():
+  """``packed_or_padded`` given the loss mask: sequences 1 and 4 (12 and 9 of the 49 tokens)
+  have no token in the loss, and the other four (8 + 7 + 7 + 6 = 28) fill two rows of 14
+  exactly, where all six need four. The outputs of the four equal the padded rows'; the two
+  left out give 0."""
+  from ppojax.learner.loss import packed_or_padded  # pylint: disable=import-outside-toplevel
+  from ppojax.rollout.rollout import Rollout  # pylint: disable=import-outside-toplevel
+  cfg = _cfg()
+  params, batch, _ = _setup(cfg, 0)
+  left_out = np.array([False, True, False, False, True, False])
+  loss_mask = batch[3] & jnp.asarray(~left_out)[:, None]
+  r = Rollout(*batch, None, None, None, None)
+  fn = lambda p: _outputs(cfg, params, batch, None, p)[:3]  # noqa: E731
+  run = jax.jit(lambda m: packed_or_padded(fn, r, {"pack_fractions": (0.3,)}, m))
+  outputs, metrics = run(loss_mask)
+  assert float(metrics["update/packed"]) == 1.0
+  assert float(metrics["update/pack_rows"]) == pytest.approx(2 / 6)  # ⌈0.3·6⌉ rows
+  assert float(metrics["update/pack_fill"]) == pytest.approx(28 / (2 * (P + R)))
+  padded = _outputs(cfg, params, batch, None, None)[:3]
+  for got, want in zip(outputs, padded):
+    np.testing.assert_allclose(np.asarray(got)[~left_out], np.asarray(want)[~left_out],
+                               rtol=1e-5, atol=1e-5)
+    assert not np.asarray(got)[left_out].any()
+  _, metrics = run(batch[3])  # every sequence in the loss: two rows hold 28 of 49 tokens
+  assert float(metrics["update/packed"]) == 0.0
 
 
 @pytest.mark.parametrize("path,ladder", [("minibatches", (1.0,)), ("single_pass", (0.05, 1.0))])

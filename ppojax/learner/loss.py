@@ -82,10 +82,14 @@ def update_forward(params, models: Models, r: Rollout, temperature: float, ent_c
           critic_forward(critic, models, r, ctx, packed))
 
 
-def packed_or_padded(fn: Callable[[Packing | None], Any], r: Rollout, cfg) -> tuple[Any, dict]:
+def packed_or_padded(fn: Callable[[Packing | None], Any], r: Rollout, cfg,
+                     loss_mask: Array | None = None) -> tuple[Any, dict]:
   """(``fn(packing)``, packing metrics): with ``cfg.pack_fractions`` = (f_1 < … < f_k) the rows
   of ``r`` (n of them) packed into the fewest ⌈f_i·n⌉ rows (``models.packing``) that hold them,
-  ``fn(None)`` (the padded rows) where none does, chosen at run time for each micro-batch:
+  ``fn(None)`` (the padded rows) where none does, chosen at run time for each micro-batch.
+  ``loss_mask`` [n, R] (where the experience is known before the forward pass): a row with no
+  token in the loss (dynamic sampling's fill, a filtered response) takes no slot, and ``fn``
+  gets 0 for its outputs, which the loss never reads:
 
       i* = min {i : first-fit of the n sequences into ⌈f_i·n⌉ rows succeeds}   (else padded)
 
@@ -100,6 +104,8 @@ def packed_or_padded(fn: Callable[[Packing | None], Any], r: Rollout, cfg) -> tu
   if not fractions:
     return fn(None), {}
   tokens, mask, positions = sequence(r.prompts, r.prompt_mask, r.responses, r.mask, r.prefix)
+  if loss_mask is not None:
+    mask = mask & jnp.any(loss_mask, axis=1, keepdims=True)
   n, t = tokens.shape
   counts = sorted({packing.packed_rows(n, f) for f in fractions})
   lengths = jnp.sum(mask, axis=1)

@@ -7,7 +7,8 @@ of K micro-batch gradients, every step guarded by the finiteness of what it read
              log-probs and values, and the experience is built inside its gradient
              (``loss.own_forward_loss``): one actor and one critic forward pass fewer
     ``rl.pack_fractions`` (f_1 < … < f_k): each gradient over the micro-batch's sequences
-             packed into the fewest ⌈f_i·n⌉ rows that hold them, else padded
+             packed into the fewest ⌈f_i·n⌉ rows that hold them, else padded; over the
+             minibatches, a sequence with no token in the loss takes no slot
              (``loss.packed_or_padded``)
 
 The guard: every optimizer step is a ``lax.cond`` on the finiteness of the scores, the
@@ -116,7 +117,8 @@ def _minibatch_grads(params, models: Models, exp: Experience, idx: Array, algori
       g, metrics = jax.grad(loss_on, has_aux=True)(params, models, part, algorithm, cfg,
                                                    temperature, ctx, packed)
       return sharding.constrain(g, shardings), metrics
-    (g, metrics), packing_metrics = packed_or_padded(grads, part.rollout, cfg)
+    (g, metrics), packing_metrics = packed_or_padded(grads, part.rollout, cfg,
+                                                     loss_tokens(part))
     return g, {**metrics, **packing_metrics}
 
   def micro(xs):  # (w·g, metrics weighted to add up to the minibatch's)

@@ -37,6 +37,7 @@ class Packing(NamedTuple):
   targets: Array  # [N, L] int32: the next slot's token (what the head there predicts)
   read: Array  # [B, R] int32: the flat slot (row·L + column) predicting response token t
   fits: Array  # bool: every sequence found room (else the layout is not to be used)
+  placed: Array  # [B] bool: the sequence holds slots (one without a real token is left out)
 
 
 def valid_fractions(fractions) -> bool:
@@ -76,8 +77,9 @@ def pack(tokens: Array, mask: Array, positions: Array, response_len: int, rows: 
   the response in the last ``response_len`` columns: ``passes.sequence``) packed into
   ``rows`` rows of T slots. Each sequence's real tokens keep their order and positions; a
   sequence's real tokens must be contiguous (a left-padded prompt, then its response up to
-  its stop token) with at least one prompt token. ``placement``: ``first_fit``'s (row, offset,
-  fits) for these lengths and rows, where the caller already has it."""
+  its stop token) with at least one prompt token, or none at all: a sequence whose ``mask``
+  row is all False takes no slot (``Packing.placed``; ``unpack`` gives it 0). ``placement``:
+  ``first_fit``'s (row, offset, fits) for these lengths and rows, where the caller has it."""
   chex.assert_equal_shape([tokens, mask, positions])
   b, t = tokens.shape
   mask = mask.astype(jnp.bool_)
@@ -96,15 +98,17 @@ def pack(tokens: Array, mask: Array, positions: Array, response_len: int, rows: 
   read = (row * t + offset + prompt_len - 1)[:, None] + jnp.arange(response_len)[None]
   targets = jnp.concatenate([packed[:, 1:], jnp.zeros((rows, 1), jnp.int32)], axis=1)
   return Packing(packed, scatter(positions), segments, targets,
-                 jnp.clip(read, 0, rows * t - 1).astype(jnp.int32), fits)
+                 jnp.clip(read, 0, rows * t - 1).astype(jnp.int32), fits, jnp.any(mask, axis=1))
 
 
 def unpack(x: Array, packing: Packing, response_mask: Array) -> Array:
   """Per-slot outputs [N, L] back to the responses [B, R]: the output at the slot before each
-  response token (where the model predicts it), 0 off ``response_mask``."""
+  response token (where the model predicts it), 0 off ``response_mask`` and in the sequences
+  left out (``Packing.placed``)."""
   chex.assert_equal_shape([x, packing.tokens])
   chex.assert_equal_shape([packing.read, response_mask])
-  return jnp.where(response_mask, x.reshape(-1)[packing.read], 0).astype(x.dtype)
+  keep = response_mask & packing.placed[:, None]
+  return jnp.where(keep, x.reshape(-1)[packing.read], 0).astype(x.dtype)
 
 
 def fill(packing: Packing) -> Array:
