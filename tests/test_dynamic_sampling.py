@@ -1,7 +1,7 @@
 """Dynamic sampling (``rl.dynamic_sampling``, ``rl.oversample``; ``ppojax.core.selection``): the
 groups kept against a NumPy rule written out here, the fill's rows out of the loss, and through
 the compiled step: B·f prompts sampled, B groups learned from, and the update on the kept rows
-equal to an update given those rows directly."""
+(packed, the fill's rows taking no slot) equal to an update given those rows directly."""
 
 from __future__ import annotations
 
@@ -80,54 +80,35 @@ def test_the_fills_rows_leave_the_loss():
 
 
 def test_the_step_samples_b_times_f_prompts_and_learns_from_b_groups():
-  """GRPO, 4 prompts × 4 samples, oversample 2: the source draws 8 prompts, the rollout has 32
-  rows, the update 16. Its result equals the plain step's update given those 16 rows (their
-  scores, and the fill's rows marked out of the loss) directly; the metrics say what was
-  kept."""
-  dyn = build_lib.build(_config(**{"rl.dynamic_sampling": True, "rl.oversample": 2.0}))
-  plain = build_lib.build(_config())
+  """GRPO, 4 prompts × 4 samples, oversample 2, two shuffled minibatches of 8 rows: the source
+  draws 8 prompts, the rollout has 32 rows, the update 16. Its result equals the plain step's
+  update given those 16 rows (their scores, and the fill's rows marked out of the loss)
+  directly; the metrics say what was kept. The scores given: only groups 1 and 6 differ, so 2
+  of the 4 groups learned from are the fill's. The step packs its minibatches
+  (``rl.pack_fractions`` (1,): 8 rows of T slots each) and the plain one does not: the fill's
+  rows take no slot (``loss.packed_or_padded`` given the loss mask), so the slots filled are
+  the kept groups' tokens whatever the shuffle."""
+  two = {"rl.num_minibatches": 2}
+  dyn = build_lib.build(_config(**two, **{"rl.dynamic_sampling": True, "rl.oversample": 2.0,
+                                          "rl.pack_fractions": (1.0,)}))
+  plain = build_lib.build(_config(**two))
   prompts = sharding.place_prompts(dyn.source.batch(0).prompts, dyn.mesh)
   assert prompts.tokens.shape[0] == 8
   state = jax.tree.map(jnp.copy, dyn.state)
   r = dyn.step.rollout(state, dyn.frozen, prompts)
-  scores = dyn.step.score(dyn.frozen, r)
-  assert r.responses.shape[0] == 32
+  assert r.responses.shape[0] == 32 and dyn.step.score(dyn.frozen, r).shape == (32,)
+  scores = jnp.zeros(32).at[jnp.array([4, 6, 25])].set(1.0)
   rows, in_loss, _ = selection.select_groups(scores, 4, 4)
   new, metrics = dyn.step.learn(jax.tree.map(jnp.copy, state), r, scores)
   kept = jax.tree.map(lambda x: x[rows], r._replace(prefix=None))._replace(
-      prefix=r.prefix, in_loss=None if bool(np.asarray(in_loss).all()) else in_loss)
+      prefix=r.prefix, in_loss=in_loss)
   want, want_metrics = plain.step.learn(jax.tree.map(jnp.copy, state), kept, scores[rows])
-  zero = np.asarray(scores).reshape(8, 4)
-  zero = (zero.max(1) == zero.min(1)).mean()
-  assert float(metrics["rollout/zero_spread_fraction"]) == pytest.approx(zero)
-  _assert_close((new.actor, new.step), (want.actor, want.step), rtol=1e-5, atol=1e-6)
-  assert float(metrics["loss/policy_avg"]) == pytest.approx(
-      float(want_metrics["loss/policy_avg"]), rel=1e-5, abs=1e-7)
-  assert 0 < zero < 1  # some groups had no spread: the selection had something to do
-  assert float(metrics["rollout/kept_fraction"]) == pytest.approx(float(np.mean(in_loss)))
-
-
-def test_packed_minibatches_leave_the_fill_out_and_learn_the_same():
-  """Oversample 2 and two shuffled minibatches of 8 rows, packed (``rl.pack_fractions`` (1,):
-  8 rows of T slots each) and not: the fill's rows take no slot (``loss.packed_or_padded``
-  given the loss mask), so the slots filled are the kept groups' tokens whatever the shuffle,
-  and the update equals the padded one. The scores given: only groups 1 and 6 of the 8
-  sampled differ, so 2 of the 4 groups learned from are in the loss."""
-  over = {"rl.dynamic_sampling": True, "rl.oversample": 2.0, "rl.num_minibatches": 2}
-  plain = build_lib.build(_config(**over))
-  packed = build_lib.build(_config(**over, **{"rl.pack_fractions": (1.0,)}))
-  state = jax.tree.map(jnp.copy, plain.state)
-  r = plain.step.rollout(state, plain.frozen, sharding.place_prompts(
-      plain.source.batch(0).prompts, plain.mesh))
-  scores = jnp.zeros(32).at[jnp.array([4, 6, 25])].set(1.0)
-  want, want_metrics = plain.step.learn(jax.tree.map(jnp.copy, state), r, scores)
-  got, metrics = packed.step.learn(jax.tree.map(jnp.copy, state), r, scores)
+  assert float(metrics["rollout/zero_spread_fraction"]) == 0.75
   assert float(metrics["rollout/kept_fraction"]) == 0.5  # a fill: rows out of the loss
-  rows, in_loss, _ = selection.select_groups(scores, 4, 4)
+  _assert_close((new.actor, new.step), (want.actor, want.step), rtol=2e-5, atol=2e-6)
+  assert float(metrics["loss/policy_avg"]) == pytest.approx(
+      float(want_metrics["loss/policy_avg"]), rel=2e-5, abs=1e-7)
   _, seq_mask, _ = passes.sequence(r.prompts, r.prompt_mask, r.responses, r.mask, r.prefix)
   tokens_in_loss = float(jnp.sum(seq_mask[rows] & in_loss[:, None]))
   assert float(metrics["update/pack_fill_avg"]) == pytest.approx(
       tokens_in_loss / (16 * seq_mask.shape[1]))  # the mean of two minibatches' 8 rows
-  _assert_close((got.actor, got.step), (want.actor, want.step), rtol=2e-5, atol=2e-6)
-  assert float(metrics["loss/policy_avg"]) == pytest.approx(
-      float(want_metrics["loss/policy_avg"]), rel=2e-5, abs=1e-7)

@@ -232,15 +232,15 @@ def test_a_lora_run_resumes_exactly_saves_small_checkpoints_and_exports(tmp_path
   # rest of the state): no base, no reference
   grpo = {"algorithm": "grpo", "sampling.num_samples_per_prompt": 4, "rl.batch_size": 4,
           "num_iterations": 2}
-  runner.run(_toy(**grpo), str(tmp_path / "full"))
   runner.run(_toy(**grpo, **{"lora.rank": 2}), str(tmp_path / "lora"))
-  size = lambda d: sum(f.stat().st_size  # noqa: E731
-                       for f in (tmp_path / d / "checkpoints" / "2").rglob("*") if f.is_file())
+  size = sum(f.stat().st_size
+             for f in (tmp_path / "lora" / "checkpoints" / "2").rglob("*") if f.is_file())
   shapes = build_lib.build(_toy(**grpo), abstract=True).state.actor  # no weights needed
   base_bytes = sum(np.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(shapes))
   # orbax's metadata, 0.1-0.2 MB whatever the arrays (it varied between machines), is most of
-  # this tiny model's LoRA checkpoint: the bound is the base's own bytes, which it must lack
-  assert size("lora") < min(0.3 * size("full"), base_bytes), (size("lora"), size("full"))
+  # this tiny model's LoRA checkpoint: the bound is the base's own bytes, which it must lack (a
+  # full checkpoint holds them three times: weights and two Adam moments)
+  assert size < base_bytes, (size, base_bytes)
   # the merged export is the trained policy as a plain model; the adapters in peft's layout
   r = build_lib.build(config, abstract=True)
   exported = load_model(str(tmp_path / "whole" / "policy"))
