@@ -165,8 +165,9 @@ def to_transformers(cfg: ModelConfig, params: dict, head: str = "lm"):
     hf_config["num_labels"] = 1
     auto = transformers.AutoModelForSequenceClassification
   try:  # transformers >= 5: no random initialisation of weights that are overwritten below
-    from transformers.initialization import no_init_weights  # pylint: disable=import-outside-toplevel
-  except ImportError:
+    from transformers import initialization  # pylint: disable=import-outside-toplevel
+    no_init_weights = initialization.no_init_weights
+  except (ImportError, AttributeError):
     no_init_weights = contextlib.nullcontext
   with no_init_weights():  # SmolLM2-135M: 0.02 instead of 3.0 s
     model = auto.from_config(transformers.AutoConfig.for_model(**hf_config))
