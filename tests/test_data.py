@@ -327,11 +327,8 @@ def test_response_ids(tok):
 
 
 def test_smollm2_tokenizer(smollm2_path):
-  import gguf as gg  # pylint: disable=import-outside-toplevel
-
   from ppojax.models import gguf  # pylint: disable=import-outside-toplevel
-  meta = gguf._metadata(gg.GGUFReader(smollm2_path))  # pylint: disable=protected-access
-  tok = gguf.gguf_tokenizer(meta, smollm2_path)
+  tok = gguf.read_tokenizer(smollm2_path)
   messages = [{"role": "user", "content": "What is 2 + 3?"}]
   expected = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
   expected = list(expected["input_ids"] if hasattr(expected, "keys") else expected)

@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 from ppojax.models import gguf as gg
+from ppojax.models import gguf_file
 
 Q = gguf.GGMLQuantizationType
 
@@ -229,6 +230,40 @@ def test_missing_corrupt_and_unsupported_files_give_clear_errors(tmp_path):
     gg.load_gguf(write_tiny_gguf(tmp_path / "holey.gguf", weights))
 
 
+def _same_as_gguf_reader(path):
+  """ppojax.models.gguf_file.read(path) against the gguf package's own GGUFReader: every
+  metadata value (type included) and every tensor's name, type, shape, dtype and bytes."""
+  ours, theirs = gguf_file.read(path), gguf.GGUFReader(path)
+  expected = {k: f.contents() for k, f in theirs.fields.items() if not k.startswith("GGUF.")}
+  assert ours.metadata.keys() == expected.keys()
+  for key, value in expected.items():
+    assert ours.metadata[key] == value and type(ours.metadata[key]) is type(value), key
+  assert [t.name for t in ours.tensors] == [t.name for t in theirs.tensors]
+  for mine, ref in zip(ours.tensors, theirs.tensors):
+    assert (mine.tensor_type, mine.shape) == (ref.tensor_type, tuple(ref.shape.tolist()))
+    assert mine.data.dtype == ref.data.dtype and mine.data.shape == ref.data.shape, mine.name
+    np.testing.assert_array_equal(mine.data, ref.data, mine.name)
+  return ours
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_header_and_tensors_read_as_the_gguf_package_reads_them(tmp_path, tied):
+  weights = _tiny_hf_weights(np.random.default_rng(0), tied)
+  parsed = _same_as_gguf_reader(write_tiny_gguf(tmp_path / "tiny.gguf", weights, add_bos=tied))
+  assert len(parsed.metadata["tokenizer.ggml.tokens"]) == TINY["vocab"]
+  assert {t.tensor_type for t in parsed.tensors} == set(TYPES.values())
+
+
+def test_unsupported_gguf_versions_and_byte_orders_are_named(tmp_path):
+  good = write_tiny_gguf(tmp_path / "tiny.gguf", _tiny_hf_weights(np.random.default_rng(0), True))
+  data = good.read_bytes()
+  for name, version, message in [("v1.gguf", (1).to_bytes(4, "little"), "version 1"),
+                                 ("swapped.gguf", data[4:8][::-1], "big-endian")]:
+    (tmp_path / name).write_bytes(data[:4] + version + data[8:])
+    with pytest.raises(gg.GGUFError, match=f"{name}.*{message}"):
+      gg.load_gguf(tmp_path / name)
+
+
 def test_loading_does_not_import_torch(tmp_path):
   path = write_tiny_gguf(tmp_path / "tiny.gguf", _tiny_hf_weights(np.random.default_rng(0), True))
   hide_torch = (
@@ -305,6 +340,11 @@ def test_smollm2_config(smollm2):
   assert (c["rms_norm_eps"], c["rope_theta"], c["max_position_embeddings"]) == (1e-5, 1e5, 8192)
   assert (c["bos_token_id"], c["eos_token_id"], c["pad_token_id"]) == (1, 2, 2)
   assert "rope_scaling" not in c
+
+
+def test_smollm2_header_reads_as_the_gguf_package_reads_it(smollm2_path):
+  parsed = _same_as_gguf_reader(smollm2_path)
+  assert len(parsed.metadata["tokenizer.ggml.merges"]) > 40_000 and len(parsed.tensors) == 272
 
 
 def test_smollm2_shapes_match_transformers_llama(smollm2):

