@@ -2,9 +2,10 @@
 
 The ``gguf`` package's ``GGUFReader`` turns every element of every metadata array into its own
 NumPy view of the file: SmolLM2-135M's header (49,152 tokens, their types and 48,900 merges)
-takes it 2.7-3.8 s, half of ``load_model("smollm2")``. This reads the same header with
-``struct`` in about a tenth of a second and hands each tensor over as that reader does (same
-dtype and shape), for ``gguf.quants.dequantize``. Little-endian GGUF, versions 2 and 3
+takes it 2.3-2.8 s on a 2-core EPYC, more than half of ``load_model("smollm2")``
+(benchmarks/gguf_load.py). This reads the same header with ``struct`` in about a tenth of a
+second and hands each tensor over as that reader does (same dtype and shape), for
+``gguf.quants.dequantize``. Little-endian GGUF, versions 2 and 3
 (ggml's docs/gguf.md):
 
   "GGUF" · u32 version · u64 tensor count · u64 key count
@@ -114,7 +115,9 @@ def read(path: str | pathlib.Path) -> GGUFFile:
     raise
   except (struct.error, EOFError, UnicodeDecodeError, ValueError) as e:
     raise GGUFError(f"{path} is not a readable GGUF file (truncated or corrupt?): {e}") from e
-  alignment = int(metadata.get("general.alignment", 32))
+  alignment = metadata.get("general.alignment", 32)
+  if not isinstance(alignment, int) or alignment <= 0:
+    raise GGUFError(f"{path}: general.alignment is {alignment!r}, not a positive integer")
   start = -(-cursor.pos // alignment) * alignment
   return GGUFFile(metadata, _tensors(data, start, infos, path))
 
@@ -145,9 +148,13 @@ def _tensors(data: np.ndarray, start: int, infos: list, path: pathlib.Path) -> l
       raise GGUFError(f"{path} is not a readable GGUF file (truncated or corrupt?): {name}'s "
                       f"data ends at byte {begin + n_bytes}, the file has {data.size}")
     raw = data[begin:begin + n_bytes]
-    if kind.name in _ITEM_TYPES:
-      view = raw.view(_ITEM_TYPES[kind.name]).reshape(dims)
-    else:
-      view = raw.reshape(gguf.quants.quant_shape_to_byte_shape(dims, kind))
+    try:
+      if kind.name in _ITEM_TYPES:
+        view = raw.view(_ITEM_TYPES[kind.name]).reshape(dims)
+      else:  # a row of whole blocks, as bytes
+        view = raw.reshape(gguf.quants.quant_shape_to_byte_shape(dims, kind))
+    except ValueError as e:
+      raise GGUFError(f"{where} ({kind.name}) has the shape {dims}, which its data cannot "
+                      f"take: {e}") from e
     tensors.append(Tensor(name, kind, shape, view))
   return tensors
