@@ -139,12 +139,15 @@ def _roundtrip(w, qtype):
   return gguf.quants.dequantize(gguf.quants.quantize(w, qtype), qtype).astype(np.float32)
 
 
-def write_tiny_gguf(path, weights, arch="llama", add_bos=False):
-  """Writes ``weights`` (Hugging Face names/layout) as llama.cpp would: renamed, q/k permuted."""
+def write_tiny_gguf(path, weights, arch="llama", add_bos=False, alignment=None):
+  """Writes ``weights`` (Hugging Face names/layout) as llama.cpp would: renamed, q/k permuted;
+  with ``alignment``, a general.alignment key too."""
   c = TINY
   gguf_names = {hf: g for g in [f"blk.{i}.{n}" for i in range(c["layers"]) for n in gg._LAYER_NAMES]
                 + list(gg._GLOBAL_NAMES) if (hf := gg.hf_name(g)) in weights}
   writer = gguf.GGUFWriter(path, arch)
+  if alignment:
+    writer.add_custom_alignment(alignment)
   writer.add_block_count(c["layers"])
   writer.add_context_length(256)
   writer.add_embedding_length(c["hidden"])
@@ -262,6 +265,27 @@ def test_unsupported_gguf_versions_and_byte_orders_are_named(tmp_path):
     (tmp_path / name).write_bytes(data[:4] + version + data[8:])
     with pytest.raises(gg.GGUFError, match=f"{name}.*{message}"):
       gg.load_gguf(tmp_path / name)
+
+
+def test_a_zero_alignment_and_rows_of_partial_blocks_are_named(tmp_path):
+  """Header bytes patched in place: general.alignment (a u32 after its key and value type) from
+  64 to 0; the Q8_0 tensor blk.0.attn_k.weight's row length (its first u64 dimension, after the
+  name and n_dims) set to 48, which is not a whole number of 32-value blocks."""
+  data = write_tiny_gguf(tmp_path / "tiny.gguf", _tiny_hf_weights(np.random.default_rng(0), True),
+                         alignment=64).read_bytes()
+  # the data section starts at a multiple of 64: every tensor still reads as gguf reads it
+  assert _same_as_gguf_reader(tmp_path / "tiny.gguf").metadata["general.alignment"] == 64
+  key = b"general.alignment"
+  at = data.index(key) + len(key) + 4
+  assert int.from_bytes(data[at:at + 4], "little") == 64
+  (tmp_path / "align.gguf").write_bytes(data[:at] + bytes(4) + data[at + 4:])
+  with pytest.raises(gg.GGUFError, match="align.gguf: general.alignment is 0"):
+    gg.load_gguf(tmp_path / "align.gguf")
+  name = b"blk.0.attn_k.weight"
+  at = data.rindex(name) + len(name) + 4
+  (tmp_path / "rows.gguf").write_bytes(data[:at] + (48).to_bytes(8, "little") + data[at + 8:])
+  with pytest.raises(gg.GGUFError, match="rows.gguf: tensor blk.0.attn_k.weight .Q8_0."):
+    gg.load_gguf(tmp_path / "rows.gguf")
 
 
 def test_loading_does_not_import_torch(tmp_path):
