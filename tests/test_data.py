@@ -276,10 +276,17 @@ def test_prompt_ids_raw_text(tok):
 
 
 def test_prompt_ids_template_failure_is_a_data_error():
+  """A template's error is a DataError naming the roles (one that rejects only a system message
+  gets it folded into the first user message instead: tests/test_chat_templates.py)."""
   tok = make_tokenizer()
   tok.chat_template = ("{% if messages[0]['role'] == 'system' %}"
-                       "{{ raise_exception('System role not supported') }}{% endif %}x")
-  with pytest.raises(DataError, match=r"chat template failed .*System role not supported"):
+                       "{{ raise_exception('System role not supported') }}{% endif %}"
+                       "{{ raise_exception('no chat here') }}")
+  with pytest.raises(DataError, match=r"chat template failed on the messages \['user'\]: "
+                                      r".*no chat here"):
+    encoding.prompt_ids(tok, "a")
+  with pytest.raises(DataError, match=r"chat template failed .*System role not supported.* "
+                                      r"folded .* failed too: .*no chat here"):
     encoding.prompt_ids(tok, "a", system="s")
 
 

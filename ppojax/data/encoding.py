@@ -7,7 +7,9 @@ and writing records: ``ppojax.data.records``).
 
 Records come from JSONL, a JSON list, a ``datasets`` ``save_to_disk`` directory or a
 parquet/csv/arrow file. A prompt is a string or a list of chat messages; with a chat template it
-is rendered with the generation prompt appended. Prompts are left-padded (right-aligned, so
+is rendered with the generation prompt appended (and the template's own variables,
+``data.chat_template_kwargs``; a system message that a template rejects, as Gemma 2's does, is
+folded into the first user message: ``prompt_ids``). Prompts are left-padded (right-aligned, so
 generation continues from the last column); responses are right-padded and end with the stop
 token (DESIGN: a response is the tokens up to and including the first stop token). Masks, never
 pad ids, say which tokens count. Bad input raises ``DataError`` naming the file, line and field;
@@ -100,22 +102,36 @@ def _plain_ids(ids: Any) -> list[int]:
 
 
 def prompt_ids(tokenizer, prompt: str | list[dict], *, system: str | None = None,
-               chat_template: bool = True) -> list[int]:
+               chat_template: bool = True, chat_template_kwargs: Mapping | None = None
+               ) -> list[int]:
   """Token ids of a prompt: through the chat template with the generation prompt appended, or
-  (``chat_template=False``) the raw text with the tokenizer's special tokens."""
+  (``chat_template=False``) the raw text with the tokenizer's special tokens.
+
+  ``chat_template_kwargs`` (``data.chat_template_kwargs``) reach the template as variables, e.g.
+  ``{"enable_thinking": False}`` for Qwen3 (``template_kwargs``). A template that rejects a
+  leading system message (Gemma 2's raises "System role not supported") gets it folded into the
+  first user message the way Gemma 3's template folds it itself: the system text, a blank line,
+  the user text (``fold_system``). Whether to fold is decided by trying the template, never by
+  the model's name; a template that rejects the folded messages too (it objects to something
+  else) gives a ``DataError`` with both of its errors."""
+  kwargs = template_kwargs(chat_template_kwargs)
   if chat_template:
     if not getattr(tokenizer, "chat_template", None):
       raise DataError("the tokenizer has no chat template; set data.chat_template=False to feed "
                       "prompts as raw text")
     messages = _messages(prompt, system)
     try:
-      ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-    except ImportError as e:  # a missing package (transformers renders templates with jinja2)
-      raise _missing_package(e, "rendering the tokenizer's chat template") from e
-    except Exception as e:  # jinja errors, e.g. a template that rejects system messages
-      raise DataError(f"the tokenizer's chat template failed on the messages "
-                      f"{[m.get('role') for m in messages]}: {type(e).__name__}: {e}") from e
-    return _plain_ids(ids)
+      return _render(tokenizer, messages, kwargs)
+    except DataError as rejected:
+      if (folded := fold_system(messages)) is None:
+        raise
+      try:
+        return _render(tokenizer, folded, kwargs)
+      except DataError as again:
+        why = again.__cause__ or again
+        raise DataError(f"{rejected}; with the system message folded into the first user "
+                        f"message (as Gemma 3's template folds it) it failed too: "
+                        f"{type(why).__name__}: {why}") from rejected.__cause__
   if not isinstance(prompt, str):
     raise DataError(f"the prompt is a {type(prompt).__name__} (chat messages?) but "
                     "data.chat_template=False feeds prompts as raw text; set "
@@ -123,7 +139,68 @@ def prompt_ids(tokenizer, prompt: str | list[dict], *, system: str | None = None
   if system is not None:
     raise DataError("a system prompt needs the chat template; set data.chat_template=True or "
                     "drop data.system")
+  if kwargs:
+    raise DataError("data.chat_template_kwargs are the chat template's variables; set "
+                    "data.chat_template=True or drop data.chat_template_kwargs")
   return _plain_ids(tokenizer(prompt)["input_ids"])
+
+
+def _render(tokenizer, messages: list[dict], kwargs: dict) -> list[int]:
+  """``apply_chat_template``'s ids of ``messages`` with the generation prompt; a template error
+  becomes a ``DataError`` naming the messages' roles, a missing package an ``ImportError``."""
+  try:
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                        **kwargs)
+  except ImportError as e:  # a missing package (transformers renders templates with jinja2)
+    raise _missing_package(e, "rendering the tokenizer's chat template") from e
+  except Exception as e:  # jinja errors, e.g. a template that rejects system messages
+    raise DataError(f"the tokenizer's chat template failed on the messages "
+                    f"{[m.get('role') for m in messages]}: {type(e).__name__}: {e}") from e
+  return _plain_ids(ids)
+
+
+def fold_system(messages: list[dict]) -> list[dict] | None:
+  """``messages`` with a leading system message folded into the first user message as Gemma 3's
+  template folds it: ``f"{system}\\n\\n{user}"``. None where there is nothing to fold this way
+  (no leading system message, no user message, or content that is not text)."""
+  if not messages or messages[0].get("role") != "system":
+    return None
+  system, rest = messages[0].get("content"), [dict(m) for m in messages[1:]]
+  users = [m for m in rest if m.get("role") == "user"]
+  if not isinstance(system, str) or not users or not isinstance(users[0].get("content"), str):
+    return None
+  users[0]["content"] = f"{system}\n\n{users[0]['content']}"
+  return rest
+
+
+# apply_chat_template's own arguments, which ppojax sets (or which change what it returns):
+# data.chat_template_kwargs may not set them
+RESERVED_TEMPLATE_KWARGS = (
+    "conversation", "add_generation_prompt", "continue_final_message", "tokenize", "return_dict",
+    "return_tensors", "return_assistant_tokens_mask", "padding", "truncation", "max_length",
+    "tokenizer_kwargs")
+
+
+def template_kwargs(kwargs: Mapping | None) -> dict:
+  """``data.chat_template_kwargs`` as a plain dict for ``apply_chat_template`` (None: ``{}``): a
+  mapping (a ``ConfigDict`` too) with string keys, none of them ``RESERVED_TEMPLATE_KWARGS``.
+  As trl's and verl's ``chat_template_kwargs``: each key is a variable the template reads."""
+  if kwargs is None:
+    return {}
+  if hasattr(kwargs, "to_dict"):  # an ml_collections ConfigDict
+    kwargs = kwargs.to_dict()
+  if not isinstance(kwargs, Mapping):
+    raise DataError(f"data.chat_template_kwargs must be a dict of the chat template's variables, "
+                    f"e.g. {{'enable_thinking': False}}; got the {type(kwargs).__name__} "
+                    f"{kwargs!r}")
+  if bad := [k for k in kwargs if not isinstance(k, str) or not k]:
+    raise DataError(f"data.chat_template_kwargs: the keys must be the names (strings) of the chat "
+                    f"template's variables, e.g. 'enable_thinking'; got {bad!r}")
+  if reserved := sorted(set(kwargs) & set(RESERVED_TEMPLATE_KWARGS)):
+    raise DataError(f"data.chat_template_kwargs sets {reserved}: ppojax sets these arguments of "
+                    "apply_chat_template itself (prompts are tokenized with the generation "
+                    "prompt appended); remove them")
+  return dict(kwargs)
 
 
 def _missing_package(e: ImportError, what: str) -> ImportError:
@@ -147,15 +224,15 @@ def _missing_package(e: ImportError, what: str) -> ImportError:
 PREFIX_PROBES = ("a", "Z", "1", " a", "\na")
 
 
-def template_prefix(tokenizer, *, system: str | None = None, chat_template: bool = True
-                    ) -> list[int]:
+def template_prefix(tokenizer, *, system: str | None = None, chat_template: bool = True,
+                    chat_template_kwargs: Mapping | None = None) -> list[int]:
   """The token ids that every prompt encoded by ``prompt_ids`` with these settings begins with:
   the chat template's header and system prompt, or the tokenizer's BOS token. It is the common
   prefix of the ids of a few probe prompts (``PREFIX_PROBES``); a prompt whose first tokens
   differ anyway (a rare merge across the boundary, or one cut from the left) is caught where
   the prefix is used (``experience.with_prefix``)."""
-  seqs = [prompt_ids(tokenizer, probe, system=system, chat_template=chat_template)
-          for probe in PREFIX_PROBES]
+  seqs = [prompt_ids(tokenizer, probe, system=system, chat_template=chat_template,
+                     chat_template_kwargs=chat_template_kwargs) for probe in PREFIX_PROBES]
   n = 0
   while all(len(ids) > n for ids in seqs) and len({ids[n] for ids in seqs}) == 1:
     n += 1
@@ -234,15 +311,18 @@ def _field(record: Mapping, name: str, i: int) -> Any:
 
 def encode_prompts(tokenizer, records: Sequence[dict], max_len: int, *, field: str = "prompt",
                    system: str | None = None, chat_template: bool = True,
-                   truncate: str = "left") -> Encoded:
-  """Left-padded prompt tokens [N, max_len] of ``record[field]`` for every record."""
+                   truncate: str = "left", chat_template_kwargs: Mapping | None = None
+                   ) -> Encoded:
+  """Left-padded prompt tokens [N, max_len] of ``record[field]`` for every record
+  (``prompt_ids``: the chat template, ``system`` and ``chat_template_kwargs``)."""
   _check_pad_args(max_len, truncate, _PROMPT_TRUNCATE, "encode_prompts")
-  pad = pad_token_id(tokenizer)
+  pad, kwargs = pad_token_id(tokenizer), template_kwargs(chat_template_kwargs)
   seqs = []
   for i, record in enumerate(records):
     prompt = _field(record, field, i)
     try:
-      seqs.append(prompt_ids(tokenizer, prompt, system=system, chat_template=chat_template))
+      seqs.append(prompt_ids(tokenizer, prompt, system=system, chat_template=chat_template,
+                             chat_template_kwargs=kwargs))
     except DataError as e:
       raise DataError(f"record {i}, field {field!r}: {e}") from e
   try:
@@ -276,11 +356,12 @@ def _stop_id(tokenizer, stop_id: int | None) -> int:
 def encode_pairs(tokenizer, records: Sequence[dict], max_prompt_len: int,
                  max_response_len: int, *, stop_id: int | None = None,
                  system: str | None = None, chat_template: bool = True,
-                 truncate: str = "left") -> Pairs:
+                 truncate: str = "left", chat_template_kwargs: Mapping | None = None) -> Pairs:
   """Preference pairs from records with "prompt", "chosen" and "rejected" fields."""
   stop, pad = _stop_id(tokenizer, stop_id), pad_token_id(tokenizer)
   prompt = encode_prompts(tokenizer, records, max_prompt_len, system=system,
-                          chat_template=chat_template, truncate=truncate)
+                          chat_template=chat_template, truncate=truncate,
+                          chat_template_kwargs=chat_template_kwargs)
   return Pairs(prompt,
                _encode_responses(tokenizer, records, "chosen", max_response_len, stop, pad),
                _encode_responses(tokenizer, records, "rejected", max_response_len, stop, pad))
@@ -288,11 +369,13 @@ def encode_pairs(tokenizer, records: Sequence[dict], max_prompt_len: int,
 
 def encode_sft(tokenizer, records: Sequence[dict], max_prompt_len: int, max_response_len: int,
                *, stop_id: int | None = None, system: str | None = None,
-               chat_template: bool = True, truncate: str = "left") -> SFTData:
+               chat_template: bool = True, truncate: str = "left",
+               chat_template_kwargs: Mapping | None = None) -> SFTData:
   """Supervised fine-tuning data from records with "prompt" and "response" fields."""
   stop, pad = _stop_id(tokenizer, stop_id), pad_token_id(tokenizer)
   prompt = encode_prompts(tokenizer, records, max_prompt_len, system=system,
-                          chat_template=chat_template, truncate=truncate)
+                          chat_template=chat_template, truncate=truncate,
+                          chat_template_kwargs=chat_template_kwargs)
   return SFTData(prompt,
                  _encode_responses(tokenizer, records, "response", max_response_len, stop, pad))
 

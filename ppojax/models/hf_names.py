@@ -1,4 +1,6 @@
-"""Hugging Face tensor names and shapes ↔ ppojax backbone params, per family (Llama, GPT-2).
+"""Hugging Face tensor names and shapes ↔ ppojax backbone params: GPT-2's, and every Llama-like
+family's from its row's name map (``families.Family.names``: our path under a layer → the
+Hugging Face name under ``model.layers.{i}.``).
 
 The backbone is everything but the heads: embeddings, the layers (stacked [L, ...]) and the final
 norm. ``hf.params_from_hf`` / ``hf.params_to_hf`` add the heads, the checks and the dtypes.
@@ -15,12 +17,6 @@ from ppojax.models.config import ModelConfig
 Take = Callable[[str, tuple[int, ...]], np.ndarray]  # a tensor by name, its shape checked
 Stack = Callable[..., np.ndarray]  # (name format, shape, transpose=False) → [L, ...]
 
-LLAMA_LAYER = {  # ours → HF (under model.layers.{i}.); Linear weights are transposed
-    ("attn", "q"): "self_attn.q_proj", ("attn", "k"): "self_attn.k_proj",
-    ("attn", "v"): "self_attn.v_proj", ("attn", "o"): "self_attn.o_proj",
-    ("mlp", "gate"): "mlp.gate_proj", ("mlp", "up"): "mlp.up_proj",
-    ("mlp", "down"): "mlp.down_proj",
-}
 GPT2_LAYER = {("attn", "o"): "attn.c_proj", ("mlp", "fc"): "mlp.c_fc",
               ("mlp", "proj"): "mlp.c_proj"}  # Conv1D weights are already [in, out]
 
@@ -50,25 +46,49 @@ def gpt2_from_hf(cfg: ModelConfig, take: Take, stack: Stack) -> dict:
   return backbone
 
 
+def layer_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+  """Our shape of each tensor a Llama-like layer holds, by its path in the family's name map
+  ([in, out] for matrices; the Hugging Face tensor is the transpose)."""
+  d, i_size, hd = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
+  q_out, kv_out = cfg.num_heads * hd, cfg.num_kv_heads * hd
+  head = cfg.qk_norm == "head"
+  shapes = {"attn/q": (d, q_out), "attn/k": (d, kv_out), "attn/v": (d, kv_out),
+            "attn/o": (q_out, d), "mlp/gate": (d, i_size), "mlp/up": (d, i_size),
+            "mlp/down": (i_size, d), "attn/q_norm": (hd if head else q_out,),
+            "attn/k_norm": (hd if head else kv_out,)}
+  return {path: shapes.get(path, (d,)) for path in cfg.family.names}
+
+
+def _leaves(cfg: ModelConfig, path: str) -> list[tuple[str, str, bool]]:
+  """(our leaf, Hugging Face suffix, transposed) of one layer path: a norm's "scale"; a
+  projection's "kernel" (transposed) and, for q/k/v with ``qkv_bias``, its "bias"."""
+  if path.split("/")[-1].endswith("norm"):
+    return [("scale", "weight", False)]
+  leaves = [("kernel", "weight", True)]
+  if cfg.qkv_bias and path in ("attn/q", "attn/k", "attn/v"):
+    leaves.append(("bias", "bias", False))
+  return leaves
+
+
+def _subtree(tree: dict, path: str) -> dict:
+  for key in path.split("/"):
+    tree = tree.setdefault(key, {})
+  return tree
+
+
 def llama_from_hf(cfg: ModelConfig, take: Take, stack: Stack) -> dict:
-  """A Llama-family backbone from names relative to 'model.'; [out, in] weights transposed."""
-  d, i_size = cfg.hidden_size, cfg.intermediate_size
-  q_out, kv_out = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-  layers: dict[str, dict] = {"attn": {}, "mlp": {}}
-  backbone = {"embed": {"embedding": take("embed_tokens.weight", (cfg.vocab_size, d))}}
-  out_dims = {"q": q_out, "k": kv_out, "v": kv_out, "o": d, "gate": i_size, "up": i_size,
-              "down": d}
-  in_dims = {"o": q_out, "down": i_size}
-  for (group, ours), theirs in LLAMA_LAYER.items():
-    shape = (out_dims[ours], in_dims.get(ours, d))
-    layers[group][ours] = {"kernel": stack(f"layers.{{}}.{theirs}.weight", shape, True)}
-    if cfg.qkv_bias and ours in "qkv":
-      layers[group][ours]["bias"] = stack(f"layers.{{}}.{theirs}.bias", (out_dims[ours],))
-  layers["attn_norm"] = {"scale": stack("layers.{}.input_layernorm.weight", (d,))}
-  layers["mlp_norm"] = {"scale": stack("layers.{}.post_attention_layernorm.weight", (d,))}
-  backbone["final_norm"] = {"scale": take("norm.weight", (d,))}
-  backbone["layers"] = layers
-  return backbone
+  """A Llama-like backbone from names relative to 'model.' (the family's name map); [out, in]
+  weights transposed."""
+  d = cfg.hidden_size
+  layers: dict[str, dict] = {}
+  for path, shape in layer_shapes(cfg).items():
+    theirs = cfg.family.names[path]
+    for leaf, suffix, transposed in _leaves(cfg, path):
+      their_shape = shape[::-1] if transposed else shape[-1:]
+      _subtree(layers, path)[leaf] = stack(f"layers.{{}}.{theirs}.{suffix}", their_shape,
+                                           transposed)
+  return {"embed": {"embedding": take("embed_tokens.weight", (cfg.vocab_size, d))},
+          "layers": layers, "final_norm": {"scale": take("norm.weight", (d,))}}
 
 
 def gpt2_to_hf(cfg: ModelConfig, m: dict) -> dict[str, np.ndarray]:
@@ -93,16 +113,15 @@ def gpt2_to_hf(cfg: ModelConfig, m: dict) -> dict[str, np.ndarray]:
 
 
 def llama_to_hf(cfg: ModelConfig, m: dict) -> dict[str, np.ndarray]:
-  """A Llama-family backbone ``m`` (float32 NumPy, stacked layers) as full Hugging Face names."""
-  layers, sd = m["layers"], {}
-  sd["model.embed_tokens.weight"] = m["embed"]["embedding"]
-  for i in range(cfg.num_layers):
-    h = f"model.layers.{i}."
-    for (group, ours), theirs in LLAMA_LAYER.items():
-      sd[h + theirs + ".weight"] = layers[group][ours]["kernel"][i].T
-      if "bias" in layers[group][ours]:
-        sd[h + theirs + ".bias"] = layers[group][ours]["bias"][i]
-    sd[h + "input_layernorm.weight"] = layers["attn_norm"]["scale"][i]
-    sd[h + "post_attention_layernorm.weight"] = layers["mlp_norm"]["scale"][i]
+  """A Llama-like backbone ``m`` (float32 NumPy, stacked layers) as full Hugging Face names."""
+  sd = {"model.embed_tokens.weight": m["embed"]["embedding"]}
+  for path, theirs in cfg.family.names.items():
+    tree = m["layers"]
+    for key in path.split("/"):
+      tree = tree[key]
+    for leaf, suffix, transposed in _leaves(cfg, path):
+      for i in range(cfg.num_layers):
+        value = tree[leaf][i]
+        sd[f"model.layers.{i}.{theirs}.{suffix}"] = value.T if transposed else value
   sd["model.norm.weight"] = m["final_norm"]["scale"]
   return sd

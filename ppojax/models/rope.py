@@ -16,14 +16,18 @@ from ppojax.models.config import ModelConfig
 Array = jax.Array
 
 
-def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
-  """θ_i = base^(−2i/D), rescaled for "linear" (θ/f) or "llama3" (per-wavelength) scaling."""
+def rope_inv_freq(cfg: ModelConfig, local: bool = False) -> np.ndarray:
+  """θ_i = base^(−2i/D), rescaled for "linear" (θ/f) or "llama3" (per-wavelength) scaling;
+  ``local``: the sliding-window layers' own base and scaling (``cfg.local_rope_theta``)."""
   d = cfg.head_dim
-  inv = 1.0 / (cfg.rope_theta ** (np.arange(0, d, 2, dtype=np.float64) / d))
-  params = dict(cfg.rope_scaling or ())
-  if cfg.rope_type == "linear":
+  theta, scaling = ((cfg.local_rope_theta, cfg.local_rope_scaling) if local
+                    else (cfg.rope_theta, cfg.rope_scaling))
+  inv = 1.0 / (theta ** (np.arange(0, d, 2, dtype=np.float64) / d))
+  params = dict(scaling or ())
+  rope_type = params.get("rope_type", "default")
+  if rope_type == "linear":
     inv = inv / params["factor"]
-  elif cfg.rope_type == "llama3":
+  elif rope_type == "llama3":
     factor, lo, hi = params["factor"], params["low_freq_factor"], params["high_freq_factor"]
     old_len = params["original_max_position_embeddings"]
     wavelen = 2 * math.pi / inv
@@ -65,10 +69,41 @@ def rope_table(positions: Array, inv_freq: np.ndarray, size: int | None = None
   return gather(np.cos(angles)), gather(np.sin(angles))
 
 
-def model_rope(cfg: ModelConfig, positions: Array, size: int | None = None
-               ) -> tuple[Array, Array] | None:
-  """``rope_table`` for this model's frequencies, or None for GPT-2 (learned positions)."""
-  return None if cfg.is_gpt2 else rope_table(positions, rope_inv_freq(cfg), size)
+def model_rope(cfg: ModelConfig, positions: Array, size: int | None = None):
+  """``rope_table`` for this model's frequencies: (cos, sin); None for learned positions
+  (GPT-2). Where layers differ in their RoPE (``cfg.rope_per_layer``: Gemma 3's local and
+  global bases, SmolLM3's layers without RoPE), a pair of tables, (the model's, the sliding
+  layers'), either None where no layer uses it; ``layer_rope`` picks a layer's."""
+  if cfg.positions != "rope":
+    return None
+  if not cfg.rope_per_layer:
+    return rope_table(positions, rope_inv_freq(cfg), size)
+  used = set(cfg.layer_ropes)
+  return tuple(rope_table(positions, rope_inv_freq(cfg, local=kind == 1), size)
+               if kind in used else None for kind in (0, 1))
+
+
+def stack_ropes(cfg: ModelConfig, ropes) -> tuple[tuple[Array, Array], Array]:
+  """For a layer scan: ``model_rope``'s tables stacked [K, B, T, 1, D] (an identity table,
+  cos 1 and sin 0, for layers without RoPE) and each layer's index into them [L]."""
+  tables = [r for r in ropes if r is not None]
+  kinds = [k for k, r in zip((0, 1), ropes) if r is not None]
+  if -1 in cfg.layer_ropes:
+    tables.append((jnp.ones_like(tables[0][0]), jnp.zeros_like(tables[0][1]))
+                  if tables else None)
+    kinds.append(-1)
+  if tables[-1] is None:  # no layer has RoPE: the identity table of any shape broadcasts
+    tables[-1] = (jnp.ones((1, 1, 1, 1), jnp.float32), jnp.zeros((1, 1, 1, 1), jnp.float32))
+  stacked = tuple(jnp.stack([t[i] for t in tables]) for i in (0, 1))
+  return stacked, jnp.asarray([kinds.index(k) for k in cfg.layer_ropes], jnp.int32)
+
+
+def layer_rope(cfg: ModelConfig, ropes, layer: int):
+  """Layer ``layer``'s (cos, sin) from ``model_rope``'s tables, or None (no RoPE)."""
+  if not cfg.rope_per_layer:
+    return ropes
+  kind = cfg.layer_ropes[layer]
+  return None if kind < 0 else ropes[kind]
 
 
 def apply_rope(x: Array, rope: tuple[Array, Array]) -> Array:

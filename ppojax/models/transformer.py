@@ -38,7 +38,7 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from ppojax.infra.sharding import shard_rows, vocab_parallel_logits
-from ppojax.models.attention import attend, attention, attention_path, check_prefix
+from ppojax.models.attention import allowed_keys, attend, attention, attention_path, check_prefix
 from ppojax.models.cache import fills_from_start, layer_prefix, update_cache
 from ppojax.models.config import REMAT_POLICIES, ModelConfig
 from ppojax.models.kernels import (
@@ -48,31 +48,44 @@ from ppojax.models.kernels import (
   swiglu,
   weight_matmul,
 )
-from ppojax.models.rope import apply_rope, model_rope
+from ppojax.models.families import NORM_PLACES
+from ppojax.models.rope import apply_rope, layer_rope, model_rope, stack_ropes
 
 Array = jax.Array
 
 
 class RMSNorm(nn.Module):
-  """y = x / √(mean(x²) + ε) · w, normalised in float32."""
+  """y = x / √(mean(x²) + ε) · w, normalised in float32; with ``offset`` (Gemma's norms)
+  y = x / √(mean(x²) + ε) · (offset + w), w initialised at 0 and the product taken in float32."""
 
   eps: float
   dtype: jnp.dtype
   param_dtype: jnp.dtype
+  offset: float = 0.0
 
   @nn.compact
   def __call__(self, x):
-    w = self.param("scale", nn.initializers.ones, (x.shape[-1],), self.param_dtype)
+    init = nn.initializers.zeros if self.offset else nn.initializers.ones
+    w = self.param("scale", init, (x.shape[-1],), self.param_dtype)
     x32 = x.astype(jnp.float32)
     y = x32 * jax.lax.rsqrt(jnp.mean(jnp.square(x32), axis=-1, keepdims=True) + self.eps)
+    if self.offset:
+      return (y * (self.offset + w.astype(jnp.float32))).astype(self.dtype)
     return w.astype(self.dtype) * y.astype(self.dtype)
 
 
 def _norm(cfg: ModelConfig, name: str) -> nn.Module:
-  if cfg.is_gpt2:
+  """The model's norm (``cfg.norm``): RMSNorm, scale w or offset + w, or GPT-2's LayerNorm."""
+  if cfg.norm == "layer":
     return nn.LayerNorm(epsilon=cfg.norm_eps, dtype=cfg.compute_dtype,
                         param_dtype=cfg.param_dtype, name=name)
-  return RMSNorm(cfg.norm_eps, cfg.compute_dtype, jnp.dtype(cfg.param_dtype), name=name)
+  return RMSNorm(cfg.norm_eps, cfg.compute_dtype, jnp.dtype(cfg.param_dtype), cfg.norm_offset,
+                 name=name)
+
+
+def softcap(x: Array, cap: float) -> Array:
+  """c·tanh(x/c) (Gemma 2's logit soft-cap); x itself for c = 0."""
+  return cap * jnp.tanh(x / cap) if cap else x
 
 
 class Linear(nn.Module):
@@ -129,14 +142,20 @@ class Attention(nn.Module):
   cfg: ModelConfig
 
   @nn.compact
-  def __call__(self, x, rope, kv_mask, cache, layer, cache_index, window, prefix=None):
-    """Self-attention of x [B, T, D] → (out [B, T, D], cache, prefix out [1, C, D] or None).
+  def __call__(self, x, rope, kv_mask, cache, layer, cache_index, window, positions,
+               prefix=None):
+    """Self-attention of x [B, T, D] at ``positions`` [B, T] → (out [B, T, D], cache, prefix
+    out [1, C, D] or None).
 
     ``prefix``: (xp [1, C, D], its RoPE) for a cache-free forward pass over rows that all
     begin with the same C tokens (``Decoder``'s ``prefix``): the prefix attends causally to
-    itself, once, and every row's queries attend to its keys and values before their own."""
+    itself, once, and every row's queries attend to its keys and values before their own.
+
+    q/k norms (``cfg.qk_norm``) come before RoPE: "head" normalises each head's D features,
+    "proj" the whole projection's H·D."""
     cfg = self.cfg
     h, hk, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    qk_norms = (_norm(cfg, "q_norm"), _norm(cfg, "k_norm")) if cfg.qk_norm else None
     if cfg.fused_projections:  # one matmul, split by columns: [q | k | v]
       qkv = Linear(cfg, (h + 2 * hk) * d, cfg.qkv_bias, name="qkv")
       project = lambda x: jnp.split(qkv(x), [h * d, (h + hk) * d], axis=-1)  # noqa: E731
@@ -150,7 +169,11 @@ class Attention(nn.Module):
       """q [B, T, H, D], k [B, T, H_kv, D] (rotated), v [B, H_kv, T, D]."""
       b, t, _ = x.shape
       q, k, v = project(x)
+      if cfg.qk_norm == "proj":
+        q, k = qk_norms[0](q), qk_norms[1](k)
       q, k, v = q.reshape(b, t, h, d), k.reshape(b, t, hk, d), v.reshape(b, t, hk, d)
+      if cfg.qk_norm == "head":
+        q, k = qk_norms[0](q), qk_norms[1](k)
       if rope is not None:  # Llama family; GPT-2 adds learned positions to the embeddings
         q, k = apply_rope(q, rope), apply_rope(k, rope)
       return q, k, v.transpose(0, 2, 1, 3)
@@ -172,22 +195,34 @@ class Attention(nn.Module):
       xp, rope_p = prefix
       qp, kp, vp = heads(xp, rope_p)
       c = xp.shape[1]
-      causal = jnp.tril(jnp.ones((c, c), jnp.bool_))[None]
-      out_p = attend(qp, kp.transpose(0, 2, 1, 3).astype(qp.dtype), vp.astype(qp.dtype), causal)
+      slots_p = jnp.arange(c)
+      causal = allowed_keys(slots_p, slots_p, window, jnp.ones((1, c), jnp.bool_))
+      out_p = attend(qp, kp.transpose(0, 2, 1, 3).astype(qp.dtype), vp.astype(qp.dtype), causal,
+                     **self.scores)
       out_p = o_proj(out_p.reshape(1, c, h * d))
       shared = kp[0].transpose(1, 2, 0), vp[0]  # [H_kv, D, C], [H_kv, C, D]
     path = attention_path(cfg.attention, cfg.compute_dtype, d)
-    out = attention(path, q, k, v, (q_slots, kv_slots), window, kv_mask, keys_transposed, shared)
+    out = attention(path, q, k, v, (q_slots, kv_slots), window, kv_mask, keys_transposed, shared,
+                    positions, **self.scores)
     return o_proj(out.reshape(b, t, h * d)), cache, out_p
+
+  @property
+  def scores(self) -> dict:
+    """How scores are scaled and capped: q·kᵀ / √``query_pre_attn_scalar`` (head_dim unless
+    the config says otherwise), then c·tanh(s/c) with ``attn_softcap`` c."""
+    return dict(scale_base=self.cfg.query_pre_attn_scalar, softcap=self.cfg.attn_softcap)
 
 
 class MLP(nn.Module):
+  """down(act(gate(x))·up(x)) with act silu ("swiglu") or tanh-GELU ("geglu"); GPT-2's
+  proj(gelu(fc(x))) ("gelu")."""
+
   cfg: ModelConfig
 
   @nn.compact
   def __call__(self, x):
     cfg = self.cfg
-    if cfg.is_gpt2:  # fc → GELU (tanh approximation, "gelu_new") → proj
+    if cfg.mlp == "gelu":  # fc → GELU (tanh approximation, "gelu_new") → proj
       hidden = nn.gelu(Linear(cfg, cfg.intermediate_size, True, name="fc")(x), approximate=True)
       return Linear(cfg, cfg.hidden_size, True, name="proj")(hidden)
     if cfg.fused_projections:  # one matmul, split by columns: [gate | up]
@@ -196,28 +231,39 @@ class MLP(nn.Module):
     else:
       gate = Linear(cfg, cfg.intermediate_size, False, name="gate")(x)
       up = Linear(cfg, cfg.intermediate_size, False, name="up")(x)
-    return Linear(cfg, cfg.hidden_size, False, name="down")(swiglu(gate, up))
+    hidden = swiglu(gate, up) if cfg.mlp == "swiglu" else nn.gelu(gate, approximate=True) * up
+    return Linear(cfg, cfg.hidden_size, False, name="down")(hidden)
 
 
 class Block(nn.Module):
-  """Pre-norm residual block: x + attn(norm(x)), then + mlp(norm(·)); the same for the shared
-  prefix's hidden states ``xp`` [1, C, D] (None without one), whose keys every row attends to."""
+  """A residual block as ``cfg.sublayer_norms`` places its norms: "pre" (Llama) x + f(norm(x)),
+  "post" (OLMo 2) x + norm(f(x)), "both" (Gemma) x + post_norm(f(pre_norm(x))), for f the
+  attention, then the MLP. The same for the shared prefix's hidden states ``xp`` [1, C, D]
+  (None without one), whose keys every row attends to. ``rope``: this layer's (cos, sin), or
+  None for a layer without RoPE; in a layer scan with per-layer RoPE, ``rope_id`` indexes
+  the stacked tables (``rope.stack_ropes``)."""
 
   cfg: ModelConfig
 
   @nn.compact
-  def __call__(self, carry, layer, window, rope, kv_mask, cache_index, prefix_rope=None):
+  def __call__(self, carry, layer, window, rope_id, rope, kv_mask, cache_index, positions,
+               prefix_rope=None):
     x, cache, xp = carry
-    attn_norm, mlp_norm = _norm(self.cfg, "attn_norm"), _norm(self.cfg, "mlp_norm")
-    mlp = MLP(self.cfg, name="mlp")
-    prefix = None if xp is None else (attn_norm(xp), prefix_rope)
-    attn, cache, attn_p = Attention(self.cfg, name="attn")(
-        attn_norm(x), rope, kv_mask, cache, layer, cache_index, window, prefix)
-    x = x + attn
-    x = shard_rows(x + mlp(mlp_norm(x)))
+    cfg = self.cfg
+    if rope_id is not None:  # a layer scan: this layer's table of ``stack_ropes``' stack
+      pick = lambda r: None if r is None else tuple(t[rope_id] for t in r)  # noqa: E731
+      rope, prefix_rope = pick(rope), pick(prefix_rope)
+    norms = {name: _norm(cfg, name) for name in NORM_PLACES[cfg.sublayer_norms]}
+    norm = lambda name, x: norms[name](x) if name in norms else x  # noqa: E731
+    mlp = MLP(cfg, name="mlp")
+    prefix = None if xp is None else (norm("attn_norm", xp), prefix_rope)
+    attn, cache, attn_p = Attention(cfg, name="attn")(
+        norm("attn_norm", x), rope, kv_mask, cache, layer, cache_index, window, positions, prefix)
+    x = x + norm("attn_post_norm", attn)
+    x = shard_rows(x + norm("mlp_post_norm", mlp(norm("mlp_norm", x))))
     if xp is not None:
-      xp = xp + attn_p
-      xp = xp + mlp(mlp_norm(xp))
+      xp = xp + norm("attn_post_norm", attn_p)
+      xp = xp + norm("mlp_post_norm", mlp(norm("mlp_norm", xp)))
     return (x, cache, xp), None
 
 
@@ -232,19 +278,26 @@ class Decoder(nn.Module):
         n, cfg.hidden_size, dtype=cfg.compute_dtype, param_dtype=cfg.param_dtype,
         embedding_init=nn.initializers.normal(0.02), name=name)
     self.embed = embed(cfg.vocab_size, "embed")
-    if cfg.is_gpt2:
+    if cfg.positions == "learned":
       self.wpe = embed(cfg.max_position_embeddings, "wpe")
     block = nn.remat(Block, prevent_cse=not cfg.scan_layers,
                      policy=REMAT_POLICIES[cfg.remat_policy]) if cfg.remat else Block
     if cfg.scan_layers:
       self.layers = nn.scan(
           block, variable_axes={"params": 0}, split_rngs={"params": True, "dropout": True},
-          in_axes=(0, 0, nn.broadcast, nn.broadcast, nn.broadcast, nn.broadcast),
+          in_axes=(0, 0, 0, nn.broadcast, nn.broadcast, nn.broadcast, nn.broadcast,
+                   nn.broadcast),
           length=cfg.num_layers,
       )(cfg, name="layers")
     else:
       self.layers = [block(cfg, name=f"layers_{i}") for i in range(cfg.num_layers)]
     self.final_norm = _norm(cfg, "final_norm")
+
+  def embedded(self, tokens):
+    """Token embeddings, × ``cfg.embed_scale`` rounded to the compute dtype (Gemma's √d)."""
+    x = self.embed(tokens)
+    scale = self.cfg.embed_scale
+    return x * jnp.asarray(scale, x.dtype) if scale != 1.0 else x
 
   def __call__(self, tokens, positions, kv_mask, cache=None, cache_index=0, rope=None,
                prefix=None):
@@ -256,34 +309,35 @@ class Decoder(nn.Module):
     whole batch, and every row's queries attend to its keys. The rows' outputs are those of
     the rows with the prefix prepended, up to float rounding."""
     cfg = self.cfg
-    x = shard_rows(self.embed(tokens))
-    if cfg.is_gpt2:
+    x = shard_rows(self.embedded(tokens))
+    if cfg.positions == "learned":
       x, rope = x + self.wpe(positions), None
     elif rope is None:
       rope = model_rope(cfg, positions)
-    windows = cfg.layer_windows or (0,) * cfg.num_layers
+    windows = cfg.windows
     xp = rope_p = None
     if prefix is not None:
-      check_prefix(prefix, cache, windows)
+      check_prefix(prefix, cache)
       positions_p = jnp.arange(prefix.shape[0], dtype=jnp.int32)[None]
-      xp = self.embed(prefix[None].astype(jnp.int32))
-      if cfg.is_gpt2:
+      xp = self.embedded(prefix[None].astype(jnp.int32))
+      if cfg.positions == "learned":
         xp = xp + self.wpe(positions_p)
       else:
         rope_p = model_rope(cfg, positions_p)
-    if cache is not None and cache.prefix_k is not None and any(windows):
-      raise ValueError("a shared prefix cannot be used with a sliding attention window: "
-                       "prepend it to every prompt instead")
     if cfg.scan_layers:
       if not isinstance(cache_index, int):  # a Python 0 stays static (``fills_from_start``)
         cache_index = jnp.asarray(cache_index, jnp.int32)
       layer_ids = jnp.arange(cfg.num_layers, dtype=jnp.int32)
+      rope_ids = None
+      if cfg.rope_per_layer:  # one stacked table per RoPE kind, each layer's index scanned
+        rope, rope_ids = stack_ropes(cfg, rope)
+        rope_p = None if rope_p is None else stack_ropes(cfg, rope_p)[0]
       (x, cache, _), _ = self.layers((x, cache, xp), layer_ids, jnp.asarray(windows, jnp.int32),
-                                     rope, kv_mask, cache_index, rope_p)
+                                     rope_ids, rope, kv_mask, cache_index, positions, rope_p)
     else:
       for i, layer in enumerate(self.layers):
-        (x, cache, xp), _ = layer((x, cache, xp), i, windows[i], rope, kv_mask, cache_index,
-                                  rope_p)
+        (x, cache, xp), _ = layer((x, cache, xp), i, windows[i], None, layer_rope(cfg, rope, i),
+                                  kv_mask, cache_index, positions, layer_rope(cfg, rope_p, i))
     return self.final_norm(x), cache
 
 
@@ -313,15 +367,16 @@ class CausalLM(nn.Module):
   def logits(self, x):
     """The LM head on hidden states [..., D] → [..., V] (``apply(..., method="logits")``); tied
     embeddings: x·Eᵀ, accumulated in float32 like every other matmul (``dot_f32_accumulate``),
-    vocabulary-parallel under a mesh (``sharding.vocab_parallel_logits``)."""
+    vocabulary-parallel under a mesh (``sharding.vocab_parallel_logits``); soft-capped,
+    c·tanh(z/c), where the model says so (``final_softcap``: Gemma 2)."""
     if not self.cfg.tie_word_embeddings:
-      return shard_rows(self.lm_head(x))
+      return softcap(shard_rows(self.lm_head(x)), self.cfg.final_softcap)
     embed = self.model.embed
     x, table = embed.promote_dtype(x, embed.embedding, dtype=embed.dtype)
 
     def dot(x, table):  # x·Eᵀ
       return dot_f32_accumulate(x, table, (((x.ndim - 1,), (1,)), ((), ())))
-    return shard_rows(vocab_parallel_logits(x, table, dot))
+    return softcap(shard_rows(vocab_parallel_logits(x, table, dot)), self.cfg.final_softcap)
 
 
 class ValueModel(nn.Module):

@@ -223,7 +223,8 @@ def generate(module: nn.Module, params, prompts: Array, prompt_mask: Array, key:
     prefix: [C] tokens that precede every row's prompt (see ``split_shared_prefix``): each row
       is then the sequence prefix + prompt. The prefix's keys and values are computed once, for
       one row, kept once for the batch (``KVCache.prefix_k``), and every decode step scores
-      them with one matmul over all rows. Not for models with sliding attention windows.
+      them with one matmul over all rows; a sliding-window layer sees the prefix keys within
+      its window (they sit at positions 0 … C − 1).
 
   The prefill's logits give token 0; each loop step feeds token t − 1 and samples token t, so
   the last token costs no forward pass. With n > 1 the prefill runs once per prompt; its cache

@@ -177,7 +177,8 @@ def training_prefix_len(config, tokenizer) -> int | None:
   if tokenizer is None:
     return None
   return len(encoding.template_prefix(tokenizer, system=d.system or None,
-                                      chat_template=d.chat_template))
+                                      chat_template=d.chat_template,
+                                      chat_template_kwargs=d.get("chat_template_kwargs")))
 
 
 PROGRAMS = ("step", "rollout", "learn")  # the fused iteration, or one of its two halves

@@ -77,7 +77,9 @@ def _longest(config, tokenizer, records: Sequence[dict]) -> int:
   none)."""
   d = config.data
   return max((len(encoding.prompt_ids(tokenizer, r[d.field], system=d.system or None,
-                                      chat_template=d.chat_template)) for r in records), default=0)
+                                      chat_template=d.chat_template,
+                                      chat_template_kwargs=d.get("chat_template_kwargs")))
+              for r in records), default=0)
 
 
 def instructed(config, tokenizer, records: Sequence[dict], instruction: str,

@@ -106,9 +106,6 @@ def build(config, *, devices=None, abstract: bool = False) -> Run:
     reward_model = models_lib.load_reward_model(config, policy, jax.random.fold_in(k_policy, 1),
                                                 abstract)
   critic = _initial_critic(config, algorithm, policy, reward_model)
-  if (source and source.prefix
-      and any(m.cfg.layer_windows for m in (policy, critic, reward_model) if m)):
-    source = sources.make_source(config, policy.tokenizer, shared_prefix=False)  # see Decoder
   models = _modules(config, algorithm, policy, critic, reward_model)
   host_reward, python_reward = _host_rewards(config, policy)
   txs, schedules = _optimizers(config)

@@ -2,7 +2,8 @@
 nearest valid ones suggested) and types against ``config.defaults()``, choices, ranges, sizes that
 must fit together (batch vs minibatches × micro-batches × data-parallel devices, the mesh vs the
 devices, prompt + response vs the context), the algorithm's resolved choices, the packages an
-option needs, the task's options. ``validate`` raises ``ConfigError`` with one clear message.
+option needs, the task's options, the chat template's variables (``data.chat_template_kwargs``).
+``validate`` raises ``ConfigError`` with one clear message.
 """
 
 from __future__ import annotations
@@ -14,11 +15,12 @@ import ml_collections
 import numpy as np
 
 from ppojax.core import advantages, algorithms, correction, kl, ops, options, selection, surrogates
+from ppojax.data import encoding
 from ppojax.models import config as model_config
 from ppojax.models import packing
 
 # sections whose keys are the user's names
-FREE_FORM = ("eval.metrics", "eval.baselines", "data.rg.options")
+FREE_FORM = ("eval.metrics", "eval.baselines", "data.rg.options", "data.chat_template_kwargs")
 CHOICES = {
     "algorithm": tuple(algorithms.ALGORITHMS),
     "rl.estimator": ("", *advantages.ESTIMATORS),
@@ -235,6 +237,20 @@ def check_ranges(config: ml_collections.ConfigDict, ranges=RANGES) -> None:
       raise ConfigError(f"{name}={value!r} {requirement}")
 
 
+def check_chat_template_kwargs(config: ml_collections.ConfigDict) -> None:
+  """``data.chat_template_kwargs`` is a dict of the chat template's variables: string keys, none
+  of the arguments ppojax sets itself (``encoding.template_kwargs``)."""
+  if (value := _option(config, "data.chat_template_kwargs")) is _MISSING:
+    return
+  if value is None:
+    raise ConfigError("data.chat_template_kwargs=None: give a dict of the chat template's "
+                      "variables, {} for none (the default), e.g. {'enable_thinking': False}")
+  try:
+    encoding.template_kwargs(value)
+  except encoding.DataError as e:
+    raise ConfigError(str(e)) from None
+
+
 def check_kl_controller(config: ml_collections.ConfigDict) -> None:
   """``rl.target_kl`` and ``rl.kl_horizon`` > 0 with ``rl.adaptive_kl``."""
   rl = config.rl
@@ -334,6 +350,7 @@ def prompt_length(config) -> int:
 def validate(config: ml_collections.ConfigDict, num_devices: int,
              context_length: int | None = None) -> None:
   """All checks that need no model weights; raises ``ConfigError`` with one clear message."""
+  check_chat_template_kwargs(config)  # first: its own message for a value that is no dict
   check_names_and_types(config)
   check_choices(config)
   check_ranges(config)

@@ -93,7 +93,16 @@ def defaults() -> ml_collections.ConfigDict:
   c.data.prompt_bucket = 64
   c.data.truncate = "left"  # or "error": a too-long prompt stops the run
   c.data.chat_template = True  # render prompts with the tokenizer's chat template
-  c.data.system = ""  # a system message for every prompt ("" : the template's default)
+  # a system message for every prompt ("" : the template's default); a template without a system
+  # role (Gemma's) gets it in the first user message, as Gemma 3's: "SYSTEM\n\nUSER"
+  c.data.system = ""
+  # the chat template's own variables, passed to every apply_chat_template call on prompts (trl's
+  # and verl's chat_template_kwargs). Qwen3 (and SmolLM3) read enable_thinking: True (their
+  # default) makes the model write <think>…</think> first, so sampling.max_new_tokens must leave
+  # room for that block; False makes the template add an empty one and the model answer directly.
+  # The Qwen3 task configs choose {"enable_thinking": False} for short answers such as arithmetic.
+  # Command line: --config.data.chat_template_kwargs="{'enable_thinking': False}"
+  c.data.chat_template_kwargs = ml_collections.ConfigDict()
   # the tokens every prompt begins with (the chat template's header) run once per batch, not
   # once per row: the same numbers, fewer FLOPs (docs/design.md)
   c.data.shared_prefix = True
@@ -262,6 +271,8 @@ def supervised_defaults() -> ml_collections.ConfigDict:
   c.data.eval_size = 128
   c.data.chat_template = True  # render prompts with the tokenizer's chat template
   c.data.system = ""  # system prompt ("": none, i.e. the template's default)
+  # the chat template's variables, e.g. {"enable_thinking": False} (as in defaults())
+  c.data.chat_template_kwargs = ml_collections.ConfigDict()
   c.data.max_prompt_len = 64  # tokens; padded length = the longest prompt, at most this
   c.data.max_response_len = 24  # tokens, the EOS included; longer responses are cut
   c.data.truncate = "left"  # too-long prompts: "left" keeps their end, "error" raises

@@ -88,7 +88,8 @@ def load_examples(config: ml_collections.ConfigDict, tokenizer) -> tuple[dict, d
   encode = functools.partial(
       encoding.encode_sft, tokenizer, max_prompt_len=d.max_prompt_len,
       max_response_len=d.max_response_len, system=d.system or None,
-      chat_template=d.chat_template, truncate=d.truncate)
+      chat_template=d.chat_template, truncate=d.truncate,
+      chat_template_kwargs=d.get("chat_template_kwargs"))
   sets = [encode(common.load_records(source, n, split, arith.sft_examples, FIELDS,
                                          config.seed))
           for source, n, split in ((d.train, d.train_size, d.train_split),

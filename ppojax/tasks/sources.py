@@ -73,7 +73,9 @@ def make_source(config, tokenizer, shared_prefix: bool | None = None) -> Source:
                      f"{config.model.policy!r} ships none: set model.tokenizer")
   encode = prompt_encoder(config, tokenizer)
   prefix = (encoding.template_prefix(tokenizer, system=d.system or None,
-                                  chat_template=d.chat_template) if shared_prefix else None)
+                                     chat_template=d.chat_template,
+                                     chat_template_kwargs=d.get("chat_template_kwargs"))
+            if shared_prefix else None)
   if d.task == "arith":
     pick = lambda pos: arith.problems((config.seed, pos), batch_size, "train")  # noqa: E731
     held_out = arith.eval_problems(d.eval_per_digits) if d.eval_per_digits else None
@@ -100,15 +102,17 @@ def make_source(config, tokenizer, shared_prefix: bool | None = None) -> Source:
 def prompt_encoder(config, tokenizer, max_len: int | None = None, length: int | None = None
                    ) -> Callable[[list[dict]], encoding.Encoded]:
   """records → left-padded prompts [N, length] through the config's chat template, system
-  prompt and truncation rule: each prompt cut to ``max_len`` tokens (default
-  ``data.max_prompt_len``), then padded to ``length`` (default ``max_len``; ``padded``)."""
+  prompt, template variables (``data.chat_template_kwargs``) and truncation rule: each prompt
+  cut to ``max_len`` tokens (default ``data.max_prompt_len``), then padded to ``length``
+  (default ``max_len``; ``padded``)."""
   d = config.data
   limit = max_len or d.max_prompt_len
 
   def encode(records: list[dict]) -> encoding.Encoded:
     return encoding.encode_prompts(tokenizer, records, limit, field=d.field,
                                    system=d.system or None, chat_template=d.chat_template,
-                                   truncate=d.truncate)
+                                   truncate=d.truncate,
+                                   chat_template_kwargs=d.get("chat_template_kwargs"))
 
   if length is None or length == limit:
     return encode
