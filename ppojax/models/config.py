@@ -233,7 +233,8 @@ class ModelConfig:
     if self.model_type == "smollm3":
       hf["no_rope_layers"] = [int(r >= 0) for r in self.layer_ropes]
     if self.family.gemma_fields:
-      hf.update(query_pre_attn_scalar=self.query_pre_attn_scalar or self.head_dim,
+      scalar = self.query_pre_attn_scalar or self.head_dim
+      hf.update(query_pre_attn_scalar=int(scalar) if float(scalar).is_integer() else scalar,
                 attn_logit_softcapping=self.attn_softcap or None,
                 final_logit_softcapping=self.final_softcap or None)
     return hf

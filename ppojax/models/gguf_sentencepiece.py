@@ -56,11 +56,10 @@ def merges_from_vocab(tokens: list[str]) -> list[tuple[str, str]]:
   A token of id i merges before one of id j > i; the splits of one token, longer left part
   first (the order transformers' ``generate_merges`` gives Gemma's vocabulary).
   """
-  ids = {t: i for i, t in enumerate(tokens)}
-  merges = []
+  known, merges = set(tokens), []
   for token in tokens:
     merges.extend((token[:k], token[k:]) for k in range(len(token) - 1, 0, -1)
-                  if token[:k] in ids and token[k:] in ids)
+                  if token[:k] in known and token[k:] in known)
   return merges
 
 

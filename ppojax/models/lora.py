@@ -197,12 +197,13 @@ def count(adapters: Params) -> int:
 
 
 def peft_state_dict(adapters: Params, cfg: ModelConfig) -> dict[str, np.ndarray]:
-  """The adapters as peft names them on a transformers Llama-family model:
+  """The adapters as peft names them on a transformers Llama-like model (Qwen, Gemma, OLMo,
+  SmolLM and Mistral name their projections alike):
   ``base_model.model.model.layers.{i}.self_attn.q_proj.lora_A.weight`` = Aᵀ [r, in] and
   ``...lora_B.weight`` = Bᵀ [out, r] (PyTorch's [out, in] layout)."""
   if cfg.is_gpt2:
-    raise ValueError("peft export is implemented for the Llama family (Llama, Mistral, Qwen2, "
-                     "SmolLM2); for GPT-2 export the merged model instead (lora.merge)")
+    raise ValueError("peft export is implemented for the Llama-like families (every supported "
+                     "family but GPT-2); for GPT-2 export the merged model instead (lora.merge)")
   model = adapters["model"]
   if "layers" not in model:  # unrolled layers: stack them as the stored layout does
     from ppojax.models.layout import stack_layers  # pylint: disable=import-outside-toplevel

@@ -100,7 +100,7 @@ def stack_ropes(cfg: ModelConfig, ropes) -> tuple[tuple[Array, Array], Array]:
 
 def layer_rope(cfg: ModelConfig, ropes, layer: int):
   """Layer ``layer``'s (cos, sin) from ``model_rope``'s tables, or None (no RoPE)."""
-  if not cfg.rope_per_layer:
+  if not cfg.rope_per_layer or ropes is None:
     return ropes
   kind = cfg.layer_ropes[layer]
   return None if kind < 0 else ropes[kind]
