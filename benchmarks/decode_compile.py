@@ -4,6 +4,7 @@ body) or unrolled (``SamplingConfig.layers``).
 
     python benchmarks/decode_compile.py [--layers scan|unroll|auto] [--model smollm2] [--runs 3]
     python benchmarks/decode_compile.py --tpu v5e:1x1 --model qwen2.5-0.5b --layers scan
+    python benchmarks/decode_compile.py --model gemma3-270m[-uniform] --layers scan|unroll
 
 Here: the held-out evaluation's greedy decode (``evaluation._generate``) of a SmolLM2-135M-shaped
 model, by default 56 prompts of 40 tokens and 24 new tokens, every row decoding all of them
@@ -48,6 +49,13 @@ MODELS = {
         hidden_size=64, intermediate_size=128, num_layers=2, num_heads=2, num_kv_heads=1,
         head_dim=32, **_SMOL),
     "qwen2.5-0.5b": lambda: ModelConfig.from_hf(public.lookup("Qwen/Qwen2.5-0.5B")),
+    "qwen3-0.6b": lambda: ModelConfig.from_hf(public.lookup("Qwen/Qwen3-0.6B")),
+    # Gemma 3's layers differ by type (5 sliding with a local RoPE base to 1 full): in a scan
+    # each layer's window and RoPE table index are scanned inputs; "-uniform" is the same model
+    # with every layer full and one RoPE, what that per-layer index costs to compile and run
+    "gemma3-270m": lambda: ModelConfig.from_hf(public.lookup("google/gemma-3-270m")),
+    "gemma3-270m-uniform": lambda: ModelConfig.from_hf(public.lookup("google/gemma-3-270m"))
+    .replace(layer_windows=None, local_rope_theta=None),
 }
 # (batch, prompt length, new tokens): the CPU's held-out evaluation, and a TPU rollout
 SHAPES = {"cpu": (56, 40, 24), "tpu": (64, 256, 256)}

@@ -112,6 +112,12 @@ def smollm2_path():
   return real_model.smollm2_path()
 
 
+@pytest.fixture(scope="session")
+def gemma3_path():
+  """The real Gemma 3 270M GGUF (``gguf.fetch_gemma3``), as ``smollm2_path``."""
+  return real_model.gemma3_path()
+
+
 @pytest.fixture
 def run_on_8_cpu_devices():
   """Runs a Python script in a subprocess whose JAX sees 8 simulated CPU devices (the device

@@ -215,8 +215,8 @@ def test_chat_template_kwargs_on_the_command_line():
   from absl import flags  # pylint: disable=import-outside-toplevel
   from ml_collections import config_flags  # pylint: disable=import-outside-toplevel
   path = pathlib.Path(__file__).parents[1] / "configs" / "quickstart.py"
-  argv = ["train", f"--config={path}", "--config.data.chat_template_kwargs="
-          "{'enable_thinking': False}"]
+  override = "--config.data.chat_template_kwargs={'enable_thinking': False}"
+  argv = ["train", f"--config={path}", override]
   fv = flags.FlagValues()
   config_flags.DEFINE_config_file("config", str(path), flag_values=fv, sys_argv=argv)
   fv(argv)

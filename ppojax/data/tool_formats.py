@@ -271,7 +271,7 @@ def _dotted(node: ast.AST) -> str | None:
 class _JsonLiterals(ast.NodeTransformer):
   """JSON's true/false/null (which models write in Python calls) as Python constants."""
 
-  def visit_Name(self, node: ast.Name) -> ast.AST:  # noqa: N802 (ast's method name)
+  def visit_Name(self, node: ast.Name) -> ast.AST:  # ast's method name
     if node.id in _JSON_LITERALS:
       return ast.copy_location(ast.Constant(_JSON_LITERALS[node.id]), node)
     return node

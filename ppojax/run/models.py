@@ -13,12 +13,12 @@ import ml_collections
 
 from ppojax.data import encoding
 from ppojax.models import (
-  SMOLLM2_NAMES,
   CausalLM,
   LoadedModel,
   ModelConfig,
   ValueModel,
   abstract_model,
+  gguf_path,
   hf,
   init_params,
   load_model,
@@ -45,11 +45,11 @@ def _numerics(config) -> dict:
 
 
 def load_tokenizer(name: str):
-  """The tokenizer of a Hugging Face directory or hub id, a GGUF file or "smollm2"."""
+  """The tokenizer of a Hugging Face directory or hub id, a GGUF file, "smollm2" or "gemma3"."""
   name = str(name)
-  if name.lower() in SMOLLM2_NAMES or name.endswith(".gguf"):
+  if (path := gguf_path(name)) is not None:
     from ppojax.models import gguf  # pylint: disable=import-outside-toplevel
-    return gguf.read_tokenizer(gguf.fetch_smollm2() if not name.endswith(".gguf") else name)
+    return gguf.read_tokenizer(path)
   from transformers import AutoTokenizer  # pylint: disable=import-outside-toplevel
   return AutoTokenizer.from_pretrained(str(hf.resolve(name)))
 
@@ -121,9 +121,9 @@ def context_length(config) -> int | None:
   name = str(config.model.policy)
   if name == "tiny":
     return config.model.tiny.max_position_embeddings
-  if name.lower() in SMOLLM2_NAMES or name.endswith(".gguf"):
+  if (path := gguf_path(name)) is not None:
     from ppojax.models import gguf  # pylint: disable=import-outside-toplevel
-    return gguf.context_length(gguf.fetch_smollm2() if not name.endswith(".gguf") else name)
+    return gguf.context_length(path)
   path = pathlib.Path(name).expanduser()
   hf_config = hf.read_config(path) if (path / "config.json").is_file() else public.lookup(name)
   if hf_config is not None:
