@@ -154,6 +154,8 @@ class Attention(nn.Module):
     q/k norms (``cfg.qk_norm``) come before RoPE: "head" normalises each head's D features,
     "proj" the whole projection's H·D."""
     cfg = self.cfg
+    if not any(cfg.windows):  # no layer slides: a static 0, where a scan would trace zeros
+      window = 0
     h, hk, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     qk_norms = (_norm(cfg, "q_norm"), _norm(cfg, "k_norm")) if cfg.qk_norm else None
     if cfg.fused_projections:  # one matmul, split by columns: [q | k | v]
