@@ -267,6 +267,33 @@ def test_chat_template_kwargs_need_the_chat_template(qwen3):
   assert text(qwen3, raw) == "a"
 
 
+# ----------------------------------------------------------------------------- prompt format
+
+
+def test_prompt_format_frames_raw_prompts_for_a_base_model(qwen3):
+  """data.prompt_format puts every string prompt in a frame (configs/quickstart_gemma3.py):
+  the batches and the held-out encoder alike; chat-message prompts stay as they are."""
+  c = config(data__chat_template=False, data__prompt_format="Question: {prompt}\nAnswer:")
+  source = sources.make_source(c, qwen3)
+  records = source.batch(0).records
+  assert batch_texts(c, qwen3) == [f"Question: {r['prompt']}\nAnswer:" for r in records]
+  held_out = source.encode(source.eval_records[:2])
+  assert [text(qwen3, t[m]) for t, m in zip(held_out.tokens, held_out.mask)] == [
+      f"Question: {r['prompt']}\nAnswer:" for r in source.eval_records[:2]]
+  chat = [{"role": "user", "content": "a"}]
+  assert sources.formatted([{"prompt": chat}], "prompt", "Q: {prompt}") == [{"prompt": chat}]
+
+
+@pytest.mark.parametrize("fmt,message", [
+    ("Question:", r"must be a string holding \{prompt\}"),
+    ("{question}", r"only\s+field is \{prompt\} \(KeyError"),
+    ("{prompt} {", r"not a str.format template"),
+])
+def test_a_bad_prompt_format_is_a_clear_config_error(fmt, message):
+  with pytest.raises(checks.ConfigError, match=r"data\.prompt_format=.*" + message):
+    checks.validate(config(data__prompt_format=fmt), num_devices=1)
+
+
 # ----------------------------------------------------------------------------- tool calls
 
 
@@ -274,7 +301,8 @@ def test_every_family_has_a_format_with_its_markers():
   assert set(FORMATS) == {"qwen3", "smollm3", "llama3", "gemma3", "olmo3"}
   assert tool_format("Qwen2.5") is FORMATS["qwen3"] and tool_format("gemma2") is FORMATS["gemma3"]
   assert (FORMATS["qwen3"].call_open, FORMATS["qwen3"].result_role) == ("<tool_call>", "tool")
-  assert FORMATS["llama3"].result_role == "ipython" and FORMATS["olmo3"].result_role == "environment"
+  assert FORMATS["llama3"].result_role == "ipython"
+  assert FORMATS["olmo3"].result_role == "environment"
   assert FORMATS["gemma3"].result_open == "```tool_output\n"
   with pytest.raises(ValueError, match="unknown tool-call format 'mistral'; known: .*qwen3"):
     tool_format("mistral")

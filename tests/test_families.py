@@ -22,7 +22,6 @@ import transformers as tf
 from ppojax.models import families, hf, layout, lora
 from ppojax.models import cache as C
 from ppojax.models import transformer as T
-from ppojax.models.config import ModelConfig
 from ppojax.rollout import sampling
 from ppojax.rollout.sampling import SamplingConfig, generate
 

@@ -12,7 +12,6 @@ as the SmolLM2 tests do (tests/real_model.py).
 
 import contextlib
 import hashlib
-import os
 import pathlib
 import subprocess
 import sys

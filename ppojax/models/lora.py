@@ -43,7 +43,7 @@ from ppojax.models.transformer import lora_a_init
 
 Params = Any
 ADAPTER_LEAVES = ("lora_a", "lora_b")
-# our Linear names ↔ peft's target_modules (Llama family); GPT-2's fc/proj have no peft export
+# our Linear names ↔ peft's target_modules (every Llama-like family); GPT-2's fc/proj: none
 TARGETS = {"q": "q_proj", "k": "k_proj", "v": "v_proj", "o": "o_proj", "gate": "gate_proj",
            "up": "up_proj", "down": "down_proj", "fc": None, "proj": None}
 ALL_LINEAR = ("q", "k", "v", "o", "gate", "up", "down")

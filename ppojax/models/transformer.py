@@ -1,9 +1,13 @@
-"""Decoder-only transformers in Flax linen: the Llama family (Llama 2/3, Mistral, Qwen2, SmolLM2)
-and GPT-2, with an explicit KV cache, as a causal LM or a value/reward model.
+"""One decoder-only transformer in Flax linen for every supported family (``models.families``:
+Llama, Mistral, Qwen2/3, SmolLM2/3, Gemma 2/3, OLMo 2/3, GPT-2), with an explicit KV cache, as
+a causal LM or a value/reward model.
 
-One ``Block`` serves both families; ``ModelConfig`` switches the three places they differ
-(RMSNorm vs LayerNorm, RoPE vs learned positions, gated SiLU vs GELU MLP). Layers are one
-``nn.scan`` over stacked parameters, so the compiled program holds one layer body.
+One ``Block`` follows ``ModelConfig``'s layer description: which norms (RMSNorm with w or
+1 + w, LayerNorm) sit before and/or after each sublayer, q/k norms, the MLP's activation,
+positions (RoPE per layer, none, or learned), the embedding scale, the attention scale and
+soft-caps, each layer's sliding window. Layers are one ``nn.scan`` over stacked parameters
+(what differs per layer, its window and RoPE table, are scanned inputs), so the compiled
+program holds one layer body.
 
 Calling convention (``CausalLM`` and ``ValueModel`` alike)::
 
@@ -176,7 +180,7 @@ class Attention(nn.Module):
       q, k, v = q.reshape(b, t, h, d), k.reshape(b, t, hk, d), v.reshape(b, t, hk, d)
       if cfg.qk_norm == "head":
         q, k = qk_norms[0](q), qk_norms[1](k)
-      if rope is not None:  # Llama family; GPT-2 adds learned positions to the embeddings
+      if rope is not None:  # None: NoPE layers; GPT-2 adds learned positions to the embeddings
         q, k = apply_rope(q, rope), apply_rope(k, rope)
       return q, k, v.transpose(0, 2, 1, 3)
 

@@ -251,6 +251,21 @@ def check_chat_template_kwargs(config: ml_collections.ConfigDict) -> None:
     raise ConfigError(str(e)) from None
 
 
+def check_prompt_format(config: ml_collections.ConfigDict) -> None:
+  """``data.prompt_format`` is a str.format template with one field, {prompt}."""
+  if (fmt := _option(config, "data.prompt_format")) is _MISSING:
+    return
+  try:
+    ok = isinstance(fmt, str) and fmt.format(prompt="\0") != fmt
+  except (KeyError, IndexError, ValueError) as e:
+    raise ConfigError(f"data.prompt_format={fmt!r} is not a str.format template whose only "
+                      f"field is {{prompt}} ({type(e).__name__}: {e}); write literal braces as "
+                      "{{ and }}") from None
+  if not ok:
+    raise ConfigError(f"data.prompt_format={fmt!r} must be a string holding {{prompt}}, e.g. "
+                      "'Question: {prompt}\nAnswer:' ('{prompt}': the prompt as it is)")
+
+
 def check_kl_controller(config: ml_collections.ConfigDict) -> None:
   """``rl.target_kl`` and ``rl.kl_horizon`` > 0 with ``rl.adaptive_kl``."""
   rl = config.rl
@@ -351,6 +366,7 @@ def validate(config: ml_collections.ConfigDict, num_devices: int,
              context_length: int | None = None) -> None:
   """All checks that need no model weights; raises ``ConfigError`` with one clear message."""
   check_chat_template_kwargs(config)  # first: its own message for a value that is no dict
+  check_prompt_format(config)
   check_names_and_types(config)
   check_choices(config)
   check_ranges(config)

@@ -93,6 +93,9 @@ def defaults() -> ml_collections.ConfigDict:
   c.data.prompt_bucket = 64
   c.data.truncate = "left"  # or "error": a too-long prompt stops the run
   c.data.chat_template = True  # render prompts with the tokenizer's chat template
+  # each string prompt as str.format(prompt=...): a base model's raw-text frame, e.g.
+  # "Question: {prompt}\nAnswer:" (configs/quickstart_gemma3.py); "{prompt}": as it is
+  c.data.prompt_format = "{prompt}"
   # a system message for every prompt ("" : the template's default); a template without a system
   # role (Gemma's) gets it in the first user message, as Gemma 3's: "SYSTEM\n\nUSER"
   c.data.system = ""

@@ -101,14 +101,16 @@ def make_source(config, tokenizer, shared_prefix: bool | None = None) -> Source:
 
 def prompt_encoder(config, tokenizer, max_len: int | None = None, length: int | None = None
                    ) -> Callable[[list[dict]], encoding.Encoded]:
-  """records → left-padded prompts [N, length] through the config's chat template, system
-  prompt, template variables (``data.chat_template_kwargs``) and truncation rule: each prompt
-  cut to ``max_len`` tokens (default ``data.max_prompt_len``), then padded to ``length``
-  (default ``max_len``; ``padded``)."""
+  """records → left-padded prompts [N, length] through the config's prompt format
+  (``data.prompt_format``), chat template, system prompt, template variables
+  (``data.chat_template_kwargs``) and truncation rule: each prompt cut to ``max_len`` tokens
+  (default ``data.max_prompt_len``), then padded to ``length`` (default ``max_len``;
+  ``padded``)."""
   d = config.data
   limit = max_len or d.max_prompt_len
 
   def encode(records: list[dict]) -> encoding.Encoded:
+    records = formatted(records, d.field, d.get("prompt_format", "{prompt}"))
     return encoding.encode_prompts(tokenizer, records, limit, field=d.field,
                                    system=d.system or None, chat_template=d.chat_template,
                                    truncate=d.truncate,
@@ -117,6 +119,16 @@ def prompt_encoder(config, tokenizer, max_len: int | None = None, length: int | 
   if length is None or length == limit:
     return encode
   return padded(encode, length, encoding.pad_token_id(tokenizer))
+
+
+def formatted(records: list[dict], field: str, fmt: str) -> list[dict]:
+  """The records with each string prompt ``records[i][field]`` put in ``fmt``
+  (``fmt.format(prompt=...)``); chat-message prompts and the format "{prompt}" leave them as
+  they are."""
+  if fmt == "{prompt}":
+    return records
+  return [dict(r, **{field: fmt.format(prompt=r[field])}) if isinstance(r[field], str) else r
+          for r in records]
 
 
 def padded(encode: Callable[[list[dict]], encoding.Encoded], length: int, pad_id: int
