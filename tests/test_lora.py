@@ -9,6 +9,7 @@ import pytest
 from ppojax.models import cache as C
 from ppojax.models import hf, lora
 from ppojax.models import kernels as K
+from ppojax.models import layers
 from ppojax.models import transformer as T
 from ppojax.models.config import ModelConfig
 from ppojax.run import build as build_lib
@@ -326,7 +327,7 @@ def test_a_lora_layer_and_its_merge_scale_the_adapters_by_alpha_over_r(transpose
   x = rng.standard_normal((2, 3, d_in))
   f32 = lambda v: jnp.asarray(v, jnp.float32)  # noqa: E731
   params = {"kernel": f32(w.T if transposed else w), "lora_a": f32(a), "lora_b": f32(b)}
-  y = T.Linear(cfg, d_out, False, name="q").apply({"params": params}, f32(x))
+  y = layers.Linear(cfg, d_out, False, name="q").apply({"params": params}, f32(x))
   adapter = (x @ a) @ b
   np.testing.assert_allclose(y, x @ w + (alpha / rank) * adapter, rtol=1e-4, atol=1e-4)
   for wrong in (alpha, 1.0):  # the scales of a mistake are far from the output
@@ -397,7 +398,7 @@ def test_lora_dropout_masks_keep_1_minus_p_scaled_and_differ_per_layer(monkeypat
   n, p = 256, 0.25
   cfg = lora.adapted_config(_cfg(hidden_size=n), rank=n, alpha=n, names="q", dropout=p)
   params = {"kernel": jnp.zeros((n, n)), "lora_a": jnp.eye(n), "lora_b": jnp.eye(n)}
-  linear = T.Linear(cfg, n, False, name="q")
+  linear = layers.Linear(cfg, n, False, name="q")
   x = jnp.ones((4, 8, n))
   y = np.asarray(linear.apply({"params": params}, x, rngs={"dropout": jax.random.key(0)}))
   kept = y != 0
@@ -412,7 +413,7 @@ def test_lora_dropout_masks_keep_1_minus_p_scaled_and_differ_per_layer(monkeypat
     jax.debug.callback(lambda k: masks.append(np.asarray(k)), keep)
     return plain(x, w, a, b, keep, *args)
 
-  monkeypatch.setattr(T, "lora_dropout_matmul", spy)
+  monkeypatch.setattr(layers, "lora_dropout_matmul", spy)
   cfg = lora.adapted_config(_cfg(), rank=2, alpha=4, names="all-linear", dropout=0.5)
   base = _base_params(lora.base_config(cfg))
   params = lora.combine(base, lora.init_adapters(base, cfg, jax.random.PRNGKey(0)))

@@ -70,7 +70,7 @@ class Context(NamedTuple):
 
   ``base``: LoRA's frozen base (then the actor's params are its adapters); None: full
   fine-tuning. ``dropout_key``: the key of LoRA's dropout on the adapters' input in this
-  forward pass (``transformer.Linear``); None: none (also for the models without dropout)."""
+  forward pass (``layers.Linear``); None: none (also for the models without dropout)."""
 
   base: Params | None = None
   dropout_key: Array | None = None

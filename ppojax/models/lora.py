@@ -1,7 +1,7 @@
 """LoRA (Hu et al. 2021): a frozen base model plus trainable low-rank adapters.
 
 Each adapted linear layer computes y = x·W + (α/r)·(x·A)·B with the base kernel W [in, out]
-frozen, A [in, r] and B [r, out] trainable (``transformer.Linear``, switched on by
+frozen, A [in, r] and B [r, out] trainable (``layers.Linear``, switched on by
 ``ModelConfig.lora_rank``/``lora_targets``). B starts at 0, so the adapted model starts exactly
 as the base. The adapters are plain leaves named ``lora_a``/``lora_b`` beside their kernel in
 the usual parameter tree, so one tree serves the model, and two pure functions move between
@@ -39,7 +39,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ppojax.models.config import ModelConfig
-from ppojax.models.transformer import lora_a_init
+from ppojax.models.layers import lora_a_init
 
 Params = Any
 ADAPTER_LEAVES = ("lora_a", "lora_b")
@@ -72,7 +72,7 @@ def targets(names) -> tuple[str, ...]:
 def adapted_config(cfg: ModelConfig, rank: int, alpha: float, names, dropout: float = 0.0
                    ) -> ModelConfig:
   """``cfg`` with adapters of rank r and scale α/r on the ``names`` layers, and dropout p on
-  their input in the passes that ask for it (``transformer.Linear``)."""
+  their input in the passes that ask for it (``layers.Linear``)."""
   if rank < 1:
     raise ValueError(f"LoRA rank must be >= 1, got {rank}")
   return cfg.replace(lora_rank=int(rank), lora_alpha=float(alpha), lora_targets=targets(names),
