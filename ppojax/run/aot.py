@@ -176,9 +176,8 @@ def training_prefix_len(config, tokenizer) -> int | None:
     return 1  # its BOS
   if tokenizer is None:
     return None
-  return len(encoding.template_prefix(tokenizer, system=d.system or None,
-                                      chat_template=d.chat_template,
-                                      chat_template_kwargs=d.get("chat_template_kwargs")))
+  return len(encoding.template_prefix(tokenizer, system=d.system or None, chat_template=(
+      d.chat_template), chat_template_kwargs=d.get("chat_template_kwargs")))
 
 
 PROGRAMS = ("step", "rollout", "learn")  # the fused iteration, or one of its two halves

@@ -15,9 +15,10 @@ import ml_collections
 import numpy as np
 
 from ppojax.core import advantages, algorithms, correction, kl, ops, options, selection, surrogates
-from ppojax.data import encoding
 from ppojax.models import config as model_config
 from ppojax.models import packing
+from ppojax.run import checks_data
+from ppojax.run.checks_recipe import ConfigError, check_algorithm, check_recipe  # as before
 
 # sections whose keys are the user's names
 FREE_FORM = ("eval.metrics", "eval.baselines", "data.rg.options", "data.chat_template_kwargs")
@@ -53,8 +54,6 @@ RENAMED = {"ppo": "rl", "num_samples": "sample_table_rows",  # rl: every algorit
            "rl.pack_fraction": "rl.pack_fractions"}  # f is now (f,)
 
 
-class ConfigError(ValueError):
-  """A config that cannot run; the message names the option and what to do."""
 
 
 def check_names_and_types(config: ml_collections.ConfigDict,
@@ -237,33 +236,15 @@ def check_ranges(config: ml_collections.ConfigDict, ranges=RANGES) -> None:
       raise ConfigError(f"{name}={value!r} {requirement}")
 
 
-def check_chat_template_kwargs(config: ml_collections.ConfigDict) -> None:
-  """``data.chat_template_kwargs`` is a dict of the chat template's variables: string keys, none
-  of the arguments ppojax sets itself (``encoding.template_kwargs``)."""
-  if (value := _option(config, "data.chat_template_kwargs")) is _MISSING:
-    return
-  if value is None:
-    raise ConfigError("data.chat_template_kwargs=None: give a dict of the chat template's "
-                      "variables, {} for none (the default), e.g. {'enable_thinking': False}")
-  try:
-    encoding.template_kwargs(value)
-  except encoding.DataError as e:
-    raise ConfigError(str(e)) from None
-
-
-def check_prompt_format(config: ml_collections.ConfigDict) -> None:
-  """``data.prompt_format`` is a str.format template with one field, {prompt}."""
-  if (fmt := _option(config, "data.prompt_format")) is _MISSING:
-    return
-  try:
-    ok = isinstance(fmt, str) and fmt.format(prompt="\0") != fmt
-  except (KeyError, IndexError, ValueError) as e:
-    raise ConfigError(f"data.prompt_format={fmt!r} is not a str.format template whose only "
-                      f"field is {{prompt}} ({type(e).__name__}: {e}); write literal braces as "
-                      "{{ and }}") from None
-  if not ok:
-    raise ConfigError(f"data.prompt_format={fmt!r} must be a string holding {{prompt}}, e.g. "
-                      "'Question: {prompt}\nAnswer:' ('{prompt}': the prompt as it is)")
+def check_data_options(config: ml_collections.ConfigDict) -> None:
+  """The data section's free-form options (``checks_data``: chat template variables, prompt
+  format)."""
+  for name, check in checks_data.OPTIONS.items():
+    if (value := _option(config, name)) is not _MISSING:
+      try:
+        check(value)
+      except ValueError as e:
+        raise ConfigError(str(e)) from None
 
 
 def check_kl_controller(config: ml_collections.ConfigDict) -> None:
@@ -305,57 +286,6 @@ def rollout_rows(config) -> int:
   return config.rl.batch_size * config.sampling.get("num_samples_per_prompt", 1)
 
 
-def check_algorithm(config: ml_collections.ConfigDict) -> None:
-  """The algorithm's resolved choices fit together: a group estimator has groups to compare;
-  LoRA's targets are layers of the model."""
-  if config.lora.critic and not (config.lora.rank and config.model.critic_init == "policy"):
-    raise ConfigError(
-        "lora.critic=True puts the critic's adapters on the policy's frozen base: it needs "
-        f"lora.rank > 0 (got {config.lora.rank}) and model.critic_init='policy' (got "
-        f"{config.model.critic_init!r}); a critic initialised from a reward model has another "
-        "base")
-  if config.lora.dropout and not config.lora.rank:
-    raise ConfigError(
-        f"lora.dropout={config.lora.dropout} drops out the LoRA adapters' input, but "
-        "lora.rank=0 (full fine-tuning) has no adapters: set lora.rank > 0 or lora.dropout=0")
-  if config.lora.rank:
-    from ppojax.models import lora  # pylint: disable=import-outside-toplevel
-    try:
-      lora.targets(config.lora.targets)
-    except ValueError as e:
-      raise ConfigError(f"lora.targets={config.lora.targets!r}: {e}") from None
-  rl = algorithms.resolve(config).rl
-  n = config.sampling.get("num_samples_per_prompt", 1)
-  if algorithms.from_config(config).needs_groups and n < 2:
-    raise ConfigError(
-        f"rl.estimator={rl.estimator!r} (algorithm {config.algorithm!r}) compares the samples "
-        f"of a prompt, but sampling.num_samples_per_prompt={n}: every advantage would be 0. "
-        "Set --config.sampling.num_samples_per_prompt=4 (or more), or another estimator")
-
-
-def check_recipe(config: ml_collections.ConfigDict) -> None:
-  """The recipe options fit together: dynamic sampling has groups to compare, the overlong
-  buffer lies within the length limit, dual-clip caps PPO's token-ratio term only."""
-  rl, n = algorithms.resolve(config).rl, config.sampling.get("num_samples_per_prompt", 1)
-  if rl.get("dynamic_sampling", False) and n < 2:
-    raise ConfigError(
-        "rl.dynamic_sampling keeps the groups whose scores differ, but "
-        f"sampling.num_samples_per_prompt={n}: set it to 4 (or more)")
-  if rl.get("oversample", 1.0) != 1.0 and not rl.get("dynamic_sampling", False):
-    raise ConfigError(f"rl.oversample={rl.oversample} samples more prompts than "
-                      "rl.batch_size for dynamic sampling to choose from: set "
-                      "--config.rl.dynamic_sampling=True, or rl.oversample=1.0")
-  if rl.get("overlong_buffer", 0) > config.sampling.max_new_tokens:
-    raise ConfigError(f"rl.overlong_buffer={rl.overlong_buffer} is longer than "
-                      f"sampling.max_new_tokens={config.sampling.max_new_tokens}: the penalty "
-                      "ramps over the last overlong_buffer tokens before that limit")
-  if rl.loss_mode != "clip" and rl.get("dual_clip") is not None:
-    raise ConfigError(
-        f"rl.dual_clip={rl.dual_clip} caps PPO's token-ratio term, but rl.loss_mode="
-        f"{rl.loss_mode!r} (algorithm {config.algorithm!r}) has another policy term: set "
-        "--config.rl.dual_clip=None, or rl.loss_mode='clip'")
-
-
 def prompt_length(config) -> int:
   """The largest prompt width P a batch is padded to (a batch of short prompts pads to a smaller
   bucket, ``data.prompt_bucket``): what the sizes are checked and the AOT step compiled for."""
@@ -365,8 +295,7 @@ def prompt_length(config) -> int:
 def validate(config: ml_collections.ConfigDict, num_devices: int,
              context_length: int | None = None) -> None:
   """All checks that need no model weights; raises ``ConfigError`` with one clear message."""
-  check_chat_template_kwargs(config)  # first: its own message for a value that is no dict
-  check_prompt_format(config)
+  check_data_options(config)  # first: its own message for a value that is no dict
   check_names_and_types(config)
   check_choices(config)
   check_ranges(config)

@@ -99,12 +99,8 @@ def defaults() -> ml_collections.ConfigDict:
   # a system message for every prompt ("" : the template's default); a template without a system
   # role (Gemma's) gets it in the first user message, as Gemma 3's: "SYSTEM\n\nUSER"
   c.data.system = ""
-  # the chat template's own variables, passed to every apply_chat_template call on prompts (trl's
-  # and verl's chat_template_kwargs). Qwen3 (and SmolLM3) read enable_thinking: True (their
-  # default) makes the model write <think>…</think> first, so sampling.max_new_tokens must leave
-  # room for that block; False makes the template add an empty one and the model answer directly.
-  # The Qwen3 task configs choose {"enable_thinking": False} for short answers such as arithmetic.
-  # Command line: --config.data.chat_template_kwargs="{'enable_thinking': False}"
+  # the chat template's own variables (trl's and verl's chat_template_kwargs), e.g. Qwen3's
+  # {"enable_thinking": False}: answer without a <think> block (docs/from-trl.md, configs/qwen3_*)
   c.data.chat_template_kwargs = ml_collections.ConfigDict()
   # the tokens every prompt begins with (the chat template's header) run once per batch, not
   # once per row: the same numbers, fewer FLOPs (docs/design.md)

@@ -40,7 +40,7 @@ def validate_supervised(config: ml_collections.ConfigDict) -> None:
   """The checks of an SFT or reward-model config (``config.supervised_defaults()``) that need
   no model: the chat template's variables, names and types, choices, ranges, the micro-batches
   in the batch, packages."""
-  checks.check_chat_template_kwargs(config)
+  checks.check_data_options(config)
   checks.check_names_and_types(config, supervised_defaults())
   checks.check_choices(config, SUPERVISED_CHOICES)
   checks.check_ranges(config, SUPERVISED_RANGES)
