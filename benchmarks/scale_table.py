@@ -1,6 +1,11 @@
-"""The fit table of docs/scale.md: ``python -m ppojax.aot`` for each (config, topology, options).
+"""The fit tables of docs/scale.md: ``python -m ppojax.aot`` for each (config, topology, options).
 
-    python benchmarks/scale_table.py [--jobs 2] [--only qwen2_5_0_5b | --goals | --lora] [--out FILE]
+    python benchmarks/scale_table.py [--jobs 2] [--out FILE [--skip-done]]
+        [--only qwen2_5_0_5b | --goals | --lora | --families]
+
+Without a selection: "The table" (Qwen2.5 and Llama 3, each topology, and the rows beyond it);
+``--goals``: the goal rows; ``--lora``: "LoRA: Llama-3.1-8B on 8 chips"; ``--families``: "Qwen3
+and Gemma 3" (full PPO and GRPO of each on each topology, and v5e:1x1 for the smallest of each).
 
 Each row is one deviceless compile in its own process (``python -m ppojax.aot --config
 configs/scale.py:NAME --topology T [--config.X=Y ...]``), so a row's figures are exactly what that
@@ -16,6 +21,7 @@ import concurrent.futures
 import json
 import subprocess
 import sys
+import time
 from importlib import metadata
 from pathlib import Path
 
@@ -48,16 +54,25 @@ EXTRA = (
     ("qwen2_5_0_5b", "v5e:2x4", ("--config.rl.num_minibatches=4",)),
     ("llama3_1_8b", "v5e:4x4", ("--config.optim.state_dtype=float32",)),
 ) + GRPO_ROWS + LORA_ROWS
+# Qwen3 and Gemma 3 (--families): full PPO on each topology, one chip for the smallest of each,
+# then GRPO on each topology (in that order: the rows a short session can finish come first)
+FAMILIES = ("qwen3_0_6b", "qwen3_1_7b", "qwen3_4b", "qwen3_8b", "gemma3_1b", "gemma3_4b",
+            "gemma3_12b")
+FAMILY_ROWS = (tuple((m, t, ()) for m in FAMILIES for t in TOPOLOGIES)
+               + tuple((m, "v5e:1x1", o) for m in ("qwen3_0_6b", "gemma3_1b") for o in ((), GRPO))
+               + tuple((m, t, GRPO) for m in FAMILIES for t in TOPOLOGIES))
 # Issue 24's goals (PPO with critic, reward model and reference) and the GRPO rows: --goals.
 GOALS = (("qwen2_5_0_5b", "v5e:2x4", ()), ("qwen2_5_1_5b", "v5e:2x4", ()),
          ("llama3_1_8b", "v5e:4x4", ()), ("qwen2_5_7b", "v5p:2x2x1", ())) + GRPO_ROWS
 
 
-def rows(only: str | None, goals: bool = False, lora: bool = False):
+def rows(only: str | None, goals: bool = False, lora: bool = False, families: bool = False):
   if goals:
     return list(GOALS)
   if lora:
     return list(LORA_ROWS)
+  if families or only in FAMILIES:
+    return [r for r in FAMILY_ROWS if only is None or r[0] == only]
   grid = [(m, t, ()) for m in MODELS for t in TOPOLOGIES]
   return [r for r in grid + list(EXTRA) if only is None or r[0] == only]
 
@@ -65,13 +80,15 @@ def rows(only: str | None, goals: bool = False, lora: bool = False):
 def compile_row(model: str, topology: str, options: tuple[str, ...]) -> dict:
   cmd = [sys.executable, "-m", "ppojax.aot", f"--config=configs/scale.py:{model}",
          f"--topology={topology}", *options]
+  start = time.perf_counter()
   done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, check=False)
+  wall = round(time.perf_counter() - start, 1)  # the whole process: start, trace, compile
   last = done.stdout.strip().splitlines()[-1:] or [""]
   if done.returncode != 0 or not last[0].startswith("{"):
     return {"config": model, "topology": topology, "options": list(options),
-            "error": (done.stderr.strip().splitlines() or ["?"])[-1][:300]}
+            "wall_seconds": wall, "error": (done.stderr.strip().splitlines() or ["?"])[-1][:300]}
   report = json.loads(last[0])
-  report.update(config=model, options=list(options))
+  report.update(config=model, options=list(options), wall_seconds=wall)
   return report
 
 
@@ -102,13 +119,21 @@ def main() -> None:
   parser.add_argument("--jobs", type=int, default=1, help="compiles at once (each is mostly "
                       "one thread; more jobs than cores distorts compile_seconds)")
   which = parser.add_mutually_exclusive_group()
-  which.add_argument("--only", choices=MODELS, help="only this config's rows")
+  which.add_argument("--only", choices=MODELS + FAMILIES, help="only this config's rows")
   which.add_argument("--goals", action="store_true", help="only issue 24's goal rows (PPO) and "
                      "the GRPO rows")
   which.add_argument("--lora", action="store_true", help="only the LoRA rows")
+  which.add_argument("--families", action="store_true", help="only the Qwen3 and Gemma 3 rows: "
+                     "PPO and GRPO on each topology, v5e:1x1 for the smallest of each")
   parser.add_argument("--out", type=Path, help="also append each row's JSON to this file")
+  parser.add_argument("--skip-done", action="store_true", help="skip the rows --out already "
+                      "holds (a run resumed after an interruption)")
   args = parser.parse_args()
-  todo = rows(args.only, args.goals, args.lora)
+  todo = rows(args.only, args.goals, args.lora, args.families)
+  if args.skip_done and args.out and args.out.exists():
+    done = {(r["config"], r["topology"], tuple(r["options"]))
+            for r in map(json.loads, args.out.read_text().splitlines()) if "error" not in r}
+    todo = [r for r in todo if (r[0], r[1], tuple(r[2])) not in done]
   results = {}
   with concurrent.futures.ThreadPoolExecutor(args.jobs) as pool:
     futures = {pool.submit(compile_row, *row): i for i, row in enumerate(todo)}

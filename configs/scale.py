@@ -25,6 +25,13 @@ MODELS = {
     "llama3_2_1b": "meta-llama/Llama-3.2-1B-Instruct",
     "llama3_2_3b": "meta-llama/Llama-3.2-3B-Instruct",
     "llama3_1_8b": "meta-llama/Llama-3.1-8B-Instruct",
+    "qwen3_0_6b": "Qwen/Qwen3-0.6B",
+    "qwen3_1_7b": "Qwen/Qwen3-1.7B",
+    "qwen3_4b": "Qwen/Qwen3-4B",
+    "qwen3_8b": "Qwen/Qwen3-8B",
+    "gemma3_1b": "google/gemma-3-1b-it",
+    "gemma3_4b": "google/gemma-3-4b-it",
+    "gemma3_12b": "google/gemma-3-12b-it",
     "tiny": "tiny",
 }
 
@@ -40,7 +47,7 @@ def get_config(model: str = "qwen2_5_0_5b") -> ml_collections.ConfigDict:
   c.model.dtype = "bfloat16"  # compute; trained parameters float32 (the master weights)
   c.model.remat = True
   c.model.frozen_dtype = "bfloat16"  # reference and reward model: 2 bytes per parameter
-  if model in ("qwen2_5_7b", "llama3_1_8b"):
+  if model in ("qwen2_5_7b", "llama3_1_8b", "qwen3_8b", "gemma3_12b"):
     c.optim.state_dtype = "bfloat16"  # Adam's moments: 4 bytes per parameter, not 8
   if model == "llama3_1_8b":  # PPO on v5e 4x4: 15.50 GiB unrolled, 16.70 scanned (docs/scale.md);
     c.sampling.decode_layers = "unroll"  # GRPO is smaller scanned (11.25 GiB): pass "scan"
