@@ -12,8 +12,8 @@ import pytest
 
 PACKAGE = pathlib.Path(__file__).parents[1] / "ppojax"
 # bottom to top; a module may import its own layer and every layer before it
-LAYERS = ("infra", "core", "models", "data", "tasks", "rollout", "learner", "run", "supervised",
-          "classic", "")  # "": the top-level command lines and the package's face
+LAYERS = ("infra", "core", "models", "data", "tasks", "rollout", "envs", "learner", "run",
+          "supervised", "classic", "")  # "": the top-level command lines and the package's face
 MAX_MODULE_LINES, MAX_FUNCTION_LINES = 350, 60
 LONG_ALLOWED = {("run/config.py", "defaults")}  # every option with its comment, by design
 

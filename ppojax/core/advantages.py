@@ -43,7 +43,10 @@ def gae(
   off by the length limit — unless ``last_values`` [B] is given, which bootstraps V(s_{end+1}) for
   every row (pass ``jnp.where(has_stop, 0, v_next)`` to bootstrap only truncated rows). Rewards
   and values at padded positions are never read, and advantages and returns there are 0.
-  ``mask`` must be a prefix mask (``ops.response_mask``); a gap would end the episode at the gap.
+  A ``mask`` with gaps (a multi-turn trajectory: the policy's tokens between observations) is
+  one episode over its masked tokens: the columns off the mask are skipped, so V_{t+1} and
+  A_{t+1} above are those of the next masked token (one γ per policy token, none for the
+  observation between), and a prefix mask (``ops.response_mask``) is the special case.
 
   Returns are computed from the raw advantages; ``whiten`` then whitens the advantages over the
   mask (``ops.masked_whiten``, shift_mean=True) as trl does.
@@ -58,16 +61,22 @@ def gae(
   chex.assert_rank([rewards, values, mask], 2)
   chex.assert_equal_shape([rewards, values, mask])
   mask = mask.astype(jnp.bool_)
+  t = mask.shape[1]
   v = jnp.where(mask, values, 0.0).astype(jnp.float32)
-  next_mask = jnp.pad(mask[:, 1:], ((0, 0), (0, 1)))
-  next_v = jnp.pad(v[:, 1:], ((0, 0), (0, 1)))  # already 0 where m_{t+1} = 0
+  # the next masked column after each t (t: none), skipping the gaps of a multi-turn mask
+  index = jnp.where(mask, jnp.arange(t, dtype=jnp.int32)[None], t)
+  after = jnp.pad(index[:, 1:], ((0, 0), (0, 1)), constant_values=t)
+  next_index = jax.lax.cummin(after, axis=1, reverse=True)
+  has_next = next_index < t
+  next_v = jnp.where(has_next, jnp.take_along_axis(v, jnp.minimum(next_index, t - 1), axis=1),
+                     0.0)
   if last_values is not None:
     chex.assert_shape(last_values, (rewards.shape[0],))
     at_end = ops.last_token_mask(mask) & mask
     next_v = jnp.where(at_end, last_values[:, None].astype(jnp.float32), next_v)
   # The response is one episode that ends at its last token: a discount of γ everywhere (the
   # value after the end is 0 or last_values, already in next_v) and a trace cut at the end.
-  advantages, returns = gae_episodes(rewards, v, next_v, gamma, next_mask, lam, mask=mask)
+  advantages, returns = gae_episodes(rewards, v, next_v, gamma, has_next, lam, mask=mask)
   if whiten:
     advantages = ops.masked_whiten(advantages, mask, shift_mean=True)
   return advantages, returns
@@ -99,8 +108,8 @@ def gae_episodes(
     observation's value, not the reset one's; the trace stops: the next column is a new episode)
 
   After the last column A_{T} = 0, so the last column always bootstraps from V'_{T−1} (the
-  rollout's cut is a truncation). ``mask`` (optional) zeroes A and R where it is 0; rewards and
-  values there are not read. Episodes must not cross a masked-out step (cut them with c = 0).
+  rollout's cut is a truncation). ``mask`` (optional) zeroes A and R where it is 0 (rewards and
+  values there unread) and hands A_{t+1} on across it (``gae``'s gaps; c = 0 cuts an episode).
 
   Args:
     rewards, values, next_values: [B, T].
@@ -125,8 +134,8 @@ def gae_episodes(
   def step(adv_next, xs):
     delta_t, discount_t, continue_t, mask_t = xs
     adv_t = delta_t + lam * discount_t * jnp.where(continue_t, adv_next, 0.0)
-    adv_t = jnp.where(mask_t, adv_t, 0.0)
-    return adv_t, adv_t
+    # a masked-out step passes the next step's advantage through (``gae``'s gaps) and is 0
+    return jnp.where(mask_t, adv_t, adv_next), jnp.where(mask_t, adv_t, 0.0)
 
   init = jnp.zeros(rewards.shape[:1], jnp.float32)
   xs = (deltas.T, discounts.T, continues.astype(jnp.bool_).T, mask.T)

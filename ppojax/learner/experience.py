@@ -51,7 +51,9 @@ def take_rows(exp: Experience, idx: Array) -> Experience:
 
 def make_experience(r: Rollout, scores: Array, beta: Array, algorithm: Algorithm, cfg,
                     group_size: int = 1) -> tuple[Experience, dict]:
-  """Rewards and the estimator's advantages from a rollout and its sequence scores [N].
+  """Rewards and the estimator's advantages from a rollout and its sequence scores [N] (of a
+  multi-turn rollout: the episode's outcome plus its turns' rewards, ``step.score``; the turns'
+  rewards then sit on their turns' last tokens, the rest on the last policy token).
 
       r_t = −β_r·KL_t + 1[t = last]·s          (``rewards.shape_rewards``; β_r = β where
                                                ``cfg.kl_in`` is "reward", else 0)
@@ -68,39 +70,79 @@ def make_experience(r: Rollout, scores: Array, beta: Array, algorithm: Algorithm
   """
   kl_in_loss = algorithm.kl_in_loss
   ref_logp = r.old_logp if r.ref_logp is None else r.ref_logp
-  raw = scores
-  scores, shaping = overlong_shaping(scores, r.mask, cfg)
+  outcome = scores if r.turn_rewards is None else scores - episode_return(r)
+  outcome, shaping = overlong_shaping(outcome, r.mask, cfg)
   loss_mask, filtered = filters(r, cfg)
   token_rewards, metrics = rewards.shape_rewards(
-      scores, r.old_logp, ref_logp, r.mask, 0.0 if kl_in_loss else beta, has_stop=r.has_stop,
+      outcome, r.old_logp, ref_logp, r.mask, 0.0 if kl_in_loss else beta, has_stop=r.has_stop,
       kl_estimator=algorithm.kl, score_clip=cfg.score_clip,
       missing_stop_penalty=cfg.missing_stop_penalty, whiten=cfg.whiten_rewards)
+  token_rewards, metrics = add_turn_rewards(token_rewards, metrics, r)
   inputs = adv_lib.AdvantageInputs(scores=jnp.sum(token_rewards, axis=1), rewards=token_rewards,
                                    mask=r.mask, values=r.old_values)
   adv, ret = algorithm.estimate(inputs, adv_lib.AdvantageParams(
       gamma=cfg.gamma, lam=cfg.lam, whiten=cfg.whiten_advantages, group_size=group_size))
   metrics = {f"objective/{k}": v for k, v in {**metrics, **shaping}.items()}
   metrics.update(filtered)
-  lengths = jnp.sum(r.mask, axis=1)
-  metrics.update({
+  metrics.update(rollout_metrics(r, scores, outcome, ref_logp, algorithm, cfg, group_size))
+  kl_coef = jnp.asarray(beta, jnp.float32) if kl_in_loss and r.ref_logp is not None else None
+  return Experience(r, adv, ret, kl_coef, loss_mask), metrics
+
+
+def add_turn_rewards(token_rewards: Array, metrics: dict, r: Rollout) -> tuple[Array, dict]:
+  """Multi-turn: each turn's reward added on its last policy token, and the shaped score's
+  metrics made the whole episode's; one turn: as they are."""
+  if r.turn_rewards is None:
+    return token_rewards, metrics
+  mean_return = jnp.mean(episode_return(r))
+  return token_rewards + r.turn_rewards, {
+      **metrics, "scores": metrics["scores"] + mean_return,
+      "rlhf_reward": metrics["rlhf_reward"] + mean_return}
+
+
+def rollout_metrics(r: Rollout, raw: Array, outcome: Array, ref_logp: Array,
+                    algorithm: Algorithm, cfg, group_size: int) -> dict:
+  """The rollout's metrics: lengths, stops, entropy, trl GRPOTrainer's group metrics on the
+  adjusted scores (``raw``: the scores as given; ``outcome``: shaped, less any turns'
+  rewards), values, the sampler/learner mismatch and a multi-turn rollout's episodes."""
+  scores = rewards.adjust_scores(outcome, r.has_stop, score_clip=cfg.score_clip,
+                                 missing_stop_penalty=cfg.missing_stop_penalty)
+  if r.turn_rewards is not None:
+    scores = scores + episode_return(r)
+  metrics = {
       # the sampled responses' mean Σ_t −log π(token) over response tokens (trl's
       # objective/entropy also counts −1 per padding position: its INVALID_LOGPROB)
       "objective/entropy_masked": jnp.mean(jnp.sum(-r.old_logp, axis=1)),
       "objective/scores_raw": jnp.mean(raw.astype(jnp.float32)),  # before any shaping
       "val/num_stopped": jnp.sum(r.has_stop),  # responses ending on a stop token
-      "val/response_length": jnp.mean(lengths),
-      **group_metrics(rewards.adjust_scores(scores, r.has_stop, score_clip=cfg.score_clip,
-                                            missing_stop_penalty=cfg.missing_stop_penalty),
-                      algorithm.kl(r.old_logp, ref_logp), r.mask,
-                      group_size),
-  })
+      "val/response_length": jnp.mean(jnp.sum(r.mask, axis=1)),
+      **group_metrics(scores, algorithm.kl(r.old_logp, ref_logp), r.mask, group_size),
+  }
   if r.old_values is not None:
     metrics["val/values_rollout"] = ops.masked_mean(r.old_values, r.mask)
   if r.sampler_logp is not None:  # the sampler's log-probs vs the learner's (same params)
     metrics["rollout/logp_mismatch"] = ops.masked_mean(jnp.abs(r.old_logp - r.sampler_logp),
                                                        r.mask)
-  kl_coef = jnp.asarray(beta, jnp.float32) if kl_in_loss and r.ref_logp is not None else None
-  return Experience(r, adv, ret, kl_coef, loss_mask), metrics
+  return {**metrics, **episode_metrics(r)}
+
+
+def episode_return(r: Rollout) -> Array:
+  """A multi-turn rollout's sum of its turns' rewards [B]."""
+  return jnp.sum(r.turn_rewards, axis=1)
+
+
+def episode_metrics(r: Rollout) -> dict:
+  """A multi-turn rollout's per-episode means (``episode/turns``, ``episode/truncated_turns``,
+  the environment's counts), ``episode/cut_off`` (the share of episodes out of turns) and
+  ``episode/obs_share`` (the environment's share of the tokens seen); {} for one turn."""
+  if r.episode is None:
+    return {}
+  out = {f"episode/{k}": jnp.mean(v.astype(jnp.float32)) for k, v in r.episode.items()}
+  seen = r.seen.astype(jnp.bool_)
+  out["episode/obs_share"] = (jnp.sum(seen & ~r.mask, dtype=jnp.float32)
+                              / jnp.maximum(jnp.sum(seen, dtype=jnp.float32), 1.0))
+  out["episode/cut_off"] = 1.0 - jnp.mean(r.has_stop.astype(jnp.float32))
+  return out
 
 
 def overlong_shaping(scores: Array, mask: Array, cfg) -> tuple[Array, dict]:

@@ -30,7 +30,7 @@ from ppojax.models.passes import (
   response_values,
   sequence,
 )
-from ppojax.rollout.rollout import Rollout
+from ppojax.rollout.rollout import Rollout, attended
 
 Array = jax.Array
 
@@ -48,14 +48,16 @@ def actor_forward(actor, models: Models, r: Rollout, temperature: float, ent_coe
   actor = policy_params(actor, ctx.base)
   rngs = lora.dropout_rngs(models.policy, ctx.dropout_key, 0)
   if packed is None:
-    args = (r.prompts, r.prompt_mask, r.responses, r.mask, r.prefix)
+    args = (r.prompts, r.prompt_mask, r.responses, attended(r), r.prefix)
     hidden, targets = response_hidden(models.policy, actor, *args, rngs=rngs), r.responses
   else:
     hidden, targets = packed_hidden(models.policy, actor, packed, r.prefix, rngs), packed.targets
   logp, entropy = head_logprobs(models.policy, actor, hidden, targets, temperature,
                                 entropy=True, chunk_size=None)
   if packed is not None:
-    logp, entropy = unpack(logp, packed, r.mask), unpack(entropy, packed, r.mask)
+    logp, entropy = unpack(logp, packed, attended(r)), unpack(entropy, packed, attended(r))
+  if r.seen is not None:  # multi-turn: the environment's tokens have no log-prob
+    logp, entropy = jnp.where(r.mask, logp, 0.0), jnp.where(r.mask, entropy, 0.0)
   return logp, entropy if ent_coef else jax.lax.stop_gradient(entropy)
 
 
@@ -68,9 +70,11 @@ def critic_forward(critic, models: Models, r: Rollout, ctx: Context = Context(),
   critic = critic_params(critic, models, ctx.base)
   rngs = lora.dropout_rngs(models.critic, ctx.dropout_key, 1)
   if packed is not None:
-    return packed_values(models.critic, critic, packed, r.mask, r.prefix, rngs)
-  return response_values(models.critic, critic, r.prompts, r.prompt_mask, r.responses, r.mask,
-                         r.prefix, rngs=rngs)
+    values = packed_values(models.critic, critic, packed, attended(r), r.prefix, rngs)
+  else:
+    values = response_values(models.critic, critic, r.prompts, r.prompt_mask, r.responses,
+                             attended(r), r.prefix, rngs=rngs)
+  return values if r.seen is None else jnp.where(r.mask, values, 0.0)
 
 
 def update_forward(params, models: Models, r: Rollout, temperature: float, ent_coef: float,
@@ -103,7 +107,8 @@ def packed_or_padded(fn: Callable[[Packing | None], Any], r: Rollout, cfg,
   fractions = tuple(cfg.get("pack_fractions", ()))
   if not fractions:
     return fn(None), {}
-  tokens, mask, positions = sequence(r.prompts, r.prompt_mask, r.responses, r.mask, r.prefix)
+  tokens, mask, positions = sequence(r.prompts, r.prompt_mask, r.responses, attended(r),
+                                    r.prefix)
   if loss_mask is not None:
     mask = mask & jnp.any(loss_mask, axis=1, keepdims=True)
   n, t = tokens.shape

@@ -59,6 +59,9 @@ class Models:
   reward_fn: RewardFn | None = None  # a JAX rule (prompts, prompt_mask, responses, mask) → [B]
   sampler: nn.Module | None = None  # generates with the policy's params (None: ``policy``)
   reference: nn.Module | None = None  # applies the reference's params (None: ``policy``)
+  # a traced environment (``rollout.multiturn.TokenEnv``): multi-turn rollouts, its rewards
+  # on each turn's last token (with no other reward, they are the whole reward)
+  env: Any = None
 
   def __post_init__(self):
     if self.reward is not None and self.reward_fn is not None:

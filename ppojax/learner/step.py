@@ -36,10 +36,11 @@ from ppojax.data.batch import Prompts
 from ppojax.infra import sharding
 from ppojax.learner.state import (Frozen, Models, TrainState, critic_params, kl_controller,
                                   needs_reference, policy_params)
+from ppojax.learner.experience import episode_return
 from ppojax.learner.update import finite_checks, single_pass, update
 from ppojax.models import lora
 from ppojax.models.passes import map_rows, model_scores
-from ppojax.rollout.rollout import Rollout, rollout
+from ppojax.rollout.rollout import Rollout, attended, rollout
 from ppojax.rollout.sampling import SamplingConfig
 
 Array = jax.Array
@@ -73,16 +74,22 @@ def rollout_of(plan: Plan, state: TrainState, frozen: Frozen, prompts: Prompts) 
   return rollout(m.policy, m.critic, actor, reference, critic_params(state.critic, m, state.base),
                  prompts, k_sample, plan.sampling, old_logp=plan.old_logp,
                  old_values=not plan.reuse_forward, sampler=m.sampler,
-                 micro_batches=plan.micro_batches, reference=m.reference, sampler_params=merged)
+                 micro_batches=plan.micro_batches, reference=m.reference, sampler_params=merged,
+                 env=m.env)
 
 
 def score(plan: Plan, frozen: Frozen, r: Rollout) -> Array:
-  """Scores [B]: the reward model at each response's last token, or the JAX reward rule."""
+  """Scores [B]: the reward model at each response's last token (of a multi-turn trajectory:
+  its last token seen), or the JAX reward rule; a multi-turn episode's score is that outcome
+  plus its turns' rewards (``experience.episode_return``)."""
   args = (r.prompts, r.prompt_mask, r.responses, r.mask)
   if plan.models.reward is not None:
-    return map_rows(functools.partial(model_scores, plan.models.reward, frozen.reward), args,
-                    plan.micro_batches, r.prefix)
-  return plan.models.reward_fn(*args).astype(jnp.float32)
+    args = args[:3] + (attended(r),)
+    scores = map_rows(functools.partial(model_scores, plan.models.reward, frozen.reward), args,
+                      plan.micro_batches, r.prefix)
+  else:
+    scores = plan.models.reward_fn(*args).astype(jnp.float32)
+  return scores if r.turn_rewards is None else scores + episode_return(r)
 
 
 def learn(plan: Plan, state: TrainState, r: Rollout, scores: Array
@@ -170,7 +177,10 @@ def _plan(models, algorithm, actor_tx, critic_tx, actor_schedule, sampling, cfg,
     models = dataclasses.replace(models, critic=None)
   elif models.critic is None:
     raise ValueError("the algorithm's estimator needs a critic: give Models.critic")
-  if sum(x is not None for x in (models.reward, models.reward_fn, python_reward)) != 1:
+  rewards = sum(x is not None for x in (models.reward, models.reward_fn, python_reward))
+  if models.env is not None and not rewards:  # the environment's rewards are the reward
+    models = dataclasses.replace(models, reward_fn=_no_score)
+  elif rewards != 1:
     raise ValueError("give exactly one reward: Models.reward (a reward model), Models.reward_fn "
                      "(a JAX rule) or python_reward (a host function)")
   reuse = single_pass(cfg, models.policy.cfg.lora_dropout)
@@ -179,6 +189,12 @@ def _plan(models, algorithm, actor_tx, critic_tx, actor_schedule, sampling, cfg,
   return Plan(models, algorithm, actor_tx, critic_tx, actor_schedule, sampling, cfg, reuse,
               None if reuse and old_logp == "recompute" else old_logp,
               forward_micro_batches(cfg, mesh), grads)
+
+
+def _no_score(prompts, prompt_mask, responses, mask) -> Array:
+  """0 for every row: the outcome score of a run whose environment gives all the reward."""
+  del prompts, prompt_mask, mask
+  return jnp.zeros(responses.shape[:1], jnp.float32)
 
 
 def forward_micro_batches(cfg, mesh: jax.sharding.Mesh | None = None) -> int:

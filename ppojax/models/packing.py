@@ -75,9 +75,9 @@ def pack(tokens: Array, mask: Array, positions: Array, response_len: int, rows: 
          placement: tuple[Array, Array, Array] | None = None) -> Packing:
   """The sequences of ``tokens``/``mask``/``positions`` [B, T] (left-padded prompt + response,
   the response in the last ``response_len`` columns: ``passes.sequence``) packed into
-  ``rows`` rows of T slots. Each sequence's real tokens keep their order and positions; a
-  sequence's real tokens must be contiguous (a left-padded prompt, then its response up to
-  its stop token) with at least one prompt token, or none at all: a sequence whose ``mask``
+  ``rows`` rows of T slots. Each sequence's real tokens keep their order and positions, the
+  masked-out columns between them (a multi-turn trajectory's holes) left out; a sequence needs
+  at least one prompt token, or none at all: a sequence whose ``mask``
   row is all False takes no slot (``Packing.placed``; ``unpack`` gives it 0). ``placement``:
   ``first_fit``'s (row, offset, fits) for these lengths and rows, where the caller has it."""
   chex.assert_equal_shape([tokens, mask, positions])
@@ -94,8 +94,9 @@ def pack(tokens: Array, mask: Array, positions: Array, response_len: int, rows: 
 
   packed = scatter(tokens)
   segments = scatter(jnp.broadcast_to(jnp.arange(1, b + 1)[:, None], (b, t)))
-  prompt_len = jnp.sum(mask[:, :t - response_len], axis=1)
-  read = (row * t + offset + prompt_len - 1)[:, None] + jnp.arange(response_len)[None]
+  # the slot before each response token's own (its rank), which predicts it: a multi-turn
+  # response's holes take no slot, and the token before a policy token is always real
+  read = (row * t + offset)[:, None] + rank[:, t - response_len:] - 1
   targets = jnp.concatenate([packed[:, 1:], jnp.zeros((rows, 1), jnp.int32)], axis=1)
   return Packing(packed, scatter(positions), segments, targets,
                  jnp.clip(read, 0, rows * t - 1).astype(jnp.int32), fits, jnp.any(mask, axis=1))

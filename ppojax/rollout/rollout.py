@@ -18,6 +18,7 @@ import jax.numpy as jnp
 from ppojax.core import ops
 from ppojax.data.batch import Prompts
 from ppojax.models.passes import map_rows, response_logprobs, response_values, without_prefix
+from ppojax.rollout.multiturn import TokenEnv, generate_turns
 from ppojax.rollout.sampling import SamplingConfig, generate
 
 Array = jax.Array
@@ -44,13 +45,40 @@ class Rollout(NamedTuple):
   # [B] bool: the rows the loss counts (dynamic sampling's fill is out: ``step.keep_groups``);
   # None: all
   in_loss: Array | None = None
+  # multi-turn (``rollout.multiturn``): [B, R] the tokens attended to, the policy's and the
+  # environment's (``mask`` is the policy's alone); None: ``mask``
+  seen: Array | None = None
+  # multi-turn: [B, R] each turn's environment reward on its last policy token
+  turn_rewards: Array | None = None
+  # multi-turn: name → [B] per-episode counts (turns, truncated turns, the environment's own)
+  episode: dict | None = None
+
+
+def attended(r: Rollout) -> Array:
+  """The response tokens the model attends to [B, R]: ``r.seen``, or the response mask."""
+  return r.mask if r.seen is None else r.seen
+
+
+def sample(sampler: nn.Module, params, prompts: Prompts, key: Array, sampling: SamplingConfig,
+           env: TokenEnv | None = None):
+  """(the generation, the multi-turn ``Rollout`` fields: {} for one turn) of ``prompts``: one
+  response per sample (``sampling.generate``), or with ``env`` a whole episode
+  (``multiturn.generate_turns``); the shared prefix's prefill runs once."""
+  tokens, mask = prompts.tokens, prompts.mask
+  if prompts.prefix is not None:
+    tokens, mask, _ = without_prefix(tokens, mask, prompts.prefix.shape[0])
+  if env is None:
+    return generate(sampler, params, tokens, mask, key, sampling, prefix=prompts.prefix), {}
+  gen = generate_turns(sampler, params, tokens, mask, key, sampling, env, prefix=prompts.prefix)
+  return gen, dict(seen=gen.seen, turn_rewards=gen.turn_rewards, episode=gen.episode)
 
 
 def rollout(policy: nn.Module, critic: nn.Module | None, actor, reference_params, critic_params,
             prompts: Prompts, key: Array, sampling: SamplingConfig,
             old_logp: str = "recompute", old_values: bool = True,
             sampler: nn.Module | None = None, micro_batches: int = 1,
-            reference: nn.Module | None = None, sampler_params=None) -> Rollout:
+            reference: nn.Module | None = None, sampler_params=None,
+            env: TokenEnv | None = None) -> Rollout:
   """Sample responses from the actor (with the ``sampler`` module where given: the policy's
   architecture at another compute dtype), then score them with actor, reference and critic,
   those forward passes in ``micro_batches`` parts (``map_rows``).
@@ -70,22 +98,19 @@ def rollout(policy: nn.Module, critic: nn.Module | None, actor, reference_params
   * None: not computed here (``Rollout.old_logp`` is None): a single-pass update takes it from
     its own forward pass at the same params.
 
-  ``old_values=False`` leaves ``Rollout.old_values`` None for the same reason."""
+  ``old_values=False`` leaves ``Rollout.old_values`` None for the same reason. ``env``: whole
+  episodes (``sample``), the passes over ``seen``, their outputs 0 off the policy's tokens."""
   if old_logp not in ("recompute", "sampler", None):
     raise ValueError(f"old_logp must be 'recompute', 'sampler' or None, got {old_logp!r}")
   sampler = policy if sampler is None else sampler
   reference = policy if reference is None else reference
   sampler_params = actor if sampler_params is None else sampler_params
-  if prompts.prefix is None:
-    gen = generate(sampler, sampler_params, prompts.tokens, prompts.mask, key, sampling)
-  else:
-    rest, rest_mask, _ = without_prefix(prompts.tokens, prompts.mask, prompts.prefix.shape[0])
-    gen = generate(sampler, sampler_params, rest, rest_mask, key, sampling,
-                   prefix=prompts.prefix)
+  gen, extra = sample(sampler, sampler_params, prompts, key, sampling, env)
+  seen = gen.mask if env is None else gen.seen
   n = sampling.num_samples_per_prompt
   tokens, mask = (prompts.tokens, prompts.mask) if n == 1 else (
       jnp.repeat(prompts.tokens, n, axis=0), jnp.repeat(prompts.mask, n, axis=0))
-  rows = (tokens, mask, gen.tokens, gen.mask)
+  rows = (tokens, mask, gen.tokens, seen)
 
   def passes(*rows_and_prefix):
     *args, prefix = rows_and_prefix
@@ -96,13 +121,15 @@ def rollout(policy: nn.Module, critic: nn.Module | None, actor, reference_params
             "values": response_values(critic, critic_params, *args, prefix)
                       if old_values and critic is not None else None}
 
-  out = map_rows(passes, rows, micro_batches, prompts.prefix)
+  out = map_rows(passes, rows, micro_batches, prompts.prefix)  # multi-turn: policy tokens only
+  out = {k: None if v is None else jnp.where(gen.mask, v, 0.0) for k, v in out.items()}
   old = out["old"]  # None: not computed here
   if old_logp == "sampler":
     old = gen.logprobs  # 0 off the mask, like the recomputed log-probs
+  # multi-turn: an episode the environment ended stopped, one out of turns was cut off
+  has_stop = ops.has_stop_token(gen.tokens, sampling.stop_ids) if env is None else gen.done
   return Rollout(
-      prompts=tokens, prompt_mask=mask, responses=gen.tokens, mask=gen.mask,
-      has_stop=ops.has_stop_token(gen.tokens, sampling.stop_ids),
+      prompts=tokens, prompt_mask=mask, responses=gen.tokens, mask=gen.mask, has_stop=has_stop,
       old_logp=jax.lax.stop_gradient(old), ref_logp=jax.lax.stop_gradient(out["ref"]),
       old_values=jax.lax.stop_gradient(out["values"]), prefix=prompts.prefix,
-      sampler_logp=jax.lax.stop_gradient(gen.logprobs))
+      sampler_logp=jax.lax.stop_gradient(gen.logprobs), **extra)

@@ -273,9 +273,12 @@ def _prefill(apply, cfg, prompts: Array, prompt_mask: Array, prefix: Array | Non
 
 
 def _decode(apply, cfg, logits: Array, cache, kv_mask: Array, first_position: Array,
-            prompt_len: int, size: int, key: Array, config: SamplingConfig) -> _LoopState:
+            prompt_len, size: int, key: Array, config: SamplingConfig,
+            done: Array | None = None) -> _LoopState:
   """Token 0 from the prefill's ``logits``, then the ``lax.while_loop`` of decode steps until
-  every row has stopped or R tokens are out; ``size`` is the RoPE table's (C + slots)."""
+  every row has stopped or R tokens are out; ``size`` is the RoPE table's (C + slots). Token t
+  is fed at slot ``prompt_len`` + t (an int, or traced: a later turn's first slot). ``done``
+  [B]: rows that sample nothing (pad_id, log-probs 0; default: none)."""
   batch, length = logits.shape[0], config.max_new_tokens
   stop_ids = jnp.asarray(config.stop_ids, jnp.int32)
   is_stop_id = jnp.isin(jnp.arange(logits.shape[-1]), stop_ids)  # [V]
@@ -318,6 +321,7 @@ def _decode(apply, cfg, logits: Array, cache, kv_mask: Array, first_position: Ar
       t=jnp.zeros((), jnp.int32), cache=cache, kv_mask=kv_mask,
       last=jnp.zeros((batch,), jnp.int32),
       tokens=jnp.full((batch, length), config.pad_id, jnp.int32), logp=zeros,
-      sampling_logp=zeros, done=jnp.zeros((batch,), jnp.bool_))
+      sampling_logp=zeros,
+      done=jnp.zeros((batch,), jnp.bool_) if done is None else done.astype(jnp.bool_))
   state = pick(state.t, logits[:, -1], state)  # token 0, from the prefill
   return jax.lax.while_loop(cond, body, state)

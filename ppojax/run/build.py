@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
+from ppojax import envs
 from ppojax.core import algorithms
 from ppojax.core.optim import lr_schedule, make_optimizer
 from ppojax.infra import sharding as sharding_lib
@@ -157,8 +158,8 @@ def _policy_config(config, policy: LoadedModel):
 
 
 def _modules(config, algorithm, policy, critic, reward_model) -> state_lib.Models:
-  """The Flax modules of the run's models and its traced reward function (``reward.kind``
-  "jax")."""
+  """The Flax modules of the run's models, its traced reward function (``reward.kind`` "jax")
+  and its traced environment (``env.name``)."""
   sampler_dtype = config.sampling.dtype
   policy_cfg = _policy_config(config, policy)
   with_sampler = (sampler_dtype and sampler_dtype != policy.cfg.dtype) or config.lora.rank
@@ -171,7 +172,8 @@ def _modules(config, algorithm, policy, critic, reward_model) -> state_lib.Model
       # LoRA samples from the merged weights with the base's architecture (lora.merge)
       sampler=(CausalLM(policy.cfg.replace(dtype=sampler_dtype or policy.cfg.dtype))
                if with_sampler else None),
-      reference=CausalLM(policy.cfg) if config.lora.rank else None)
+      reference=CausalLM(policy.cfg) if config.lora.rank else None,
+      env=envs.make_env(config, policy.tokenizer))
 
 
 def _host_rewards(config, policy: LoadedModel) -> tuple[Callable | None, Callable | None]:

@@ -118,10 +118,19 @@ def defaults() -> ml_collections.ConfigDict:
   c.data.rg.extract = "last_line"
 
   c.reward = ml_collections.ConfigDict()
-  # "jax": a jnp rule (prompts, prompt_mask, responses, mask) -> [B] traced into the step;
-  # "python": on NumPy arrays; "text": trl-style fn(prompts, completions, **columns); "model"
+  # "jax": a jnp rule (prompts, prompt_mask, responses, mask) -> [B], traced; "python": NumPy
+  # arrays; "text": trl-style fn(prompts, completions, **columns); "model"; "env": env.name's
   c.reward.kind = "text"
   c.reward.fn = "ppojax.tasks.arith:reward"
+
+  c.env = ml_collections.ConfigDict()  # multi-turn rollouts (docs/multiturn.md)
+  # "" (one turn), "count_turns", "guess_number" (traced into the step) or "module:factory"
+  c.env.name = ""
+  c.env.max_turns = 4  # turns per episode, each up to sampling.max_new_tokens tokens
+  c.env.obs_tokens = 16  # tokens per observation (the environment's answer to a turn)
+  c.env.low = 1  # guess_number: the secret's range, low ... high
+  c.env.high = 20
+  c.env.reward_per_turn = 0.0  # guess_number: the reward lost per turn spent before the right one
 
   c.eval = ml_collections.ConfigDict()  # greedy held-out evaluation (tasks with held-out data)
   c.eval.batch_size = 64
