@@ -54,9 +54,9 @@ class CountTurns:
                    {"invalid": ~jnp.any(head != STOP, axis=1)})
 
 
-def make(config, tokenizer=None) -> CountTurns:
+def make(config, tokenizer=None, sampling=None) -> CountTurns:
   """``env.name = "count_turns"``: its budgets from ``config.env``."""
-  del tokenizer
+  del tokenizer, sampling
   if config.env.obs_tokens < 2:
     raise ValueError(f"count_turns answers with 2 tokens: env.obs_tokens must be >= 2, got "
                      f"{config.env.obs_tokens}")

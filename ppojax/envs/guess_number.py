@@ -2,7 +2,7 @@
 number in [``low``, ``high``]; each turn the policy guesses, and the environment answers
 "Higher." or "Lower." (or asks for a number), until the guess is right or the turns run out.
 
-    user       I am thinking of a number from 1 to 20. ...
+    user       I am thinking of a number from 1 to 20. ...   (``tasks.sources.guess_prompt``)
     assistant  10                          environment: Lower.
     assistant  5                           environment: Higher.
     assistant  7                           (right: reward 1, the episode ends)
@@ -26,9 +26,6 @@ import numpy as np
 from ppojax.envs.tokens import DigitTable, digit_table, first_number
 from ppojax.rollout.multiturn import EnvStep
 
-PROMPT = ("I am thinking of a whole number from {low} to {high}. Guess it! Reply with just "
-          "your guess, a number. After each guess I will tell you whether my number is higher "
-          "or lower.")
 ANSWERS = ("Higher.", "Lower.", "Correct!", "Please reply with just a number from {low} to "
            "{high}.")
 HIGHER, LOWER, CORRECT, INVALID = range(4)
@@ -66,7 +63,7 @@ class GuessNumber:
     return EnvStep(state, obs, obs_mask, reward, right, {"invalid": ~valid, "solved": right})
 
 
-def make(config, tokenizer) -> GuessNumber:
+def make(config, tokenizer, sampling) -> GuessNumber:
   """``env.name = "guess_number"``: the range from ``env.low`` / ``env.high``, the answers framed
   by the tokenizer's chat template after the policy's stop token."""
   from ppojax.data.turns import observation_ids  # the host side: tokenizer and template
@@ -76,7 +73,7 @@ def make(config, tokenizer) -> GuessNumber:
   low, high = int(e.get("low", 1)), int(e.get("high", 20))
   if not 0 <= low < high:
     raise ValueError(f"guess_number needs 0 <= env.low < env.high, got {low}, {high}")
-  end = tokenizer.decode([config.sampling.stop_ids[0]]) if config.sampling.stop_ids else ""
+  end = tokenizer.decode([sampling.stop_ids[0]])
   ids = [observation_ids(tokenizer, a.format(low=low, high=high), end_of_turn=end,
                          chat_template=d.chat_template,
                          chat_template_kwargs=d.get("chat_template_kwargs"))
@@ -85,12 +82,8 @@ def make(config, tokenizer) -> GuessNumber:
   if longest > e.obs_tokens:
     raise ValueError(f"guess_number's answers take up to {longest} tokens with this tokenizer's "
                      f"chat template; raise env.obs_tokens (now {e.obs_tokens}) to {longest}")
-  pad = config.sampling.pad_id
+  pad = sampling.pad_id
   answers = tuple(tuple([pad] * (e.obs_tokens - len(x)) + list(x)) for x in ids)
   return GuessNumber(e.max_turns, e.obs_tokens, low, high, digit_table(tokenizer), answers,
                      tuple(len(x) for x in ids), float(e.get("reward_per_turn", 0.0)))
 
-
-def prompt(config) -> str:
-  """The game's prompt for ``config.env``'s range."""
-  return PROMPT.format(low=config.env.get("low", 1), high=config.env.get("high", 20))

@@ -40,7 +40,7 @@ from ppojax.learner.experience import episode_return
 from ppojax.learner.update import finite_checks, single_pass, update
 from ppojax.models import lora
 from ppojax.models.passes import map_rows, model_scores
-from ppojax.rollout.rollout import Rollout, attended, rollout
+from ppojax.rollout.rollout import Rollout, attended, passes_on, sample, sample_on_host
 from ppojax.rollout.sampling import SamplingConfig
 
 Array = jax.Array
@@ -60,22 +60,52 @@ class Plan(NamedTuple):
   old_logp: str | None  # the rollout's log π_old: "recompute", "sampler", None (the update's)
   micro_batches: int  # parts of the rollout's forward passes (``forward_micro_batches``)
   grad_shardings: tuple | None  # (actor, critic) parameter layouts the gradients keep
+  host_env: Any = None  # an environment on the host (``host_turns.HostEnv``)
 
 
 def rollout_of(plan: Plan, state: TrainState, frozen: Frozen, prompts: Prompts) -> Rollout:
-  """Responses to ``prompts`` and their log-probs and values (LoRA: sampled from the merged
-  weights, the base as the reference)."""
+  """Responses to ``prompts`` (with a traced environment: whole episodes) and their log-probs
+  and values (LoRA: sampled from the merged weights, the base as the reference)."""
   _, k_sample, _ = _keys(state)
-  m, actor, reference, merged = plan.models, state.actor, frozen.reference, None
+  gen = sample(sampler_module(plan), sampler_params(plan, state), prompts, k_sample,
+               plan.sampling, plan.models.env)
+  return passes_of(plan, state, frozen, prompts, gen)
+
+
+def sampler_module(plan: Plan):
+  """The module that samples: the policy's, or ``Models.sampler`` (another dtype; LoRA's base
+  architecture)."""
+  return plan.models.policy if plan.models.sampler is None else plan.models.sampler
+
+
+def sampler_params(plan: Plan, state: TrainState):
+  """The sampler's params: the actor's, with LoRA its adapters merged into the base."""
+  if state.base is None:
+    return state.actor
+  return lora.merge(policy_params(state.actor, state.base), plan.models.policy.cfg)
+
+
+def passes_of(plan: Plan, state: TrainState, frozen: Frozen, prompts: Prompts, gen) -> Rollout:
+  """The ``Rollout`` of a generation: old and reference log-probs, values (``passes_on``)."""
+  m, actor, reference = plan.models, state.actor, frozen.reference
   if state.base is not None:
     actor = policy_params(state.actor, state.base)
     reference = state.base if needs_reference(plan.cfg) else None
-    merged = lora.merge(actor, m.policy.cfg)
-  return rollout(m.policy, m.critic, actor, reference, critic_params(state.critic, m, state.base),
-                 prompts, k_sample, plan.sampling, old_logp=plan.old_logp,
-                 old_values=not plan.reuse_forward, sampler=m.sampler,
-                 micro_batches=plan.micro_batches, reference=m.reference, sampler_params=merged,
-                 env=m.env)
+  return passes_on(m.policy, m.critic, actor, reference,
+                   critic_params(state.critic, m, state.base), prompts, gen, plan.sampling,
+                   plan.old_logp, not plan.reuse_forward, plan.micro_batches, m.reference)
+
+
+def host_rollout(plan: Plan, params_fn, passes_fn, state: TrainState, frozen: Frozen,
+                 prompts: Prompts, records: list[dict] | None = None) -> Rollout:
+  """``rollout_of`` with the environment on the host (``host_turns``: one round trip per turn
+  for the batch, counted per row in ``episode["host_round_trips"]``); ``params_fn`` and
+  ``passes_fn``: ``sampler_params`` and ``passes_of`` compiled."""
+  _, k_sample, _ = _keys(state)
+  gen, trips = sample_on_host(sampler_module(plan), params_fn(state), prompts, k_sample,
+                              plan.sampling, plan.host_env, records)
+  episode = {**gen.episode, "host_round_trips": jnp.full(gen.done.shape, trips, jnp.int32)}
+  return passes_fn(state, frozen, prompts, gen._replace(episode=episode))
 
 
 def score(plan: Plan, frozen: Frozen, r: Rollout) -> Array:
@@ -144,51 +174,60 @@ class Step(NamedTuple):
   rollout: Callable
   score: Callable
   learn: Callable
+  host_turns: bool = False  # ``rollout`` is ``host_rollout``: it also takes the batch's records
 
 
 def make_step(models: Models, algorithm: Algorithm, actor_tx, critic_tx,
               actor_schedule: optax.Schedule, sampling: SamplingConfig, cfg, *,
               python_reward: Callable | None = None, state_shardings=None,
-              mesh: jax.sharding.Mesh | None = None) -> Step:
+              mesh: jax.sharding.Mesh | None = None, host_env=None) -> Step:
   """The compiled step of ``algorithm``; ``cfg``: the rl config section.
   ``python_reward(rollout on host) → scores [B]``: a host reward; ``state_shardings`` pins the
   state's layout (and the gradients'); ``mesh``: traced under it (activations' rows on the
-  batch axes). Without ``algorithm.needs_critic`` the state must have no critic."""
+  batch axes); ``host_env``: an environment on the host (``host_turns.HostEnv``): the rollout
+  is then a Python loop of compiled turns (``host_rollout``, which also takes the batch's
+  records). Without ``algorithm.needs_critic`` the state must have no critic."""
   plan = _plan(models, algorithm, actor_tx, critic_tx, actor_schedule, sampling, cfg,
-               python_reward, state_shardings, mesh)
+               python_reward, state_shardings, mesh, host_env)
   out = None if state_shardings is None else (state_shardings, None)
   compiled = lambda fn, **kw: jax.jit(_under(mesh, functools.partial(fn, plan)), **kw)  # noqa
   learn_fn = compiled(lambda p, s, r, x: learn(p, s, r, x)[:2], donate_argnums=0,
                       out_shardings=out)
-  if python_reward is not None:
+  rollout_fn = compiled(rollout_of)
+  if host_env is not None:
+    rollout_fn = functools.partial(host_rollout, plan, compiled(sampler_params),
+                                   compiled(passes_of))
+  if python_reward is not None or host_env is not None:
     def host_score(frozen, r):
       del frozen
       return jnp.asarray(np.asarray(python_reward(sharding.to_host(r)), np.float32))
-    return Step(None, compiled(rollout_of), host_score, learn_fn)
+    return Step(None, rollout_fn, host_score if python_reward else compiled(score), learn_fn,
+                host_env is not None)
   fused_out = None if out is None else (state_shardings, None, None, None)
   return Step(compiled(iteration, donate_argnums=0, out_shardings=fused_out),
               compiled(rollout_of), compiled(score), learn_fn)
 
 
 def _plan(models, algorithm, actor_tx, critic_tx, actor_schedule, sampling, cfg, python_reward,
-          state_shardings, mesh) -> Plan:
+          state_shardings, mesh, host_env=None) -> Plan:
   """The ``Plan``, after checking the models against the algorithm and the reward."""
   if not algorithm.needs_critic:  # the state's critic must be None too
     models = dataclasses.replace(models, critic=None)
   elif models.critic is None:
     raise ValueError("the algorithm's estimator needs a critic: give Models.critic")
   rewards = sum(x is not None for x in (models.reward, models.reward_fn, python_reward))
-  if models.env is not None and not rewards:  # the environment's rewards are the reward
-    models = dataclasses.replace(models, reward_fn=_no_score)
+  if not rewards and (models.env is not None or host_env is not None):
+    models = dataclasses.replace(models, reward_fn=_no_score)  # the environment's rewards
   elif rewards != 1:
     raise ValueError("give exactly one reward: Models.reward (a reward model), Models.reward_fn "
-                     "(a JAX rule) or python_reward (a host function)")
+                     "(a JAX rule) or python_reward (a host function); with an environment, "
+                     "none (its rewards) or one")
   reuse = single_pass(cfg, models.policy.cfg.lora_dropout)
   old_logp = cfg.get("old_logprobs", "recompute")
   grads = None if state_shardings is None else (state_shardings.actor, state_shardings.critic)
   return Plan(models, algorithm, actor_tx, critic_tx, actor_schedule, sampling, cfg, reuse,
               None if reuse and old_logp == "recompute" else old_logp,
-              forward_micro_batches(cfg, mesh), grads)
+              forward_micro_batches(cfg, mesh), grads, host_env)
 
 
 def _no_score(prompts, prompt_mask, responses, mask) -> Array:

@@ -80,6 +80,16 @@ class Trajectory(NamedTuple):
   episode: dict  # name → [B] per-episode counts: turns, truncated_turns, the env's info sums
 
 
+class TurnOutput(NamedTuple):
+  """One turn's decode, [B, L] unless noted: tokens (pad after the stop), the log-probs as
+  sampled, and whether each row stopped [B] (else it ran out of its L tokens)."""
+
+  tokens: Array
+  logp: Array
+  sampling_logp: Array
+  done: Array
+
+
 class Carry(NamedTuple):
   """What one turn hands the next: the cache and its mask, the next token's logits [B, V], the
   next token's position [B], and which rows' episodes have ended [B]."""
@@ -103,14 +113,15 @@ def start(apply, cfg, prompts: Array, prompt_mask: Array, prefix: Array | None, 
 
 
 def decode_turn(apply, cfg, carry: Carry, base, size: int, key: Array, config: SamplingConfig
-                ) -> tuple[Carry, sampling_lib._LoopState, Array]:
+                ) -> tuple[Carry, TurnOutput, Array]:
   """One turn of up to L tokens per live row from ``carry.logits``, fed at slots base, base + 1,
-  …: (carry with the decode's cache, the loop state, the turn's policy mask [B, L])."""
+  …: (carry with the decode's cache, the turn, its policy mask [B, L])."""
   s = sampling_lib._decode(  # pylint: disable=protected-access
       apply, cfg, carry.logits[:, None], carry.cache, carry.kv_mask, carry.position, base, size,
       key, config, done=carry.ended)
   mask = ops.response_mask(s.tokens, config.stop_ids) & ~carry.ended[:, None]
-  return carry._replace(cache=s.cache), s, mask
+  return (carry._replace(cache=s.cache), TurnOutput(s.tokens, s.logp, s.sampling_logp, s.done),
+          mask)
 
 
 def observe(apply, cfg, carry: Carry, base, turn: Array, turn_mask: Array, obs: Array,
@@ -128,7 +139,7 @@ def observe(apply, cfg, carry: Carry, base, turn: Array, turn_mask: Array, obs: 
                         position=carry.position + jnp.sum(chunk_mask, axis=1, dtype=jnp.int32))
 
 
-def record_turn(s, turn_mask: Array, answer: EnvStep, ended: Array, last_turn: bool | Array,
+def record_turn(s: TurnOutput, turn_mask: Array, answer: EnvStep, ended: Array, last_turn: bool | Array,
                 pad_id: int):
   """The turn's columns [B, L + O] of every trajectory array, the rows' episodes ended after it,
   and the observation mask the next turn sees (none where the episode ended or no turn

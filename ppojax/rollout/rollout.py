@@ -18,8 +18,9 @@ import jax.numpy as jnp
 from ppojax.core import ops
 from ppojax.data.batch import Prompts
 from ppojax.models.passes import map_rows, response_logprobs, response_values, without_prefix
-from ppojax.rollout.multiturn import TokenEnv, generate_turns
-from ppojax.rollout.sampling import SamplingConfig, generate
+from ppojax.rollout.host_turns import HostEnv, host_turns
+from ppojax.rollout.multiturn import TokenEnv, Trajectory, generate_turns
+from ppojax.rollout.sampling import Generation, SamplingConfig, generate
 
 Array = jax.Array
 
@@ -60,17 +61,26 @@ def attended(r: Rollout) -> Array:
 
 
 def sample(sampler: nn.Module, params, prompts: Prompts, key: Array, sampling: SamplingConfig,
-           env: TokenEnv | None = None):
-  """(the generation, the multi-turn ``Rollout`` fields: {} for one turn) of ``prompts``: one
-  response per sample (``sampling.generate``), or with ``env`` a whole episode
-  (``multiturn.generate_turns``); the shared prefix's prefill runs once."""
+           env: TokenEnv | None = None) -> Generation | Trajectory:
+  """The generation of ``prompts``: one response per sample (``sampling.generate``), or with
+  ``env`` a whole episode (``multiturn.generate_turns``); the shared prefix's prefill runs
+  once."""
   tokens, mask = prompts.tokens, prompts.mask
   if prompts.prefix is not None:
     tokens, mask, _ = without_prefix(tokens, mask, prompts.prefix.shape[0])
   if env is None:
-    return generate(sampler, params, tokens, mask, key, sampling, prefix=prompts.prefix), {}
-  gen = generate_turns(sampler, params, tokens, mask, key, sampling, env, prefix=prompts.prefix)
-  return gen, dict(seen=gen.seen, turn_rewards=gen.turn_rewards, episode=gen.episode)
+    return generate(sampler, params, tokens, mask, key, sampling, prefix=prompts.prefix)
+  return generate_turns(sampler, params, tokens, mask, key, sampling, env, prefix=prompts.prefix)
+
+
+def sample_on_host(sampler: nn.Module, params, prompts: Prompts, key: Array,
+                   sampling: SamplingConfig, env: HostEnv, records: list[dict] | None = None
+                   ) -> tuple[Trajectory, int]:
+  """``sample`` with an environment on the host (``host_turns``): (episodes, round trips)."""
+  tokens, mask = prompts.tokens, prompts.mask
+  if prompts.prefix is not None:
+    tokens, mask, _ = without_prefix(tokens, mask, prompts.prefix.shape[0])
+  return host_turns(sampler, params, tokens, mask, key, sampling, env, prompts.prefix, records)
 
 
 def rollout(policy: nn.Module, critic: nn.Module | None, actor, reference_params, critic_params,
@@ -103,10 +113,22 @@ def rollout(policy: nn.Module, critic: nn.Module | None, actor, reference_params
   if old_logp not in ("recompute", "sampler", None):
     raise ValueError(f"old_logp must be 'recompute', 'sampler' or None, got {old_logp!r}")
   sampler = policy if sampler is None else sampler
-  reference = policy if reference is None else reference
   sampler_params = actor if sampler_params is None else sampler_params
-  gen, extra = sample(sampler, sampler_params, prompts, key, sampling, env)
-  seen = gen.mask if env is None else gen.seen
+  gen = sample(sampler, sampler_params, prompts, key, sampling, env)
+  return passes_on(policy, critic, actor, reference_params, critic_params, prompts, gen,
+                   sampling, old_logp, old_values, micro_batches, reference)
+
+
+def passes_on(policy: nn.Module, critic: nn.Module | None, actor, reference_params,
+              critic_params, prompts: Prompts, gen: Generation | Trajectory,
+              sampling: SamplingConfig, old_logp: str | None = "recompute",
+              old_values: bool = True, micro_batches: int = 1,
+              reference: nn.Module | None = None) -> Rollout:
+  """The ``Rollout`` of a generation (``sample``'s, or ``host_turns``'): its no-gradient passes
+  (arguments as ``rollout``'s), over the tokens seen, their outputs 0 off the policy's."""
+  reference = policy if reference is None else reference
+  turns = isinstance(gen, Trajectory)
+  seen = gen.seen if turns else gen.mask
   n = sampling.num_samples_per_prompt
   tokens, mask = (prompts.tokens, prompts.mask) if n == 1 else (
       jnp.repeat(prompts.tokens, n, axis=0), jnp.repeat(prompts.mask, n, axis=0))
@@ -127,7 +149,8 @@ def rollout(policy: nn.Module, critic: nn.Module | None, actor, reference_params
   if old_logp == "sampler":
     old = gen.logprobs  # 0 off the mask, like the recomputed log-probs
   # multi-turn: an episode the environment ended stopped, one out of turns was cut off
-  has_stop = ops.has_stop_token(gen.tokens, sampling.stop_ids) if env is None else gen.done
+  has_stop = gen.done if turns else ops.has_stop_token(gen.tokens, sampling.stop_ids)
+  extra = dict(seen=seen, turn_rewards=gen.turn_rewards, episode=gen.episode) if turns else {}
   return Rollout(
       prompts=tokens, prompt_mask=mask, responses=gen.tokens, mask=gen.mask, has_stop=has_stop,
       old_logp=jax.lax.stop_gradient(old), ref_logp=jax.lax.stop_gradient(out["ref"]),

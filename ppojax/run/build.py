@@ -7,6 +7,7 @@ a reference only where there is a KL penalty.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import importlib
 import importlib.util
@@ -52,6 +53,7 @@ class Run(NamedTuple):
   host_reward: Callable[[Any, list[dict] | None], np.ndarray] | None
   sampling: SamplingConfig
   algorithm: algorithms.Algorithm  # the record the step was built from (algorithms.from_config)
+  env: Any = None  # the multi-turn environment (traced or on the host; evaluation plays it too)
 
 
 def load_config(path: str | os.PathLike, **overrides) -> ml_collections.ConfigDict:
@@ -116,11 +118,15 @@ def build(config, *, devices=None, abstract: bool = False) -> Run:
   reward_params = _reward_params(reward_model, mesh, abstract)
   frozen = _frozen(config, state, reward_params)
   sampling = sampling_config(config, policy)
+  host_env = None
+  if getattr(models.env, "on_host", False):  # a host environment: out of the static models
+    models, host_env = dataclasses.replace(models, env=None), models.env
   step = step_lib.make_step(models, algorithm, txs["actor"], txs["critic"], schedules["actor"],
                             sampling, config.rl, python_reward=python_reward,
-                            state_shardings=state_shardings, mesh=mesh)
+                            state_shardings=state_shardings, mesh=mesh, host_env=host_env)
   return Run(config, models, frozen, state, step, mesh, state_shardings, source,
-             policy._replace(params=None), host_reward, sampling, algorithm)
+             policy._replace(params=None), host_reward, sampling, algorithm,
+             host_env or models.env)
 
 
 def _load_source(config, policy: LoadedModel) -> sources.Source:
@@ -173,7 +179,7 @@ def _modules(config, algorithm, policy, critic, reward_model) -> state_lib.Model
       sampler=(CausalLM(policy.cfg.replace(dtype=sampler_dtype or policy.cfg.dtype))
                if with_sampler else None),
       reference=CausalLM(policy.cfg) if config.lora.rank else None,
-      env=envs.make_env(config, policy.tokenizer))
+      env=envs.make_env(config, policy.tokenizer, sampling_config(config, policy)))
 
 
 def _host_rewards(config, policy: LoadedModel) -> tuple[Callable | None, Callable | None]:

@@ -28,7 +28,7 @@ CHOICES = {
     "rl.kl_in": ("", *algorithms.KL_PLACEMENTS),
     "reward.kind": ("jax", "python", "text", "model", "env"),
     "model.critic_init": ("auto", "reward", "policy"),
-    "data.task": ("count", "arith", "file", "reasoning_gym", "guess_number"),
+    "data.task": ("count", "arith", "calc", "file", "reasoning_gym", "guess_number"),
     "data.truncate": ("left", "error"),
     "rl.aggregation": ("", *ops.AGGREGATIONS),
     "rl.old_logprobs": ("recompute", "sampler"),

@@ -106,6 +106,7 @@ def defaults() -> ml_collections.ConfigDict:
   # once per row: the same numbers, fewer FLOPs (docs/design.md)
   c.data.shared_prefix = True
   c.data.eval_per_digits = 64  # task "arith": held-out problems per digit count
+  c.data.eval_size = 128  # task "calc": held-out problems
   # task "reasoning_gym": reasoning_gym.create_dataset(dataset, seed=..., size=..., **options);
   # held out: the dataset of eval_seed and eval_size, skipped in training (tasks/reasoning.py)
   c.data.rg = ml_collections.ConfigDict()
@@ -124,13 +125,16 @@ def defaults() -> ml_collections.ConfigDict:
   c.reward.fn = "ppojax.tasks.arith:reward"
 
   c.env = ml_collections.ConfigDict()  # multi-turn rollouts (docs/multiturn.md)
-  # "" (one turn), "count_turns", "guess_number" (traced into the step) or "module:factory"
+  # "" (one turn), "count_turns", "guess_number" (traced into the step), "tools" (env.tools, on
+  # the host) or "module:factory"
   c.env.name = ""
   c.env.max_turns = 4  # turns per episode, each up to sampling.max_new_tokens tokens
   c.env.obs_tokens = 16  # tokens per observation (the environment's answer to a turn)
   c.env.low = 1  # guess_number: the secret's range, low ... high
   c.env.high = 20
   c.env.reward_per_turn = 0.0  # guess_number: the reward lost per turn spent before the right one
+  c.env.tools = ""  # "tools": the functions offered, "module:fn,module:fn"
+  c.env.tool_format = "qwen3"  # how calls are written (data/tool_formats.py: qwen3 = hermes)
 
   c.eval = ml_collections.ConfigDict()  # greedy held-out evaluation (tasks with held-out data)
   c.eval.batch_size = 64

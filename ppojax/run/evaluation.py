@@ -22,7 +22,9 @@ from ppojax.data import encoding
 from ppojax.infra import sharding
 from ppojax.models.passes import model_scores
 from ppojax.rollout.sampling import SamplingConfig, generate
-from ppojax.tasks.sources import call_text_fn, decode_text
+from ppojax.rollout.host_turns import host_turns
+from ppojax.rollout.multiturn import generate_turns
+from ppojax.tasks.sources import call_text_fn, decode_text, turns_text
 
 
 def greedy(sampling: SamplingConfig, max_new_tokens: int | None = None) -> SamplingConfig:
@@ -36,6 +38,13 @@ def greedy(sampling: SamplingConfig, max_new_tokens: int | None = None) -> Sampl
 def _generate(module, params, tokens, mask, key, sampling):
   """``generate`` compiled once per (module, shapes, sampling) — before and after training."""
   return generate(module, params, tokens, mask, key, sampling)
+
+
+def _episodes(module, params, tokens, mask, key, sampling, env, records):
+  """Whole episodes with ``env`` (multi-turn): traced, or on the host."""
+  if getattr(env, "on_host", False):
+    return host_turns(module, params, tokens, mask, key, sampling, env, records=records)[0]
+  return generate_turns(module, params, tokens, mask, key, sampling, env)
 
 
 # (prompts, prompt mask, responses, response mask) → a score per response [B]
@@ -58,13 +67,16 @@ def reward_model_scorer(module, params) -> Scorer:
 def completions(module, params, records: Sequence[dict],
                 encode: Callable[[list[dict]], encoding.Encoded], sampling: SamplingConfig,
                 tokenizer, batch_size: int, key: jax.Array | None = None,
-                scorer: Scorer | None = None) -> list[str] | tuple[list[str], np.ndarray]:
+                scorer: Scorer | None = None, env=None, shown: list | None = None
+                ) -> list[str] | tuple[list[str], np.ndarray]:
   """Completions of every record's prompt, ``batch_size`` prompts per compiled call:
   ``sampling.num_samples_per_prompt`` per prompt, record i's at ``i·n … i·n + n − 1``. Greedy
   decoding needs no ``key``; sampled decoding draws batch j's tokens with ``fold_in(key, j)``.
 
   ``scorer`` (``reward_model_scorer``): also each completion's score, float64 [N·n], from the
-  generated tokens themselves, as the rollout scores them; then (texts, scores)."""
+  generated tokens themselves, as the rollout scores them; then (texts, scores). ``env``: whole
+  episodes (multi-turn), each text the policy's turns together; ``shown`` (a list) gets each
+  episode with its observations (``sources.turns_text``)."""
   if key is None:
     if not sampling.greedy:
       raise ValueError("completions: sampled decoding (sampling.greedy=False) needs a key")
@@ -76,7 +88,16 @@ def completions(module, params, records: Sequence[dict],
     real = len(chunk)
     chunk += [chunk[0]] * (batch_size - real)  # same shape for every call; extras dropped
     enc = encode(chunk)
-    gen = _generate(module, params, enc.tokens, enc.mask, jax.random.fold_in(key, j), sampling)
+    if env is None:
+      gen = _generate(module, params, enc.tokens, enc.mask, jax.random.fold_in(key, j),
+                      sampling)
+    else:
+      gen = _episodes(module, params, enc.tokens, enc.mask, jax.random.fold_in(key, j),
+                      sampling, env, [r for r in chunk for _ in range(n)])
+      if shown is not None:
+        host = sharding.to_host(gen)
+        shown += [turns_text(functools.partial(decode_text, tokenizer), host.tokens[i],
+                             host.mask[i], host.seen[i]) for i in range(real * n)]
     if scorer is not None:
       prompts = enc.tokens.repeat(n, 0), enc.mask.repeat(n, 0)  # row i·n + s: prompt i
       scores.append(np.asarray(sharding.to_host(scorer(*prompts, gen.tokens, gen.mask)),
@@ -89,14 +110,16 @@ def completions(module, params, records: Sequence[dict],
 def evaluate(module, params, records: Sequence[dict], encode, sampling: SamplingConfig,
              tokenizer, metrics: Mapping[str, Callable], batch_size: int,
              group_by: str | None = None, field: str = "prompt",
-             scorer: Scorer | None = None) -> tuple[dict[str, float], list[dict]]:
+             scorer: Scorer | None = None, env=None) -> tuple[dict[str, float], list[dict]]:
   """Mean of each metric over the records (and per value of ``group_by``), and one row per
   record: its prompt, completion and metric values. ``scorer`` (``reward_model_scorer``): one
-  more metric, "reward_model", the reward model's score of the generated tokens."""
+  more metric, "reward_model", the reward model's score of the generated tokens. ``env``: whole
+  episodes, scored on the policy's text; each row also shows the episode ("episode")."""
   if not records:
     raise ValueError("evaluate: no held-out records")
+  shown = [] if env is not None else None
   texts = completions(module, params, records, encode, sampling, tokenizer, batch_size,
-                      scorer=scorer)
+                      scorer=scorer, env=env, shown=shown)
   values = {}
   if scorer is not None:
     texts, values["reward_model"] = texts
@@ -109,4 +132,6 @@ def evaluate(module, params, records: Sequence[dict], encode, sampling: Sampling
         summary[f"eval/{name}/{group_by}={k}"] = float(v[keys == k].mean())
   rows = [{"prompt": p, "completion": c, **{n: float(v[i]) for n, v in values.items()}}
           for i, (p, c) in enumerate(zip((r[field] for r in records), texts))]
+  for row, episode in zip(rows, shown or ()):
+    row["episode"] = episode
   return summary, rows

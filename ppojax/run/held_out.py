@@ -51,7 +51,7 @@ def evaluate(r: Run, state, phase: str, workdir, writer, it: int, say=print,
   summary, rows = evaluation.evaluate(
       *policy_model(r, state), records, encode,
       evaluation.greedy(r.sampling, e.max_new_tokens or None), r.policy.tokenizer, metrics,
-      e.batch_size, e.group_by or None, r.config.data.field, scorer)
+      e.batch_size, e.group_by or None, r.config.data.field, scorer, r.env)
   shown = ", ".join(f"{k.removeprefix('eval/')} {v:.3f}" for k, v in summary.items())
   say(f"held-out eval {phase.replace('_', ' ')} ({len(rows)} prompts, "
       f"{time.perf_counter() - t0:.0f} s): {shown}")

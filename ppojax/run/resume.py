@@ -37,7 +37,7 @@ ALLOWED = (
     OVERRIDE,
     "eval",  # held-out evaluation and monitoring
     "data.path",  # the file may move: its contents are fingerprinted (data.contents)
-    "data.eval_path", "data.eval_per_digits",  # held-out data only
+    "data.eval_path", "data.eval_per_digits", "data.eval_size",  # held-out data only
     # memory and speed options that give the same numbers (up to float rounding)
     "mesh.shape", "model.remat", "model.remat_policy", "data.shared_prefix", "data.prompt_bucket",
     "rl.grad_accum", "rl.forward_micro_batches", "rl.reuse_update_forward",

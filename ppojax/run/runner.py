@@ -46,7 +46,10 @@ def iteration(run: Run, state, prompts: Prompts, records: list[dict] | None = No
     jax.block_until_ready(metrics)
   else:
     with compile_lib.program("rollout"):
-      r = jax.block_until_ready(hostmem.compiled_call(step.rollout, state, frozen, prompts))
+      args = (state, frozen, prompts)
+      if step.host_turns:  # an environment on the host: a loop of compiled turns
+        args += (per_sample(records, run.sampling.num_samples_per_prompt),)
+      r = jax.block_until_ready(hostmem.compiled_call(step.rollout, *args))
     t1 = time.perf_counter()
     if run.host_reward is not None:
       scores = jnp.asarray(run.host_reward(sharding_lib.to_host(r), per_sample(
@@ -238,8 +241,11 @@ def _sample_rows(run: Run, r, scores, n: int) -> list[dict]:
       jax.tree.map(lambda x: x[:n], (r._replace(prefix=None), scores)))
   decode = run.source.decode
   return [{"prompt": decode(r.prompts[i], r.prompt_mask[i]),
-           "response": decode(r.responses[i], r.mask[i]), "score": float(scores[i])}
+           "response": (decode(r.responses[i], r.mask[i]) if r.seen is None else
+                        sources.turns_text(decode, r.responses[i], r.mask[i], r.seen[i])),
+           "score": float(scores[i])}
           for i in range(len(scores))]
+
 
 
 def _evaluate_during(loop: loop_state.LoopState, it: int, progress) -> None:

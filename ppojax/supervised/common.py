@@ -71,16 +71,17 @@ def build_model(config: ml_collections.ConfigDict, head: str = "lm") -> LoadedMo
 # ---------------------------------------------------------------------------------------------
 
 
-def load_records(source: str, n: int, split: str, generate: Callable[[int, int, str], list],
+def load_records(source: str, n: int, split: str,
+                 generate: Mapping[str, Callable[[int, int, str], list]],
                  required: tuple[str, ...], seed: int) -> list[dict]:
-  """``generate(seed, n, split)`` for a generated task (``source="arith"``), else the records of
-  a JSONL / JSON / parquet file or ``datasets`` directory (its ``split``), the first ``n`` if
-  ``n`` > 0."""
+  """``generate[source](seed, n, split)`` for a generated task (``source`` "arith", ...), else
+  the records of a JSONL / JSON / parquet file or ``datasets`` directory (its ``split``), the
+  first ``n`` if ``n`` > 0."""
   if not source:
-    raise records_lib.DataError("no data: set data.train and data.eval (a JSONL file, a datasets "
-                         "directory, or 'arith')")
-  if source == "arith":
-    return generate(seed, n, split)
+    raise records_lib.DataError(f"no data: set data.train and data.eval (a JSONL file, a "
+                                f"datasets directory, or one of {', '.join(generate)})")
+  if source in generate:
+    return generate[source](seed, n, split)
   records = records_lib.read_records(source, required=required, split=split)
   return records[:n] if n else records
 

@@ -35,9 +35,12 @@ from ppojax.data import encoding
 from ppojax.models import save_model
 from ppojax.models.passes import response_logits, response_logprobs
 from ppojax.supervised import common, loop
+from ppojax.envs import calculator
 from ppojax.tasks import arith
 
 FIELDS = ("prompt", "response")
+# data.train / data.eval names of generated examples: (seed, n, split) → records
+GENERATED = {"arith": arith.sft_examples, "calc": calculator.sft_examples}
 DEFAULT_AGGREGATION = "token_mean"
 
 
@@ -90,7 +93,7 @@ def load_examples(config: ml_collections.ConfigDict, tokenizer) -> tuple[dict, d
       max_response_len=d.max_response_len, system=d.system or None,
       chat_template=d.chat_template, truncate=d.truncate,
       chat_template_kwargs=d.get("chat_template_kwargs"))
-  sets = [encode(common.load_records(source, n, split, arith.sft_examples, FIELDS,
+  sets = [encode(common.load_records(source, n, split, GENERATED, FIELDS,
                                          config.seed))
           for source, n, split in ((d.train, d.train_size, d.train_split),
                                    (d.eval, d.eval_size, d.eval_split))]

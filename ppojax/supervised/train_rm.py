@@ -96,7 +96,7 @@ def load_pairs(config: ml_collections.ConfigDict, tokenizer) -> tuple[dict, dict
       max_response_len=d.max_response_len, system=d.system or None,
       chat_template=d.chat_template, truncate=d.truncate,
       chat_template_kwargs=d.get("chat_template_kwargs"))
-  records = [common.load_records(source, n, split, arith.preference_pairs, FIELDS,
+  records = [common.load_records(source, n, split, {"arith": arith.preference_pairs}, FIELDS,
                                      config.seed)
              for source, n, split in ((d.train, d.train_size, d.train_split),
                                       (d.eval, d.eval_size, d.eval_split))]

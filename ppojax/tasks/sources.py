@@ -12,6 +12,8 @@ prompts keep their fixed length.
 
     data.task = "count"    the toy token task of ppojax/tasks/count.py (no tokenizer)
     data.task = "arith"    small-number arithmetic (ppojax/tasks/arith.py) through the chat template
+    data.task = "calc"     3-digit × 2-digit products (ppojax/tasks/calc.py), for the calculator tool
+    data.task = "guess_number"  the guessing game's prompt (env.name = "guess_number")
     data.task = "file"     prompts from data.path: JSONL, JSON, a ``datasets`` directory, parquet
     data.task = "reasoning_gym"   a reasoning-gym generator, data.rg (ppojax/tasks/reasoning.py)
 
@@ -30,7 +32,7 @@ from ppojax.core import selection
 from ppojax.data import encoding
 from ppojax.data import records as records_lib
 from ppojax.data.batch import Prompts, repad, to_bucket, with_prefix
-from ppojax.tasks import arith, count, reasoning
+from ppojax.tasks import arith, calc, count, reasoning
 
 
 class Batch(NamedTuple):
@@ -45,6 +47,16 @@ class Source(NamedTuple):
   eval_records: list[dict] | None  # held-out prompts for evaluation, if the task has any
   encode: Callable[[list[dict]], encoding.Encoded] | None  # records → left-padded prompts
   prefix: list[int] | None = None  # the prompts' shared prefix (None: data.shared_prefix off)
+
+
+GUESS_PROMPT = ("I am thinking of a whole number from {low} to {high}. Guess it! Reply with "
+                "just your guess, a number. After each guess I will tell you whether my number "
+                "is higher or lower.")
+
+
+def guess_prompt(low: int, high: int) -> str:
+  """The guessing game's prompt (``envs.guess_number``)."""
+  return GUESS_PROMPT.format(low=low, high=high)
 
 
 def prompts_per_batch(config) -> int:
@@ -65,9 +77,9 @@ def make_source(config, tokenizer, shared_prefix: bool | None = None) -> Source:
     return Source(lambda pos: Batch(share(count.count_prompts(config.seed, pos, batch_size,
                                                               d.prompt_len), prefix), None, 0),
                   count.decode_count, None, None, prefix if shared_prefix else None)
-  if d.task not in ("arith", "file", "reasoning_gym"):
-    raise ValueError(f"data.task={d.task!r} is not known; choose count, arith, file or "
-                     "reasoning_gym")
+  if d.task not in ("arith", "calc", "guess_number", "file", "reasoning_gym"):
+    raise ValueError(f"data.task={d.task!r} is not known; choose count, arith, calc, "
+                     "guess_number, file or reasoning_gym")
   if tokenizer is None:
     raise ValueError(f"data.task={d.task!r} needs a tokenizer, and model.policy="
                      f"{config.model.policy!r} ships none: set model.tokenizer")
@@ -79,6 +91,12 @@ def make_source(config, tokenizer, shared_prefix: bool | None = None) -> Source:
   if d.task == "arith":
     pick = lambda pos: arith.problems((config.seed, pos), batch_size, "train")  # noqa: E731
     held_out = arith.eval_problems(d.eval_per_digits) if d.eval_per_digits else None
+  elif d.task == "calc":
+    pick = lambda pos: calc.problems((config.seed, pos), batch_size, "train")  # noqa: E731
+    held_out = calc.eval_problems(d.eval_size) if d.get("eval_size", 0) else None
+  elif d.task == "guess_number":  # the game's one prompt; the environment draws the secrets
+    text = guess_prompt(config.env.low, config.env.high)
+    pick, held_out = (lambda pos: [{"prompt": text}] * batch_size), None  # noqa: E731
   elif d.task == "reasoning_gym":
     pick, held_out = reasoning_gym_task(config)
   else:
@@ -162,6 +180,19 @@ def decode_text(tokenizer, tokens: np.ndarray, mask: np.ndarray) -> str:
   return tokenizer.decode(np.asarray(tokens)[np.asarray(mask, bool)].tolist(),
                           skip_special_tokens=True)
 
+
+def turns_text(decode, tokens: np.ndarray, mask: np.ndarray, seen: np.ndarray) -> str:
+  """A multi-turn trajectory as text: the policy's turns as decoded, each observation between
+  ⟦ ⟧ (its chat-template frame's special tokens as ``decode`` shows them)."""
+  cols = np.flatnonzero(seen)
+  parts, start = [], 0
+  for j in range(1, len(cols) + 1):  # runs of columns with the same owner
+    if j == len(cols) or mask[cols[j]] != mask[cols[start]]:
+      run = cols[start:j]
+      text = decode(tokens[run], np.ones(len(run), bool))
+      parts.append(text if mask[cols[start]] else f" ⟦{text.strip()}⟧ ")
+      start = j
+  return "".join(parts)
 
 def text_reward(fn: Callable, tokenizer, field: str = "prompt"
                 ) -> Callable[[np.ndarray, np.ndarray, list[dict]], np.ndarray]:
