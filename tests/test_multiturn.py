@@ -303,3 +303,71 @@ def test_the_multi_turn_run_is_one_program_and_resumes_exactly(tmp_path):
   drop = lambda rows: [{k: v for k, v in r.items() if not k.startswith(volatile)}  # noqa
                        for r in rows if "reward" in r]
   assert drop(rows_a) == drop(rows_b)
+
+
+def test_sliding_window_models_are_refused(params):
+  """A model with sliding-window layers: one error naming the windows and what to use."""
+  windowed = CausalLM(TINY.replace(layer_windows=(0, 4)))
+  prompts, mask = _prompts()
+  config = SamplingConfig(6, stop_ids=(STOP,), pad_id=PAD)
+  with pytest.raises(ValueError, match=r"sliding-window layers yet .*\[4\].*full attention"):
+    generate_turns(windowed, params, prompts, mask, jax.random.key(0), config, Echo())
+
+
+def _verl_style_gae(r, v, m, gamma, lam):
+  """verl's multi-turn convention, transcribed to NumPy: a reverse loop over every column where
+  an unmasked column (an observation) keeps the next value and the running advantage as they
+  were ("skip values and TD-error on observation tokens")."""
+  adv = np.zeros_like(r)
+  next_v, running = np.zeros(r.shape[0]), np.zeros(r.shape[0])
+  for t in reversed(range(r.shape[1])):
+    delta = r[:, t] + gamma * next_v - v[:, t]
+    candidate = delta + gamma * lam * running
+    next_v = np.where(m[:, t], v[:, t], next_v)
+    running = np.where(m[:, t], candidate, running)
+    adv[:, t] = running
+  return np.where(m, adv, 0.0)
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_gae_across_turns_agrees_with_verls_convention(seed):
+  """verl's agent loop masks observation tokens out of ``response_mask`` and its GAE carries
+  the next value and advantage across them: the same advantages as ppojax's."""
+  rng = np.random.default_rng(seed + 10)
+  m = rng.random((4, 23)) < 0.5
+  r, v = rng.normal(size=(2, 4, 23))
+  adv, _ = advantages.gae(jnp.asarray(r, jnp.float32), jnp.asarray(v, jnp.float32),
+                          jnp.asarray(m), 0.95, 0.9)
+  np.testing.assert_allclose(adv, _verl_style_gae(r, v, m, 0.95, 0.9), atol=1e-5)
+
+
+def test_guess_number_answers_each_guess():
+  """Higher, lower, right (reward 1 less the turns spent, the episode ends) and not a number (the
+  request for one); the format reward for each guess in range."""
+  from ppojax.envs import guess_number  # pylint: disable=import-outside-toplevel
+  # token ids: 0 pad, 1 stop, 2 + d the digit d; answers: HIGHER, LOWER, CORRECT, INVALID
+  table = env_tokens.DigitTable(value=(-1, -1) + tuple(range(10)), length=(0, 0) + (1,) * 10,
+                                spaced=(False,) * 12)
+  answers = ((0, 0, 30), (0, 0, 31), (0, 0, 32), (0, 33, 34))
+  env = guess_number.GuessNumber(4, 3, 1, 10, table, answers, (1, 1, 1, 2), 0.1, 0.05)
+  secret = jnp.asarray([7, 7, 7, 7])
+  action = jnp.asarray([[2 + 3, 1], [2 + 9, 1], [2 + 7, 1], [1, 0]])  # 3, 9, 7, none
+  out = env.step(secret, action, action > 0, jnp.int32(2))
+  np.testing.assert_array_equal(out.obs[:, -1], [30, 31, 32, 34])
+  np.testing.assert_array_equal(out.obs_mask.sum(1), [1, 1, 1, 2])
+  np.testing.assert_array_equal(out.done, [False, False, True, False])
+  np.testing.assert_allclose(out.reward, [0.05, 0.05, 1.0 - 0.2 + 0.05, 0.0], atol=1e-6)
+  np.testing.assert_array_equal(out.info["invalid"], [False, False, False, True])
+  secrets = env.reset(jax.random.key(0), jnp.zeros((64, 3), jnp.int32), None)
+  assert 1 <= int(secrets.min()) and int(secrets.max()) <= 10
+
+
+def test_digit_table_of_a_real_tokenizer(smollm2_path):
+  """SmolLM2's tokenizer: single digits are tokens, a number is read across them."""
+  from ppojax.models import load_model  # pylint: disable=import-outside-toplevel
+  tok = load_model(smollm2_path).tokenizer
+  table = env_tokens.digit_table(tok)
+  ids = jnp.asarray([tok("I guess 137, then 5")["input_ids"]])
+  value, found = env_tokens.first_number(table, ids, jnp.ones(ids.shape, bool))
+  assert int(value[0]) == 137 and bool(found[0])
+  assert sum(v >= 0 for v in table.value) >= 10

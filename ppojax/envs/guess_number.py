@@ -12,7 +12,7 @@ turn (``tokens.DigitTable``), the answers are fixed token sequences, framed by t
 once on the host (``data.turns.observation_ids``) and picked per row. The secret is drawn per
 prompt at reset, so a group of n samples plays the same game. Reward: 1 on the turn that finds
 the secret (``env.reward_per_turn`` less for each turn spent before it: finding it sooner is
-better), 0 otherwise.
+better), plus ``env.format_reward`` for each turn whose guess is a number in range.
 """
 
 from __future__ import annotations
@@ -43,6 +43,7 @@ class GuessNumber:
   answers: tuple[tuple[int, ...], ...]  # each answer's ids, right-aligned in obs_tokens
   answer_lengths: tuple[int, ...]
   reward_per_turn: float = 0.0
+  format_reward: float = 0.0  # for each turn whose guess is a number in range
 
   def reset(self, key, prompts, prompt_mask):
     """A secret per prompt row, uniform in [low, high]."""
@@ -59,7 +60,8 @@ class GuessNumber:
     lengths = jnp.asarray(self.answer_lengths, jnp.int32)[answer]
     obs = table[answer]
     obs_mask = jnp.arange(self.obs_tokens)[None] >= self.obs_tokens - lengths[:, None]
-    reward = jnp.where(right, 1.0 - self.reward_per_turn * turn, 0.0).astype(jnp.float32)
+    reward = (jnp.where(right, 1.0 - self.reward_per_turn * turn, 0.0)
+              + self.format_reward * valid).astype(jnp.float32)
     return EnvStep(state, obs, obs_mask, reward, right, {"invalid": ~valid, "solved": right})
 
 
@@ -85,5 +87,6 @@ def make(config, tokenizer, sampling) -> GuessNumber:
   pad = sampling.pad_id
   answers = tuple(tuple([pad] * (e.obs_tokens - len(x)) + list(x)) for x in ids)
   return GuessNumber(e.max_turns, e.obs_tokens, low, high, digit_table(tokenizer), answers,
-                     tuple(len(x) for x in ids), float(e.get("reward_per_turn", 0.0)))
+                     tuple(len(x) for x in ids), float(e.get("reward_per_turn", 0.0)),
+                     float(e.get("format_reward", 0.0)))
 

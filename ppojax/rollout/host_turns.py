@@ -123,6 +123,7 @@ def host_turns(module: nn.Module, params, prompts: Array, prompt_mask: Array, ke
   Each turn is one compiled decode, one host step for the batch and one compiled ``observe``;
   the cache is donated from turn to turn. ``records``: the batch's, for ``env.reset``."""
   turns, obs_len, length = env.max_turns, env.obs_tokens, config.max_new_tokens
+  multiturn.check_model(module.cfg)
   convert, holder = _layout(module, config.layers)
   params = convert(params)
   module = holder["module"]

@@ -101,6 +101,18 @@ class Carry(NamedTuple):
   ended: Array
 
 
+def check_model(cfg) -> None:
+  """Multi-turn rollouts need layers without a sliding window: a window counts cache slots,
+  and a trajectory's holes (pads after a turn's stop, before an observation) would narrow it
+  against the positions the model was trained on."""
+  if any(cfg.windows):
+    raise ValueError(
+        f"multi-turn rollouts do not support sliding-window layers yet (this model's windows: "
+        f"{sorted(set(w for w in cfg.windows if w))}): a window counts KV-cache slots, and the "
+        "holes between turns would narrow it; use a model with full attention (Llama, Qwen2/3, "
+        "SmolLM2/3, OLMo 2)")
+
+
 def start(apply, cfg, prompts: Array, prompt_mask: Array, prefix: Array | None, slots: int,
           n: int) -> Carry:
   """The prompts' prefill into a cache of ``slots`` slots, each row repeated for its n
@@ -188,6 +200,7 @@ def generate_turns(module: nn.Module, params, prompts: Array, prompt_mask: Array
   turns, obs_len, length = env.max_turns, env.obs_tokens, config.max_new_tokens
   if turns < 1 or obs_len < 1:
     raise ValueError(f"env.max_turns and env.obs_tokens must be >= 1, got {turns}, {obs_len}")
+  check_model(module.cfg)
   module, params = sampling_lib.decode_layout(module, params, config.layers)
   apply = functools.partial(module.apply, {"params": params})
   p, n = prompts.shape[1], config.num_samples_per_prompt

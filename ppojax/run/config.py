@@ -133,6 +133,7 @@ def defaults() -> ml_collections.ConfigDict:
   c.env.low = 1  # guess_number: the secret's range, low ... high
   c.env.high = 20
   c.env.reward_per_turn = 0.0  # guess_number: the reward lost per turn spent before the right one
+  c.env.format_reward = 0.0  # guess_number: the reward of each guess that is a number in range
   c.env.tools = ""  # "tools": the functions offered, "module:fn,module:fn"
   c.env.tool_format = "qwen3"  # how calls are written (data/tool_formats.py: qwen3 = hermes)
 
