@@ -29,7 +29,7 @@ def get_config() -> ml_collections.ConfigDict:
 
   c.data.task = "calc"
   c.data.system = tool_prompt()
-  c.data.max_prompt_len = 256
+  c.data.max_prompt_len = 128
   c.data.eval_size = 128
   c.env.name = "tools"
   c.env.tools = "ppojax.envs.calculator:calculate"

@@ -19,7 +19,7 @@ def get_config() -> ml_collections.ConfigDict:
   c.data.train = c.data.eval = "calc"
   c.data.train_size = 384  # 128 problems
   c.data.eval_size = 96
-  c.data.max_prompt_len = 256  # the system message lists the tool's schema
+  c.data.max_prompt_len = 128  # the system message offers the tool
   c.data.max_response_len = 48  # a call is about 30 tokens
   c.train.num_epochs = 2.0
   c.optim.lr = 2e-5

@@ -36,7 +36,7 @@ class HostEcho:
 
   max_turns, obs_tokens, on_host = 3, 4, True
 
-  def reset(self, records, prompts):
+  def reset(self, records, prompts, seed):
     self.rows = len(prompts)
 
   def step(self, turn, actions, live):
@@ -111,7 +111,7 @@ class HostCountTurns:
   obs_tokens: int
   on_host = True
 
-  def reset(self, records, prompts):
+  def reset(self, records, prompts, seed):
     assert records is None  # a token task has none
     self.last = [p[-1] - DIGIT0 for p in prompts]
 
@@ -209,7 +209,7 @@ def test_tool_calls_bad_and_good_each_answer_and_are_counted():
   tool that raises and one past its time limit each answer with an error text (counted), and
   the episode goes on; a turn without a call ends it."""
   env = _tool_env()
-  env.reset(None, [[1]] * 7)
+  env.reset(None, [[1]] * 7, 0)
   call = lambda body: _ids(f"<tool_call>{body}</tool_call>")  # noqa: E731
   actions = [call('{"name": "calculate", "arguments": {"expression": "347 * 28"}}'),
              call('{"name": "calculate", "arguments": {"expression": '),
@@ -233,7 +233,7 @@ def test_tool_calls_bad_and_good_each_answer_and_are_counted():
 
 def test_the_system_prompt_offers_the_tools_schema():
   text = system_prompt([calculator.calculate])
-  assert '"name": "calculate"' in text and "<tool_call>" in text and '"arguments"' in text
+  assert "calculate(expression: string): Evaluate" in text and '<tool_call>{"name"' in text
   with pytest.raises(ValueError, match="gemma3 calls differently"):
     system_prompt([calculator.calculate], "gemma3")
 

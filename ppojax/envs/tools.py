@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
-import json
 from typing import Any, Callable
 
 from ppojax.data.tool_formats import parse_tool_calls, tool_format
@@ -37,11 +36,21 @@ def system_prompt(tools: list[Callable], fmt: str = "qwen3") -> str:
   if f.syntax != "json" or not f.call_open:
     raise ValueError(f"system_prompt writes JSON calls between markers; {f.family} calls "
                      "differently: describe its tools in the prompt yourself")
-  schemas = "\n".join(json.dumps(s["function"]) for s in tool_schemas(tools))
-  return (f"You can call these tools:\n{schemas}\nTo call a tool, reply with only "
-          f"{f.call_open}{{\"name\": <tool name>, \"{f.arguments_key}\": {{<arguments>}}}}"
-          f"{f.call_close}. Its result comes back in the next message. When you know the "
-          "answer, reply with the answer alone.")
+  return (f"You can call these tools:\n{signatures(tools)}\nTo call one, reply with only "
+          f"{f.call_open}{{\"name\": ..., \"{f.arguments_key}\": {{...}}}}{f.call_close}; its "
+          "result comes in the next message. Then reply with the answer alone.")
+
+
+def signatures(tools: list[Callable]) -> str:
+  """One line per tool from its schema: ``name(arg: type, ...): the description's first
+  sentence`` (a compact rendering: a small model's prompt stays short)."""
+  lines = []
+  for schema in tool_schemas(tools):
+    fn = schema["function"]
+    args = ", ".join(f"{k}: {v.get('type', 'any')}"
+                     for k, v in fn.get("parameters", {}).get("properties", {}).items())
+    lines.append(f"{fn['name']}({args}): {fn.get('description', '').split('. ')[0]}")
+  return "\n".join(lines)
 
 
 @dataclasses.dataclass(eq=False)
@@ -65,8 +74,8 @@ class ToolEnv:
     self.role = self.role or tool_format(self.fmt).result_role
     self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=4)
 
-  def reset(self, records, prompts) -> None:
-    del records, prompts  # the tools hold no per-episode state
+  def reset(self, records, prompts, seed) -> None:
+    del records, prompts, seed  # the tools hold no per-episode state
 
   def step(self, turn: int, actions: list[list[int]], live: list[bool]) -> list[HostAnswer]:
     return [self._answer(ids) if on else HostAnswer([]) for ids, on in zip(actions, live)]

@@ -42,10 +42,11 @@ class HostEnv(Protocol):
   obs_tokens: int  # O: a longer observation is cut to its first O tokens (``obs_truncated``)
   on_host: bool  # True: how ``build`` and evaluation tell it from a traced ``TokenEnv``
 
-  def reset(self, records: list[dict] | None, prompts: list[list[int]]) -> None:
+  def reset(self, records: list[dict] | None, prompts: list[list[int]], seed: int) -> None:
     """New episodes, one per row: ``prompts`` holds each row's prompt ids (after a shared
     prefix), ``records`` (None for a token task) each row's record; B·n rows, each prompt's n
-    samples next to each other."""
+    samples next to each other. ``seed``: draw any randomness from it (a function of the
+    iteration's key: a resumed run draws the same episodes)."""
 
   def step(self, turn: int, actions: list[list[int]], live: list[bool]) -> list[HostAnswer]:
     """Answers to the turn's action token ids, one per row (rows not ``live`` are ignored)."""
@@ -133,8 +134,9 @@ def host_turns(module: nn.Module, params, prompts: Array, prompt_mask: Array, ke
   carry = _start(module, params, prompts, prompt_mask, prefix, slots, n)
   rows = carry.ended.shape[0]
   host_prompts, host_mask = np.asarray(prompts), np.asarray(prompt_mask, bool)
+  seed = int(jax.random.randint(multiturn.reset_key(key), (), 0, 2**31 - 1))
   env.reset(records, [row[m].tolist() for row, m in zip(host_prompts, host_mask)
-                      for _ in range(n)])
+                      for _ in range(n)], seed)
   ended, columns, counts, trips = np.zeros(rows, bool), [], [], 0
   for k in range(turns):
     base = p + k * (length + obs_len)

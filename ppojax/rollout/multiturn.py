@@ -151,8 +151,8 @@ def observe(apply, cfg, carry: Carry, base, turn: Array, turn_mask: Array, obs: 
                         position=carry.position + jnp.sum(chunk_mask, axis=1, dtype=jnp.int32))
 
 
-def record_turn(s: TurnOutput, turn_mask: Array, answer: EnvStep, ended: Array, last_turn: bool | Array,
-                pad_id: int):
+def record_turn(s: TurnOutput, turn_mask: Array, answer: EnvStep, ended: Array,
+                last_turn: bool | Array, pad_id: int):
   """The turn's columns [B, L + O] of every trajectory array, the rows' episodes ended after it,
   and the observation mask the next turn sees (none where the episode ended or no turn
   follows). A continuing episode without an observation token ends: the next turn would have
@@ -188,6 +188,12 @@ def assemble(columns: dict, counts: dict) -> Trajectory:
   return Trajectory(**flat, done=episode["done"] > 0, episode=episode)
 
 
+def reset_key(key: Array) -> Array:
+  """The key an environment's episodes are drawn with: a function of the rollout's key, so a
+  resumed run draws the same episodes (a host environment gets its bits as a seed)."""
+  return jax.random.fold_in(key, 2**31 - 1)
+
+
 @functools.partial(jax.jit, static_argnames=("module", "config", "env"))
 def generate_turns(module: nn.Module, params, prompts: Array, prompt_mask: Array, key: Array,
                    config: SamplingConfig, env: TokenEnv, prefix: Array | None = None
@@ -196,7 +202,7 @@ def generate_turns(module: nn.Module, params, prompts: Array, prompt_mask: Array
   left-padded ``prompts`` [B, P], the traced ``env`` answering each: [B·n, R], prompt i's n
   samples in rows i·n … i·n + n − 1, each group on the same episode (``env.reset`` runs on the
   B prompts, its state repeated). One ``lax.scan`` over turns; turn k samples with
-  ``fold_in(key, k)``, the environment resets with ``fold_in(key, −1)``'s bits."""
+  ``fold_in(key, k)``, the environment resets with ``reset_key(key)``."""
   turns, obs_len, length = env.max_turns, env.obs_tokens, config.max_new_tokens
   if turns < 1 or obs_len < 1:
     raise ValueError(f"env.max_turns and env.obs_tokens must be >= 1, got {turns}, {obs_len}")
@@ -208,7 +214,7 @@ def generate_turns(module: nn.Module, params, prompts: Array, prompt_mask: Array
   slots = p + turns * (length + obs_len)
   size = shared + slots
   carry = start(apply, module.cfg, prompts, prompt_mask, prefix, slots, n)
-  env_state = env.reset(jax.random.fold_in(key, 2**31 - 1), prompts, prompt_mask)
+  env_state = env.reset(reset_key(key), prompts, prompt_mask)
   if n > 1:
     env_state = jax.tree.map(lambda x: jnp.repeat(x, n, axis=0), env_state)
 
