@@ -36,7 +36,8 @@ _TOY_TURNS = pathlib.Path(__file__).resolve().parents[1] / "configs" / "toy_turn
 
 def configs(a) -> dict:
   """The two configs: "multi_turn" and "single_turn"."""
-  tiny = dict(vocab_size=16, hidden_size=a.width, intermediate_size=4 * a.width, num_layers=a.layers,
+  tiny = dict(vocab_size=16, hidden_size=a.width, intermediate_size=4 * a.width,
+              num_layers=a.layers,
               num_heads=max(1, a.width // 64), num_kv_heads=max(1, a.width // 128),
               max_position_embeddings=512)
   common = dict(rl__batch_size=a.batch, num_iterations=a.runs + 1, sample_every=0,

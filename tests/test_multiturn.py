@@ -371,3 +371,20 @@ def test_digit_table_of_a_real_tokenizer(smollm2_path):
   value, found = env_tokens.first_number(table, ids, jnp.ones(ids.shape, bool))
   assert int(value[0]) == 137 and bool(found[0])
   assert sum(v >= 0 for v in table.value) >= 10
+
+
+def test_multi_turn_works_with_lora_dynamic_sampling_and_packing(tmp_path):
+  """The traced game with GRPO groups, dynamic sampling, packed updates and LoRA adapters in one
+  run: finite metrics, the episodes' among them, the adapters saved."""
+  config = build_lib.load_config(
+      _TOY_TURNS, num_iterations=2, sample_every=0, log_every=1, algorithm="grpo",
+      sampling__num_samples_per_prompt=4, rl__batch_size=4, rl__oversample=2.0,
+      rl__dynamic_sampling=True, rl__pack_fractions=(0.5, 0.75), lora__rank=4)
+  runner.run(config, str(tmp_path))
+  import json  # pylint: disable=import-outside-toplevel
+  rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+  last = [r for r in rows if "reward" in r][-1]
+  for name in ("reward", "loss/policy_avg", "episode/turns", "episode/obs_share",
+               "rollout/rows_in_loss", "update/packed_avg"):
+    assert name in last and np.isfinite(last[name]), name
+  assert (tmp_path / "adapters").is_dir()

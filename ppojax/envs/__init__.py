@@ -2,8 +2,9 @@
 
 ``make_env(config, tokenizer)`` builds the one ``config.env.name`` names: a traced environment
 of this package ("count_turns", "guess_number"), "tools" (``env.tools`` on the host, ``tools``),
-or any "module:factory" whose ``factory(config, tokenizer, sampling)`` returns a ``TokenEnv`` or a host
-environment (``rollout.host_turns.HostEnv``, marked ``on_host = True``); "" (one turn): None.
+or any "module:factory" whose ``factory(config, tokenizer, sampling)`` returns a ``TokenEnv`` or
+a host environment (``rollout.host_turns.HostEnv``, marked ``on_host = True``); "" (one turn):
+None.
 """
 
 from __future__ import annotations

@@ -100,10 +100,10 @@ def _format(x: int | float) -> str:
 
 
 def sft_examples(seed: int, n: int, split: str = "train") -> list[dict]:
-  """``n`` warm-start pairs of ``tasks.calc``'s ``split`` for ``ppojax.sft`` (``data.train`` "calc"),
-  three per problem: offered the calculator (``tool_prompt``'s system message), the first turn
-  (→ the call) and the second (the call, the tool's result → the answer); not offered it, the
-  answer directly."""
+  """``n`` warm-start pairs of ``tasks.calc``'s ``split`` for ``ppojax.sft`` (``data.train``
+  "calc"), three per problem: offered the calculator (``tool_prompt``'s system message), the
+  first turn (→ the call) and the second (the call, the tool's result → the answer); not
+  offered it, the answer directly."""
   system = {"role": "system", "content": tool_prompt()}
   out = []
   for p in calc.problems((seed, 1), -(-n // 3), split):

@@ -148,8 +148,9 @@ def host_turns(module: nn.Module, params, prompts: Array, prompt_mask: Array, ke
     answers = env.step(k, [row[m].tolist() for row, m in zip(host_tokens, host_mask)],
                        live.tolist())
     a = answers_to_arrays(answers, live, obs_len, config.pad_id)
-    answer = multiturn.EnvStep(None, *(jnp.asarray(a[name]) for name in (
-        "obs", "obs_mask", "reward", "done")), {name: jnp.asarray(v) for name, v in a["info"].items()})
+    answer = multiturn.EnvStep(
+        None, *(jnp.asarray(a[name]) for name in ("obs", "obs_mask", "reward", "done")),
+        {name: jnp.asarray(v) for name, v in a["info"].items()})
     cols, now_ended, obs_mask, count = _record(turn, mask, answer, jnp.asarray(ended),
                                                last_turn=k == turns - 1, pad_id=config.pad_id)
     columns.append(cols)

@@ -28,7 +28,7 @@ one round trip per turn for the whole batch, the cache staying on the device).
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable, NamedTuple, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import flax.linen as nn
 import jax

@@ -12,7 +12,7 @@ prompts keep their fixed length.
 
     data.task = "count"    the toy token task of ppojax/tasks/count.py (no tokenizer)
     data.task = "arith"    small-number arithmetic (ppojax/tasks/arith.py) through the chat template
-    data.task = "calc"     3-digit × 2-digit products (ppojax/tasks/calc.py), for the calculator tool
+    data.task = "calc"     3-digit × 2-digit products (ppojax/tasks/calc.py): the calculator tool
     data.task = "guess_number"  the guessing game's prompt (env.name = "guess_number")
     data.task = "file"     prompts from data.path: JSONL, JSON, a ``datasets`` directory, parquet
     data.task = "reasoning_gym"   a reasoning-gym generator, data.rg (ppojax/tasks/reasoning.py)
