@@ -20,9 +20,9 @@ from ppojax.run.config import defaults
 
 def get_config() -> ml_collections.ConfigDict:
   c = defaults()
-  c.num_iterations = 20
-  c.sample_every = 10
-  c.save_every = 10
+  c.num_iterations = 5
+  c.sample_every = 5
+  c.save_every = 5
 
   c.model.policy = "runs/sft_calc/policy"
   c.model.critic_init = "policy"
@@ -45,7 +45,7 @@ def get_config() -> ml_collections.ConfigDict:
   c.sampling.max_new_tokens = 40  # a call is about 30 tokens
   c.sampling.temperature = 0.7
 
-  c.rl.batch_size = 32
+  c.rl.batch_size = 16
   c.rl.num_epochs = 1
   c.rl.num_minibatches = 4
   c.rl.kl_coef = 0.02

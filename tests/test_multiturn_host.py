@@ -143,13 +143,22 @@ def _rows(path):
   return [json.loads(x) for x in path.read_text().splitlines()]
 
 
-def test_a_host_environment_runs_as_the_traced_one(tmp_path):
+@pytest.mark.parametrize("outcome", ["env", "plus_outcome"])
+def test_a_host_environment_runs_as_the_traced_one(tmp_path, outcome):
   """configs/toy_turns.py with its game on the host ("module:factory"): the runner hands the
   rollout its records, the step is three programs (no fused one), the round trips are one per
-  turn, and every metric equals the traced game's run from the same seed."""
+  turn, and every metric equals the traced game's run from the same seed — with the game's
+  rewards alone, and with an outcome score beside them (the count reward: traced in one run, on
+  the host in the other)."""
   common = dict(num_iterations=2, sample_every=0, log_every=1, rl__batch_size=16)
-  traced = build_lib.load_config(_TOY_TURNS, **common)
-  host = build_lib.load_config(_TOY_TURNS, env__name="test_multiturn_host:host_count", **common)
+  traced_reward = host_reward = {}
+  if outcome == "plus_outcome":
+    traced_reward = dict(reward__kind="jax", reward__fn="ppojax.tasks.count:count_reward")
+    host_reward = dict(reward__kind="python",
+                       reward__fn="ppojax.tasks.count:count_reward_numpy")
+  traced = build_lib.load_config(_TOY_TURNS, **common, **traced_reward)
+  host = build_lib.load_config(_TOY_TURNS, env__name="test_multiturn_host:host_count", **common,
+                               **host_reward)
   run = build_lib.build(host)
   assert run.step.fused is None and run.step.host_turns and run.env.on_host
   runner.run(traced, str(tmp_path / "traced"))

@@ -119,6 +119,13 @@ def score(plan: Plan, frozen: Frozen, r: Rollout) -> Array:
                       plan.micro_batches, r.prefix)
   else:
     scores = plan.models.reward_fn(*args).astype(jnp.float32)
+  return with_turn_rewards(r, scores)
+
+
+def with_turn_rewards(r: Rollout, scores: Array) -> Array:
+  """The step's scores [B]: an outcome score, plus a multi-turn episode's turn rewards (every
+  reward path, traced or on the host, hands ``learn`` the whole episode's)."""
+  scores = jnp.asarray(scores, jnp.float32)
   return scores if r.turn_rewards is None else scores + episode_return(r)
 
 
@@ -200,7 +207,7 @@ def make_step(models: Models, algorithm: Algorithm, actor_tx, critic_tx,
   if python_reward is not None or host_env is not None:
     def host_score(frozen, r):
       del frozen
-      return jnp.asarray(np.asarray(python_reward(sharding.to_host(r)), np.float32))
+      return with_turn_rewards(r, np.asarray(python_reward(sharding.to_host(r)), np.float32))
     return Step(None, rollout_fn, host_score if python_reward else compiled(score), learn_fn,
                 host_env is not None)
   fused_out = None if out is None else (state_shardings, None, None, None)

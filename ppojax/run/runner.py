@@ -18,6 +18,7 @@ from ppojax.infra import compile as compile_lib
 from ppojax.infra import hostmem
 from ppojax.infra import sharding as sharding_lib
 from ppojax.infra.signals import StopSignals
+from ppojax.learner import step as step_lib
 from ppojax.learner import update as update_lib
 from ppojax.models import lora, save_model
 from ppojax.run import baselines, held_out, loop_state, reporting
@@ -52,8 +53,9 @@ def iteration(run: Run, state, prompts: Prompts, records: list[dict] | None = No
       r = jax.block_until_ready(hostmem.compiled_call(step.rollout, *args))
     t1 = time.perf_counter()
     if run.host_reward is not None:
-      scores = jnp.asarray(run.host_reward(sharding_lib.to_host(r), per_sample(
-          records, run.sampling.num_samples_per_prompt)), jnp.float32)
+      host = run.host_reward(sharding_lib.to_host(r),
+                             per_sample(records, run.sampling.num_samples_per_prompt))
+      scores = step_lib.with_turn_rewards(r, host)
     else:
       with compile_lib.program("score"):
         scores = jax.block_until_ready(hostmem.compiled_call(step.score, frozen, r))
