@@ -41,6 +41,8 @@ def get_config() -> ml_collections.ConfigDict:
   c.eval.batch_size = 64
   c.eval.metrics = ml_collections.ConfigDict(
       {"accuracy": "ppojax.tasks.arith:accuracy", "score": "ppojax.tasks.arith:reward"})
+  # the start also instructed (eval.json "before_instructed"; added after docs/multiturn.md's runs)
+  c.eval.baselines = ml_collections.ConfigDict({"instructed": "Reply with just the number."})
 
   c.sampling.max_new_tokens = 40  # a call is about 30 tokens
   c.sampling.temperature = 0.7

@@ -42,7 +42,7 @@ def _keys(node: ml_collections.ConfigDict, prefix: str = "") -> set[str]:
 
 
 # the columns a task's records carry that its functions need (besides prompts, completions)
-COLUMNS = {"arith": ("answer",), "file": ("answer",),
+COLUMNS = {"arith": ("answer",), "calc": ("answer",), "file": ("answer",), "guess_number": (),
            "reasoning_gym": ("answer", "entry", "rg_dataset", "rg_options", "rg_extract")}
 
 

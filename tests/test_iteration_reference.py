@@ -329,7 +329,7 @@ def _miswired(monkeypatch, module, name, wrap):
 
 MISWIRINGS = {
     # log π_old and log π_ref exchanged in the rollout
-    "swapped_old_ref": (step_lib, "rollout", lambda f: lambda *a, **k: (lambda r: r._replace(
+    "swapped_old_ref": (step_lib, "passes_on", lambda f: lambda *a, **k: (lambda r: r._replace(
         old_logp=r.ref_logp, ref_logp=r.old_logp))(f(*a, **k))),
     # each minibatch takes the rows after its own
     "wrong_minibatch_rows": (update_lib, "take_rows", lambda f: lambda exp, idx: f(

@@ -64,7 +64,7 @@ def test_int_for_float_is_fine():
 @pytest.mark.parametrize("name, value, message", [
     ("reward.kind", "txt", r"reward\.kind='txt' is not one of 'jax', 'python', 'text', 'model'"),
     ("rl.aggregation", "mean", r"rl\.aggregation='mean' is not one of"),
-    ("data.task", "gsm8k", r"data\.task='gsm8k' is not one of 'count', 'arith', 'file'"),
+    ("data.task", "gsm8k", r"data\.task='gsm8k' is not one of 'count', 'arith', 'calc', 'file'"),
 ])
 def test_unknown_choices(name, value, message):
   section, field = name.split(".")

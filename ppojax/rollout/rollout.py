@@ -143,8 +143,9 @@ def passes_on(policy: nn.Module, critic: nn.Module | None, actor, reference_para
             "values": response_values(critic, critic_params, *args, prefix)
                       if old_values and critic is not None else None}
 
-  out = map_rows(passes, rows, micro_batches, prompts.prefix)  # multi-turn: policy tokens only
-  out = {k: None if v is None else jnp.where(gen.mask, v, 0.0) for k, v in out.items()}
+  out = map_rows(passes, rows, micro_batches, prompts.prefix)
+  if turns:  # the passes attended to ``seen``: keep the policy's tokens
+    out = {k: None if v is None else jnp.where(gen.mask, v, 0.0) for k, v in out.items()}
   old = out["old"]  # None: not computed here
   if old_logp == "sampler":
     old = gen.logprobs  # 0 off the mask, like the recomputed log-probs
