@@ -10,7 +10,6 @@ import time
 from typing import Any, NamedTuple
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from ppojax.data.batch import Prompts
