@@ -231,7 +231,8 @@ def test_tool_calls_bad_and_good_each_answer_and_are_counted():
   answers = env.step(0, actions, [True] * 7)
   assert time.perf_counter() - t0 < 3  # the slow tool was not waited for
   texts = [_CharTokenizer().decode(a.ids) for a in answers]
-  assert texts[0] == "\n9716\n" and answers[0].info == {"tool_calls": 1, "tool_errors": 0}
+  assert texts[0] == "\n9716\n"
+  assert answers[0].info == {"tool_calls": 1, "tool_errors": 0, "results_cut": 0}
   for i, why in ((1, "could not be read"), (2, "no tool named 'nope'"), (3, "bad arguments"),
                  (4, "boom failed: RuntimeError: kaput"), (5, "took longer than 0.5 s")):
     assert why in texts[i] and texts[i].strip().startswith("error:"), (i, texts[i])
@@ -272,3 +273,20 @@ def test_the_calculator_refuses_hostile_input_quickly(hostile):
   out = calculator.calculate(hostile)
   assert out.startswith("error:"), out
   assert time.perf_counter() - t0 < 0.5
+
+
+def test_a_long_tool_result_is_cut_inside_its_frame():
+  """A result longer than the observation budget keeps its start, marked "…", and the frame's
+  end (the next turn's prompt), counted in ``results_cut``."""
+
+  def long_text() -> str:
+    """Returns a long text."""
+    return "x" * 500
+
+  env = ToolEnv({"long_text": long_text}, _CharTokenizer(), max_turns=2, obs_tokens=40,
+                chat_template=False)
+  answer = env.step(0, [_ids('<tool_call>{"name": "long_text", "arguments": {}}</tool_call>')],
+                    [True])[0]
+  text = _CharTokenizer().decode(answer.ids)
+  assert len(answer.ids) <= 40 and text.startswith("\nxxx") and text.endswith("…\n")
+  assert answer.info["results_cut"] == 1 and answer.info["tool_errors"] == 0

@@ -93,10 +93,24 @@ class ToolEnv:
     f = tool_format(self.fmt)
     shown = "\n".join(f"{f.result_open}{r}{f.result_close}" if self.role == "user" else r
                       for r in results)
-    obs = observation_ids(self.tokenizer, shown, end_of_turn=self.end_of_turn, role=self.role,
-                          chat_template=self.chat_template,
-                          chat_template_kwargs=self.chat_template_kwargs)
-    return HostAnswer(obs, info={"tool_calls": len(calls), "tool_errors": errors})
+    obs, cut = self.framed(shown)
+    return HostAnswer(obs, info={"tool_calls": len(calls), "tool_errors": errors,
+                                 "results_cut": int(cut)})
+
+  def framed(self, text: str) -> tuple[list[int], bool]:
+    """(the ids of ``text`` as the tool's message, whether the text was cut to fit): a message
+    over ``obs_tokens`` keeps the frame (the next turn's generation prompt included) and as
+    much of the text's start as fits, marked with "…"."""
+    frame = lambda t: observation_ids(  # noqa: E731
+        self.tokenizer, t, end_of_turn=self.end_of_turn, role=self.role,
+        chat_template=self.chat_template, chat_template_kwargs=self.chat_template_kwargs)
+    ids = frame(text)
+    cut = False
+    while len(ids) > self.obs_tokens and text:
+      keep = max(0, len(text) * self.obs_tokens // len(ids) - 2)
+      text, cut = (text[:keep] + "…") if keep else "", True
+      ids = frame(text)
+    return ids, cut
 
   def run(self, call: dict) -> tuple[str, bool]:
     """(the result's text, whether the call succeeded) of one parsed call."""
