@@ -12,20 +12,21 @@ configs/calculator_no_tool.py is the same run without the tool (the baseline of
 docs/multiturn.md).
 """
 
+import pathlib
+import runpy
+
 import ml_collections
 
 from ppojax.envs.calculator import tool_prompt
-from ppojax.run.config import defaults
 
 
 def get_config() -> ml_collections.ConfigDict:
-  c = defaults()
+  quickstart = runpy.run_path(str(pathlib.Path(__file__).with_name("quickstart.py")))
+  c = quickstart["get_config"]()  # reward, metrics, instructed baseline, PPO settings
   c.num_iterations = 5
   c.sample_every = 5
   c.save_every = 5
-
   c.model.policy = "runs/sft_calc/policy"
-  c.model.critic_init = "policy"
 
   c.data.task = "calc"
   c.data.system = tool_prompt()
@@ -36,21 +37,9 @@ def get_config() -> ml_collections.ConfigDict:
   c.env.tool_format = "qwen3"
   c.env.max_turns = 3  # a call, the answer, one spare
   c.env.obs_tokens = 16  # the tool's message: the result framed by the chat template
-  c.reward.kind = "text"  # the final answer's exact match, on the policy's turns
-  c.reward.fn = "ppojax.tasks.arith:reward"
   c.eval.batch_size = 64
-  c.eval.metrics = ml_collections.ConfigDict(
-      {"accuracy": "ppojax.tasks.arith:accuracy", "score": "ppojax.tasks.arith:reward"})
-  # the start also instructed (eval.json "before_instructed"; added after docs/multiturn.md's runs)
-  c.eval.baselines = ml_collections.ConfigDict({"instructed": "Reply with just the number."})
+  c.eval.group_by = ""
 
   c.sampling.max_new_tokens = 40  # a call is about 30 tokens
-  c.sampling.temperature = 0.7
-
   c.rl.batch_size = 16
-  c.rl.num_epochs = 1
-  c.rl.num_minibatches = 4
-  c.rl.kl_coef = 0.02
-  c.optim.actor.update(lr=5e-6, warmup_steps=4, decay="constant")
-  c.optim.critic.update(lr=2e-5, warmup_steps=4, decay="constant")
   return c
