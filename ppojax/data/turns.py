@@ -19,6 +19,11 @@ from ppojax.data.records import DataError
 _MARK = "PPOJAX_TURN_MARK"  # stands for the policy's turn in the rendered conversation
 
 
+def end_of_turn(tokenizer, stop_ids) -> str:
+  """The text of the stop token that ends the policy's turn (the first of ``stop_ids``)."""
+  return tokenizer.decode([stop_ids[0]])
+
+
 def observation_ids(tokenizer, text: str, *, end_of_turn: str, role: str = "user",
                     chat_template: bool = True, chat_template_kwargs: Mapping | None = None
                     ) -> list[int]:

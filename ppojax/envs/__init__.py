@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import importlib
 
+from ppojax.data.turns import end_of_turn
 from ppojax.envs import count_turns, guess_number, tools
 
 TRACED = {"count_turns": count_turns.make, "guess_number": guess_number.make}
@@ -33,7 +34,7 @@ def make_tools(config, tokenizer, sampling) -> tools.ToolEnv:
   if not fns:
     raise ValueError("env.name='tools' needs env.tools, e.g. "
                      "'ppojax.envs.calculator:calculate'")
-  end = tokenizer.decode([sampling.stop_ids[0]])
+  end = end_of_turn(tokenizer, sampling.stop_ids)
   return tools.ToolEnv({fn.__name__: fn for fn in fns}, tokenizer, e.max_turns, e.obs_tokens,
                        e.tool_format, end, chat_template=d.chat_template,
                        chat_template_kwargs=d.get("chat_template_kwargs"))

@@ -68,14 +68,14 @@ class GuessNumber:
 def make(config, tokenizer, sampling) -> GuessNumber:
   """``env.name = "guess_number"``: the range from ``env.low`` / ``env.high``, the answers framed
   by the tokenizer's chat template after the policy's stop token."""
-  from ppojax.data.turns import observation_ids  # the host side: tokenizer and template
+  from ppojax.data.turns import end_of_turn, observation_ids  # the host side: tokenizer, template
   if tokenizer is None:
     raise ValueError("env.name='guess_number' needs the policy's tokenizer (model.tokenizer)")
   e, d = config.env, config.data
   low, high = int(e.get("low", 1)), int(e.get("high", 20))
   if not 0 <= low < high:
     raise ValueError(f"guess_number needs 0 <= env.low < env.high, got {low}, {high}")
-  end = tokenizer.decode([sampling.stop_ids[0]])
+  end = end_of_turn(tokenizer, sampling.stop_ids)
   ids = [observation_ids(tokenizer, a.format(low=low, high=high), end_of_turn=end,
                          chat_template=d.chat_template,
                          chat_template_kwargs=d.get("chat_template_kwargs"))

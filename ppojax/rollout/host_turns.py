@@ -52,6 +52,11 @@ class HostEnv(Protocol):
     """Answers to the turn's action token ids, one per row (rows not ``live`` are ignored)."""
 
 
+def on_host(env) -> bool:
+  """Whether ``env`` is a host environment (``HostEnv``) rather than a traced ``TokenEnv``."""
+  return bool(getattr(env, "on_host", False))
+
+
 @functools.lru_cache(maxsize=16)
 def _layout(module: nn.Module, layers: str):
   """(jitted params → decode-layout params, a holder of the decode module, filled on the first
@@ -70,7 +75,7 @@ def _start(module, params, prompts, prompt_mask, prefix, slots: int, n: int) -> 
   return multiturn.start(apply, module.cfg, prompts, prompt_mask, prefix, slots, n)
 
 
-@functools.partial(jax.jit, static_argnames=("module", "size", "config"))
+@functools.partial(jax.jit, static_argnames=("module", "size", "config"), donate_argnums=(2,))
 def _decode(module, params, carry: Carry, base, key, size: int, config: SamplingConfig):
   apply = functools.partial(module.apply, {"params": params})
   return multiturn.decode_turn(apply, module.cfg, carry, base, size, key, config)

@@ -60,14 +60,19 @@ def attended(r: Rollout) -> Array:
   return r.mask if r.seen is None else r.seen
 
 
+def own_rows(prompts: Prompts) -> tuple[Array, Array]:
+  """The prompts' tokens and mask after their shared prefix (all of them without one)."""
+  if prompts.prefix is None:
+    return prompts.tokens, prompts.mask
+  return without_prefix(prompts.tokens, prompts.mask, prompts.prefix.shape[0])[:2]
+
+
 def sample(sampler: nn.Module, params, prompts: Prompts, key: Array, sampling: SamplingConfig,
            env: TokenEnv | None = None) -> Generation | Trajectory:
   """The generation of ``prompts``: one response per sample (``sampling.generate``), or with
   ``env`` a whole episode (``multiturn.generate_turns``); the shared prefix's prefill runs
   once."""
-  tokens, mask = prompts.tokens, prompts.mask
-  if prompts.prefix is not None:
-    tokens, mask, _ = without_prefix(tokens, mask, prompts.prefix.shape[0])
+  tokens, mask = own_rows(prompts)
   if env is None:
     return generate(sampler, params, tokens, mask, key, sampling, prefix=prompts.prefix)
   return generate_turns(sampler, params, tokens, mask, key, sampling, env, prefix=prompts.prefix)
@@ -77,9 +82,7 @@ def sample_on_host(sampler: nn.Module, params, prompts: Prompts, key: Array,
                    sampling: SamplingConfig, env: HostEnv, records: list[dict] | None = None
                    ) -> tuple[Trajectory, int]:
   """``sample`` with an environment on the host (``host_turns``): (episodes, round trips)."""
-  tokens, mask = prompts.tokens, prompts.mask
-  if prompts.prefix is not None:
-    tokens, mask, _ = without_prefix(tokens, mask, prompts.prefix.shape[0])
+  tokens, mask = own_rows(prompts)
   return host_turns(sampler, params, tokens, mask, key, sampling, env, prompts.prefix, records)
 
 

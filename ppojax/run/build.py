@@ -28,6 +28,7 @@ from ppojax.infra.trees import cast_floats
 from ppojax.learner import state as state_lib
 from ppojax.learner import step as step_lib
 from ppojax.models import CausalLM, LoadedModel, ValueModel, lora, partition_rules
+from ppojax.rollout.host_turns import on_host
 from ppojax.rollout.sampling import SamplingConfig
 from ppojax.run import checks as checks_lib
 from ppojax.run import models as models_lib
@@ -119,7 +120,7 @@ def build(config, *, devices=None, abstract: bool = False) -> Run:
   frozen = _frozen(config, state, reward_params)
   sampling = sampling_config(config, policy)
   host_env = None
-  if getattr(models.env, "on_host", False):  # a host environment: out of the static models
+  if on_host(models.env):  # a host environment: out of the static models
     models, host_env = dataclasses.replace(models, env=None), models.env
   step = step_lib.make_step(models, algorithm, txs["actor"], txs["critic"], schedules["actor"],
                             sampling, config.rl, python_reward=python_reward,

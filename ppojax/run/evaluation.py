@@ -22,7 +22,7 @@ from ppojax.data import encoding
 from ppojax.infra import sharding
 from ppojax.models.passes import model_scores
 from ppojax.rollout.sampling import SamplingConfig, generate
-from ppojax.rollout.host_turns import host_turns
+from ppojax.rollout.host_turns import host_turns, on_host
 from ppojax.rollout.multiturn import generate_turns
 from ppojax.tasks.sources import call_text_fn, decode_text, turns_text
 
@@ -42,7 +42,7 @@ def _generate(module, params, tokens, mask, key, sampling):
 
 def _episodes(module, params, tokens, mask, key, sampling, env, records):
   """Whole episodes with ``env`` (multi-turn): traced, or on the host."""
-  if getattr(env, "on_host", False):
+  if on_host(env):
     return host_turns(module, params, tokens, mask, key, sampling, env, records=records)[0]
   return generate_turns(module, params, tokens, mask, key, sampling, env)
 
