@@ -165,3 +165,42 @@ def test_micro_batches_add_up_to_the_batch_under_the_loss_mask():
   _assert_close(_params(one), _params(two), rtol=2e-4, atol=2e-6)
   for name in ("loss/policy_avg", "loss/value_avg", "rollout/rejected_tokens"):
     assert rows2[0][name] == pytest.approx(rows[0][name], rel=1e-4, abs=1e-7)
+
+
+def test_the_sequence_weight_spans_the_whole_response_under_token_rejection():
+  """rl.tis_level="sequence" with rl.reject="token" (verl's rollout_corr_helper): each response's
+  weight is min(π_old(y)/π_sampler(y), C) over all its tokens, also those token rejection took
+  out of the loss; the loss is the token mean, over the kept tokens, of weight × PPO's clipped
+  term. Written out as a loop here; the product over the kept tokens alone gives another loss."""
+  from ppojax.learner.loss import clipped_loss
+  old, sampler, mask = _logps(5, b=4, t=6)
+  mask[2] = True
+  rng = np.random.default_rng(1)
+  logp = old + rng.uniform(-0.4, 0.4, old.shape)
+  adv = np.repeat(rng.normal(size=(4, 1)), 6, axis=1) * mask
+  config = toy_config(**{"algorithm": "grpo", "rl.batch_size": 2,
+                         "sampling.num_samples_per_prompt": 2, "rl.reject": "token",
+                         "rl.reject_low": 0.8, "rl.reject_high": 1.25, "rl.tis_cap": 2.0,
+                         "rl.tis_level": "sequence", "rl.clip_eps": 0.2,
+                         "rl.aggregation": "token_mean"})
+  cfg, algorithm = algorithms.resolve(config).rl, algorithms.from_config(config)
+  r = _rollout(mask, np.ones(4, bool), old, sampler)
+  keep = np.asarray(experience.filters(r, cfg)[0])
+  assert 0 < (mask & ~keep).sum() and (mask.sum(1) > keep.sum(1)).any()  # rejection bites
+
+  def numpy_loss(weight_mask):
+    total, count = 0.0, 0
+    for i in range(4):
+      w = min(np.exp(sum(old[i, t] - sampler[i, t] for t in range(6) if weight_mask[i, t])), 2.0)
+      for t in range(6):
+        if keep[i, t]:
+          rho = np.exp(logp[i, t] - old[i, t])
+          total += w * max(-adv[i, t] * rho, -adv[i, t] * np.clip(rho, 0.8, 1.2))
+          count += 1
+    return total / count
+
+  exp = experience.Experience(r, jnp.asarray(adv, jnp.float32), None, None, jnp.asarray(keep))
+  z = jnp.zeros(old.shape, jnp.float32)
+  loss, _ = clipped_loss(jnp.asarray(logp, jnp.float32), z, None, exp, algorithm, cfg)
+  assert float(loss) == pytest.approx(numpy_loss(mask), rel=1e-5, abs=1e-6)
+  assert abs(numpy_loss(mask) - numpy_loss(keep)) > 1e-3  # the other convention differs

@@ -94,6 +94,44 @@ def test_cispo_keeps_the_gradient_of_tokens_ppo_clips():
   np.testing.assert_allclose(g_cispo, [[-1.28 / 2, -0.5]], rtol=1e-6)
 
 
+def test_cispo_without_a_floor_weights_small_ratios_by_themselves():
+  """verl's CISPO example sets clip_ratio_low=10: ε_low >= 1 leaves the weight without a floor,
+  w = min(ρ, 1 + ε_high), so a token with ρ = 0.3 is weighted 0.3 (0.8 under ε_low = 0.2) and
+  none counts as clipped from below; the written-out loss agrees."""
+  logp = np.log(np.array([[0.3, 1.0, 1.5]]))
+  old, adv, mask = np.zeros((1, 3)), np.ones((1, 3)), np.ones((1, 3), bool)
+  value, metrics, grad = _ppojax("cispo", logp, old, adv, mask, 10.0, 0.28, "token_mean")
+  np.testing.assert_allclose(grad, [[-0.3 / 3, -1 / 3, -1.28 / 3]], rtol=1e-6)
+  assert metrics["clipfrac"] == pytest.approx(1 / 3)  # the ratio above 1 + ε_high only
+  want, _, want_grad = ref.cispo_loss(logp, old, adv, mask, 10.0, 0.28,
+                                      aggregation="token_mean", max_len=3)
+  np.testing.assert_allclose(value, want, rtol=1e-6)
+  np.testing.assert_allclose(grad, want_grad, rtol=1e-6)
+  floor = _ppojax("cispo", logp, old, adv, mask, 0.2, 0.28, "token_mean")[2]
+  np.testing.assert_allclose(floor[0, 0], -0.8 / 3, rtol=1e-6)
+
+
+@pytest.mark.parametrize("mode", ["clip", "gspo", "gspo_token"])
+def test_a_floor_at_or_below_zero_is_refused_where_the_ratio_is_clipped(mode):
+  """ε_low >= 1 would turn PPO's (and GSPO's) clip off below for negative advantages: refused
+  in the loss and in the config, with the way out named; CISPO takes it."""
+  logp, old, adv, mask = (jnp.zeros((1, 2)),) * 3 + (jnp.ones((1, 2), bool),)
+  with pytest.raises(ValueError, match=r"clip_eps_low=10\.0 must be in \(0, 1\).*cispo"):
+    losses.policy_loss(logp, old, adv, mask, clip_eps_low=10.0,
+                       surrogate=surrogates.SURROGATES[mode])
+  config = build_lib.load_config(_TOY, algorithm="grpo", rl__batch_size=4,
+                                 sampling__num_samples_per_prompt=4, rl__clip_eps_low=10.0)
+  config.rl.loss_mode = mode
+  with pytest.raises(checks.ConfigError, match=r"rl.clip_eps_low=10\.0 must be in \(0, 1\)"):
+    checks.validate(config, num_devices=1)
+  config.rl.loss_mode = "cispo"
+  checks.validate(config, num_devices=1)
+  with pytest.raises(checks.ConfigError, match=r"rl.clip_eps_low=0\.0 must be > 0 with "):
+    checks.validate(build_lib.load_config(_TOY, algorithm="cispo", rl__batch_size=4,
+                                          sampling__num_samples_per_prompt=4,
+                                          rl__clip_eps_low=0.0), num_devices=1)
+
+
 def test_an_unknown_loss_mode_or_dual_clip_beside_another_mode_is_refused():
   with pytest.raises(ValueError, match="rl.loss_mode='gpso': choose one of clip, gspo"):
     surrogates.surrogate("gpso")

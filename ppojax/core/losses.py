@@ -21,7 +21,7 @@ import jax.numpy as jnp
 
 from ppojax.core import kl as kl_lib
 from ppojax.core import ops, surrogates
-from ppojax.core.options import check_option
+from ppojax.core.options import check_option, clip_floor_option
 
 Array = jax.Array
 
@@ -48,8 +48,8 @@ def policy_loss(
   or a sequence ratio (GSPO) or a clipped-weight REINFORCE term (CISPO); ``dual_clip`` only
   with PPO's. ``is_weight`` w [B, T] (constant; ``correction.is_weight``) multiplies each token's
   term: L = agg(w_t · ℓ_t), the importance correction for tokens sampled by another engine.
-  ``aggregation`` and ``max_len``: ``ops.aggregate``. Checked where given as Python numbers
-  (``_check_policy_options``): ε and ε_low in (0, 1), ε_high > 0, c > 1.
+  ``aggregation`` and ``max_len``: ``ops.aggregate``. Checked where given as Python numbers:
+  ε and ε_low in (0, 1), ε_high > 0, c > 1 (with CISPO any ε_low > 0: >= 1 is no floor).
 
   Args:
     logp: [B, T] log-probs under the current policy (differentiated).
@@ -65,7 +65,7 @@ def policy_loss(
   """
   chex.assert_rank([logp, old_logp, advantages, mask], 2)
   chex.assert_equal_shape([logp, old_logp, advantages, mask])
-  _check_policy_options(clip_eps, clip_eps_low, clip_eps_high, dual_clip)
+  _check_policy_options(clip_eps, clip_eps_low, clip_eps_high, dual_clip, surrogate)
   if dual_clip is not None and surrogate is not surrogates.token_clip:
     raise ValueError("dual_clip caps PPO's token-ratio term only: set it to None with another "
                      "loss mode (rl.loss_mode)")
@@ -102,12 +102,14 @@ def _dual_clip(per_token: Array, adv: Array, dual_clip: float | None) -> tuple[A
 
 
 def _check_policy_options(clip_eps=0.2, clip_eps_low=None, clip_eps_high=None,
-                          dual_clip=None) -> None:
+                          dual_clip=None, surrogate=surrogates.token_clip) -> None:
   """``ValueError`` for a clipped-surrogate option that is a Python number out of its range
-  (``options.OPTION_RANGES``)."""
-  for name, value in (("clip_eps", clip_eps), ("clip_eps_low", clip_eps_low),
-                      ("clip_eps_high", clip_eps_high), ("dual_clip", dual_clip)):
+  (``options.OPTION_RANGES``; ε_low's under the surrogate: ``options.clip_floor_option``)."""
+  for name, value in (("clip_eps", clip_eps), ("clip_eps_high", clip_eps_high),
+                      ("dual_clip", dual_clip)):
     check_option(name, value)
+  check_option("clip_eps_low", clip_eps_low,
+               clip_floor_option("cispo" if surrogate is surrogates.cispo else "clip"))
 
 
 def value_loss(

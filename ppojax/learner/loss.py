@@ -132,11 +132,13 @@ def clipped_loss(logp, entropy, values, exp: Experience, algorithm: Algorithm, c
   (``experience.loss_tokens``; no value term where ``values`` is None, a KL term where the
   experience carries its β), each token's policy term weighted by the truncated ratio
   min(π_old/π_sampler, ``cfg.tis_cap``), per token or per sequence (``cfg.tis_level``;
-  ``correction.is_weight``) where a cap is set."""
+  ``correction.is_weight``) where a cap is set. The weights are taken over the whole response
+  mask, so a sequence's is its ratio π_old(y)/π_sampler(y) even where ``rl.reject`` took some
+  of its tokens out of the loss (verl's ``rollout_corr_helper`` does the same)."""
   r, mask = exp.rollout, loss_tokens(exp)
   weight, tis = None, {}
   if cfg.get("tis_cap") is not None:
-    weight, tis = correction.is_weight(r.old_logp, r.sampler_logp, mask, cfg.tis_cap,
+    weight, tis = correction.is_weight(r.old_logp, r.sampler_logp, r.mask, cfg.tis_cap,
                                        cfg.get("tis_level", "token"))
     tis = {f"policy/{k}": v for k, v in tis.items() if k != "mismatch"}
   loss, metrics = losses.ppo_loss(

@@ -183,7 +183,8 @@ OPTIONAL = ("clip_eps_low", "clip_eps_high", "dual_clip", "value_clip")  # None:
 RANGES = (
     # the loss options: their ranges and messages are the losses' (options.OPTION_RANGES)
     *((f"rl.{name}", (lambda v, ok=ok: v is None or ok(v)) if name in OPTIONAL else ok, why)
-      for name, (ok, why) in options.OPTION_RANGES.items()),
+      for name, (ok, why) in options.OPTION_RANGES.items()
+      if not name.startswith("clip_eps_low")),  # the loss mode's range: check_algorithm
     ("rl.gamma", lambda v: 0 <= v <= 1, "must be in [0, 1] (the discount; 1 is usual for LMs)"),
     ("rl.lam", lambda v: 0 <= v <= 1, "must be in [0, 1] (GAE's λ; 0.95 is usual)"),
     ("rl.score_clip", lambda v: v is None or v > 0,

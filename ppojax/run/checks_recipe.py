@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import ml_collections
 
-from ppojax.core import algorithms
+from ppojax.core import algorithms, options
 
 
 class ConfigError(ValueError):
@@ -34,6 +34,12 @@ def check_algorithm(config: ml_collections.ConfigDict) -> None:
     except ValueError as e:
       raise ConfigError(f"lora.targets={config.lora.targets!r}: {e}") from None
   rl = algorithms.resolve(config).rl
+  if rl.get("clip_eps_low") is not None:  # (0, 1), or any > 0 for CISPO (no floor)
+    try:
+      options.check_option("rl.clip_eps_low", rl.clip_eps_low,
+                           options.clip_floor_option(rl.loss_mode))
+    except ValueError as e:
+      raise ConfigError(str(e)) from None
   n = config.sampling.get("num_samples_per_prompt", 1)
   if algorithms.from_config(config).needs_groups and n < 2:
     raise ConfigError(

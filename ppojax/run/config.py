@@ -202,7 +202,7 @@ def defaults() -> ml_collections.ConfigDict:
   c.rl.lam = 0.95
   c.rl.clip_eps = 0.2
   # asymmetric clip: the ratio is clipped to [1 − clip_eps_low, 1 + clip_eps_high] (None: clip_eps;
-  # DAPO's clip-higher is 0.2 / 0.28)
+  # DAPO's clip-higher is 0.2 / 0.28; with loss_mode "cispo", clip_eps_low >= 1 is no floor)
   c.rl.clip_eps_low = config_dict.placeholder(float)
   c.rl.clip_eps_high = config_dict.placeholder(float)
   c.rl.dual_clip = config_dict.placeholder(float)
