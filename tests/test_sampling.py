@@ -643,7 +643,7 @@ def test_first_argmax_takes_the_first_of_tied_maxima():
 
 
 def test_inverse_cdf_over_several_blocks_matches_the_probabilities():
-  """V = 1000: four 256-token blocks (the last one padded); frequencies of 40 000 draws from a
+  """V = 1000: four 250-token blocks (``draw.cdf_block``); frequencies of 40 000 draws from a
   peaked distribution with zero-probability tokens pass a chi-square test, and no zero-weight
   token is ever drawn."""
   rng = np.random.default_rng(1)
@@ -661,12 +661,12 @@ def test_inverse_cdf_over_several_blocks_matches_the_probabilities():
 
 def test_inverse_cdf_lands_on_positive_weights_at_both_ends():
   """u = 1 (the top of the CDF) and u = the smallest normal float, on 4096 rows of weights
-  spanning twelve orders of magnitude whose blocks start and end with zeros, with a padded last
-  block: every token is in range and of positive weight — the first positive one, and the last
+  spanning twelve orders of magnitude whose blocks (of 250, ``draw.cdf_block``) start and end with
+  zeros: every token is in range and of positive weight — the first positive one, and the last
   unless its weight is below float32 rounding of the total. (Without the clip to the block's positive weights, u = 1 sent 1592 rows past the vocabulary and
   u = tiny 72 rows to a zero weight.) Interior u agree with a float64 reference."""
   rng = np.random.default_rng(0)
-  rows, vocab = 4096, 1000  # blocks of 256: the last one is [768, 1000), padded
+  rows, vocab = 4096, 1000  # blocks of 250 (``draw.cdf_block``)
   weights = (rng.gamma(0.5, size=(rows, vocab)) * rng.lognormal(0, 3, (rows, 1))).astype(
       np.float32)
   weights[:, :3] = weights[:, 250:262] = weights[:, 990:] = 0.0
