@@ -1,4 +1,4 @@
-"""Seconds per GRPO iteration of ppojax and of trl 0.17's ``GRPOTrainer``, side by side in one run.
+"""Seconds per GRPO iteration of ppojax and of trl's ``GRPOTrainer`` (0.17 and 1.16), in one run.
 
 SmolLM2-135M-Instruct (``model.policy = "smollm2"``) is the policy and, frozen, the reference.
 The task is ppojax's arithmetic (``ppojax.tasks.arith``): ``--prompts`` two-digit problems from the
@@ -11,7 +11,8 @@ against the reference; one optimizer step per batch (1 epoch, 1 minibatch, no ac
 
     python benchmarks/grpo_step.py [--prompts 16] [--samples 4] [--response-length 32]
         [--iterations 3] [--warmup 1] [--no-shared-prefix] [--no-equal-work] [--no-trl]
-        [--trl-env DIR] [--tunix] [--tunix-env DIR] [--ppo-rss]
+        [--trl-versions 0.17 1.16 1.16-shipped] [--trl-env DIR] [--trl116-env DIR] [--tunix]
+        [--tunix-env DIR] [--ppo-rss]
 
 What one ppojax iteration runs (``runner.iteration`` with a host reward: three compiled
 functions and a host round trip; ``config.algorithm = "grpo"``, float32):
@@ -26,15 +27,25 @@ functions and a host round trip; ``config.algorithm = "grpo"``, float32):
   and one AdamW step (weight decay 0).
 
 trl's iteration (``benchmarks/trl_grpo.py``, in trl's own environment, ``trl_ppo.ensure_env``)
-runs the same passes, with these differences: it prefills each of the B·n rows in full (no
+runs under each version of ``--trl-versions`` (default both: trl 0.17 with transformers 4.51 in
+the environment ``--trl-env``, trl 1.16 with transformers 5.25 in ``--trl116-env``; each made
+under ``~/.cache/ppojax`` on first use; ``grpo_peers.py`` runs them), one after the other, each
+in its own process, on the same weights, prompt ids and settings. Both versions run the same
+passes (``trl_grpo.py``'s docstring lists what trl 1.16 changed and what it sets to run 0.17's
+work: ``loss_type`` "grpo", no gradient checkpointing, the KL term without 1.16's importance-ratio
+factor, the fused LM head on the completion positions only), with these differences from
+ppojax: it prefills each of the B·n rows in full (no
 prefill shared by a prompt's samples, no shared header); its group advantages divide by
-std + 1e-4 (ppojax: + 1e-6); its decode is Hugging Face ``generate`` with a dynamic KV cache.
-Like ppojax it runs no old log-probs pass (trl 0.17 computes them only when num_iterations > 1;
-its ratio's denominator is the update's own detached log-probs) and it runs the LM head on the
-completion positions only in the reference forward and the update (``logits_to_keep``). Both
+std + 1e-4 (ppojax: + 1e-6); its decode is Hugging Face ``generate`` with a dynamic KV cache;
+trl 1.16's fused LM head recomputes its projection in the backward and computes the entropy.
+Like ppojax it runs no old log-probs pass (trl computes them only when num_iterations > 1, or
+with vLLM; its ratio's denominator is the update's own detached log-probs) and it runs the LM
+head on the completion positions only in the reference forward and the update (0.17:
+``logits_to_keep``; 1.16: its fused LM head, as on CUDA, see ``trl_grpo.py``). Both
 clip the gradient at norm 1 and take one AdamW step with weight decay 0 at a constant lr; both
 run float32 on every core. trl runs in a subprocess before ppojax builds anything, so the two
-processes' memory never adds up.
+processes' memory never adds up. trl 1.16 has no PPO trainer, so ``ppo_step.py``'s trl peer
+stays trl 0.17.
 
 ``--tunix`` (off by default) also times Google's tunix 0.1.7 ``GRPOLearner`` on the same weights,
 prompt ids, lengths, temperature, β and reward (``benchmarks/tunix_grpo.py``, in the environment
@@ -52,7 +63,18 @@ seconds, model FLOPs (``flops.model_flops``: the reference forward and the updat
 or reward model) and peak memory; the JSON line's ``rows`` lists them and its flat keys name
 each ratio's pair: ``ratio_vs_trl_default`` / ``ratio_vs_trl_equal_work`` (peer seconds /
 ppojax seconds) and ``memory_vs_trl_default`` / ``memory_vs_trl_equal_work`` (ppojax peak /
-peer peak), likewise for tunix; ``speedup`` and ``tunix_ratio`` stay the default row's.
+peer peak), likewise for trl 1.16 (``..._vs_trl116_...``) and tunix; ``speedup`` (trl 0.17),
+``trl116_ratio`` and ``tunix_ratio`` stay the default row's.
+
+The JSON's keys per peer (``grpo_peers.py``): trl 0.17 keeps the keys of the figures taken
+before trl 1.16 (``trl_seconds_per_iteration``, ``speedup``, ``trl_peak_rss_mb``,
+``trl_mean_reward``, its whole JSON under ``trl``, its trl / transformers / torch versions flat
+in ``versions``); trl 1.16 has the same under the prefix ``trl116`` (``trl116_seconds_per_iteration``,
+``trl116_ratio``, ``trl116_peak_rss_mb``, ``trl116_mean_reward``, ``trl116``,
+``versions.trl116``); "1.16-shipped" (in the default ``--trl-versions``) runs trl 1.16 a second
+time as a user gets it on a CPU, its LM head over every position (``--all-positions-lm-head``),
+under the prefix ``trl116_shipped``; ``trl_versions`` lists the versions run. A peer not run has
+None.
 Every response must be exactly ``--response-length`` tokens on every side: ppojax checks each
 iteration's rollout, ``trl_grpo.py`` and ``tunix_grpo.py`` theirs, and a length that differs
 ends the run.
@@ -61,8 +83,8 @@ Timing: ppojax's first ``--warmup`` iterations (the first compiles) are not coun
 trl's; ``seconds_per_iteration`` is the median of the next ``--iterations``, each from the
 start of sampling to the end of the update (metrics copied to the host). ``peak_rss_mb`` is
 this process's peak resident set (``VmHWM``: ``hostmem.peak_rss_mb``) after the timed
-iterations (the model's load and Hugging Face export included); ``trl_peak_rss_mb`` the trl
-process's. ``--ppo-rss`` also runs one PPO
+iterations (the model's load and Hugging Face export included); ``trl_peak_rss_mb`` and
+``trl116_peak_rss_mb`` the trl processes'. ``--ppo-rss`` also runs one PPO
 iteration of configs/quickstart.py's shape (32 prompts × 32 tokens, critic, 4 minibatches) in a
 fresh process and reports its ``VmHWM`` as ``ppo_quickstart_peak_rss_mb``. The last line is
 a JSON object. Like the CLI, the script restarts itself once with glibc's huge-page tunable
@@ -79,7 +101,6 @@ import pathlib
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from importlib import metadata
 
@@ -89,18 +110,15 @@ import numpy as np
 from ppojax.infra import hostmem
 from ppojax.infra.flops import model_flops
 from ppojax.learner import update as update_lib
-from ppojax.models import load_model, save_model
+from ppojax.models import load_model
 from ppojax.run import build as build_lib
 from ppojax.run import runner
 from ppojax.tasks import arith
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 # pylint: disable=wrong-import-position
+import grpo_peers  # noqa: E402
 import scale_table  # noqa: E402
-import trl_grpo  # noqa: E402
-import trl_ppo  # noqa: E402
-import tunix_grpo  # noqa: E402
-import tunix_ppo  # noqa: E402
 from ppo_step import (  # noqa: E402
   CONFIGS,
   check_rollout,
@@ -110,13 +128,12 @@ from ppo_step import (  # noqa: E402
   print_rows,
   row_name,
   run_json,
-  tunix_rss_limit,
 )
 
 PROMPT_LENGTH = 40  # a two-digit problem through SmolLM2's chat template
 # The ppojax flag under which it runs each peer's passes (as far as a flag reaches: see the
 # docstring): every row whole.
-EQUAL_WORK = {"trl": {"shared_prefix": False}, "tunix": {"shared_prefix": False}}
+EQUAL_WORK = {peer: {"shared_prefix": False} for peer in grpo_peers.RATIO_KEYS}
 ROW_FLAGS = ("shared_prefix",)
 ROW_RESULTS = ("seconds_per_iteration", "iterations", "model_tflop_per_iteration",
                "whole_rows_tflop_per_iteration", "peak_rss_mb", "warmup_seconds")
@@ -147,30 +164,6 @@ def make_config(args):
   c.rl.num_epochs = c.rl.num_minibatches = c.rl.grad_accum = 1
   c.optim.actor.update(lr=args.lr, warmup_steps=0, decay="constant")
   return c
-
-
-def run_side(script, python: pathlib.Path, policy_dir: str, tokens: np.ndarray,
-             answers: list[str], args, what: str, skip: str = "--no-trl",
-             options: tuple[str, ...] = ()) -> dict:
-  """Another framework's GRPO iteration on the same weights and prompts (``script``, a module
-  of this folder with ``trl_grpo.arguments``' options, and ``options`` beyond them, run in
-  that framework's own environment ``python``): the JSON object it prints last."""
-  cmd = [str(python), str(pathlib.Path(script.__file__)), "--policy", policy_dir,
-         "--num-generations", str(args.samples), "--response-length", str(args.response_length),
-         "--temperature", str(args.temperature), "--beta", str(args.kl_coef), "--iterations",
-         str(args.iterations), "--warmup", str(args.warmup), "--lr", str(args.lr), *options]
-  return run_json(cmd, what, skip, prompts={"token_ids": tokens.tolist(), "answers": answers})
-
-
-def run_trl(python, policy_dir, tokens, answers, args) -> dict:
-  """trl's GRPO iteration (``trl_grpo.py`` in trl's environment)."""
-  return run_side(trl_grpo, python, policy_dir, tokens, answers, args, "trl's GRPOTrainer")
-
-
-def run_tunix(python, policy_dir, tokens, answers, args) -> dict:
-  """tunix's GRPO iteration (``tunix_grpo.py`` in ``tunix_ppo.ensure_env``'s environment)."""
-  return run_side(tunix_grpo, python, policy_dir, tokens, answers, args,
-                  "tunix's GRPOLearner", "--no-tunix", tuple(tunix_rss_limit()))
 
 
 def run_row(args, row: dict) -> dict:
@@ -240,15 +233,7 @@ def main():
                       help="also time ppojax with every row whole (--no-shared-prefix) in a "
                       "fresh process, the peers' work (default)")
   parser.add_argument("--row-child", action="store_true", help=argparse.SUPPRESS)
-  parser.add_argument("--trl", action=argparse.BooleanOptionalAction, default=True,
-                      help="time trl's GRPOTrainer on the same task in this run (default)")
-  parser.add_argument("--trl-env", type=pathlib.Path, default=None,
-                      help=f"its virtual environment (default {trl_ppo.default_env_dir()})")
-  parser.add_argument("--tunix", action=argparse.BooleanOptionalAction, default=False,
-                      help="time tunix's GRPOLearner on the same task in this run "
-                      "(benchmarks/tunix_grpo.py; its docstring lists what differs)")
-  parser.add_argument("--tunix-env", type=pathlib.Path, default=None,
-                      help=f"its virtual environment (default {tunix_ppo.default_env_dir()})")
+  grpo_peers.add_arguments(parser)  # --[no-]trl, --trl-versions, --trl-env, ..., --tunix
   parser.add_argument("--ppo-rss", action="store_true", help="also the peak RSS of one PPO "
                       "iteration of configs/quickstart.py's shape, in a fresh process")
   parser.add_argument("--ppo-rss-child", action="store_true", help=argparse.SUPPRESS)
@@ -267,34 +252,12 @@ def main():
   if not np.asarray(prompts.mask).all():
     raise RuntimeError(f"a prompt is shorter than {PROMPT_LENGTH} tokens: the two sides would "
                        "pad differently")
-  trl = tunix = None
   answers = [p["answer"] for p in problems]
-  if args.trl or args.tunix:  # first, while this process holds no compiled step or TrainState
-    with tempfile.TemporaryDirectory() as tmp:
-      save_model(f"{tmp}/policy", policy)
-      if args.trl:
-        python = trl_ppo.ensure_env(args.trl_env)
-        print(f"trl: {args.iterations} iterations after {args.warmup} warm-up ...", flush=True)
-        trl = run_trl(python, f"{tmp}/policy", np.asarray(prompts.tokens), answers, args)
-        print(f"trl {trl['trl']} GRPOTrainer (transformers {trl['transformers']}, torch "
-              f"{trl['torch']}, {trl['threads']} threads): {trl['seconds_per_iteration']:.2f} "
-              f"s/iteration (median of {', '.join(f'{x:.2f}' for x in trl['iterations'])}; "
-              f"warm-up {', '.join(f'{x:.1f}' for x in trl['warmup_seconds'])} s); peak RSS "
-              f"{trl['peak_rss_mb']:.0f} MB", flush=True)
-      if args.tunix:  # likewise, in its own process and environment
-        python = tunix_ppo.ensure_env(args.tunix_env)
-        print(f"tunix: {args.iterations} iterations after {args.warmup} warm-up ...",
-              flush=True)
-        tunix = run_tunix(python, f"{tmp}/policy", np.asarray(prompts.tokens), answers, args)
-        print(f"tunix {tunix['tunix']} GRPOLearner (jax {tunix['jax']}, flax "
-              f"{tunix['flax']}): {tunix['seconds_per_iteration']:.2f} s/iteration (median of "
-              f"{', '.join(f'{x:.2f}' for x in tunix['iterations'])}; warm-up "
-              f"{', '.join(f'{x:.1f}' for x in tunix['warmup_seconds'])} s); peak RSS "
-              f"{tunix['peak_rss_mb']:.0f} MB; shortest completion "
-              f"{tunix['min_completion_length']} tokens", flush=True)
+  # first, while this process holds no compiled step or TrainState
+  peers = grpo_peers.run_peers(args, policy, np.asarray(prompts.tokens), answers)
   del policy
-  peer_names = [p for p in ("trl", "tunix") if getattr(args, p)]
-  rows = plan_rows([None], vars(args), peer_names, args.equal_work, EQUAL_WORK, ROW_FLAGS)
+  rows = plan_rows([None], vars(args), grpo_peers.peer_names(args), args.equal_work,
+                   EQUAL_WORK, ROW_FLAGS)
   for row in rows[1:]:  # each in a fresh process, before this one builds
     print(f"ppojax row {row_name(row)} (shared_prefix={row['shared_prefix']}): a fresh "
           "process ...", flush=True)
@@ -346,41 +309,25 @@ def main():
     print(f"ppojax PPO, configs/quickstart.py's shape, one iteration: peak RSS "
           f"{quickstart['peak_rss_mb']:.0f} MB", flush=True)
 
-  speedup = None if trl is None else trl["seconds_per_iteration"] / seconds
-  if speedup is not None:
-    print(f"trl / ppojax = {trl['seconds_per_iteration']:.2f} / {seconds:.2f} = {speedup:.2f}x; "
-          f"peak RSS trl / ppojax = {trl['peak_rss_mb']:.0f} / {rss:.0f} MB")
-  tunix_ratio = None if tunix is None else tunix["seconds_per_iteration"] / seconds
-  if tunix_ratio is not None:
-    print(f"tunix / ppojax = {tunix['seconds_per_iteration']:.2f} / {seconds:.2f} = "
-          f"{tunix_ratio:.2f}x; peak RSS tunix / ppojax = {tunix['peak_rss_mb']:.0f} / "
-          f"{rss:.0f} MB (benchmarks/tunix_grpo.py lists what differs)")
+  reported = grpo_peers.summary(peers, seconds, rss)  # printed
   rows[0].update(seconds_per_iteration=seconds, iterations=times, warmup_seconds=warm_times,
                  model_tflop_per_iteration=tflop, whole_rows_tflop_per_iteration=whole_tflop,
                  peak_rss_mb=rss)
-  peers = {name: {None: side} for name, side in (("trl", trl), ("tunix", tunix)) if side}
-  ratios = comparisons(rows, peers)
-  print_rows(rows, peers, ratios, ROW_FLAGS)
+  by_critic = {name: {None: side} for name, side in peers.items()}
+  ratios = comparisons(rows, by_critic)
+  print_rows(rows, by_critic, ratios, ROW_FLAGS)
+  versions_run = {**versions(), **reported.pop("versions")}
   print(json.dumps({
       "seconds_per_iteration": seconds, "iterations": times,
       "model_tflop_per_iteration": tflop, "whole_rows_tflop_per_iteration": whole_tflop,
       "equal_work": args.equal_work, "rows": rows, **ratios,
-      "warmup_seconds": warm_times, "phases": phases,
-      "trl_seconds_per_iteration": None if trl is None else trl["seconds_per_iteration"],
-      "speedup": speedup, "peak_rss_mb": rss,
-      "trl_peak_rss_mb": None if trl is None else trl["peak_rss_mb"],
-      "tunix_seconds_per_iteration": None if tunix is None else tunix["seconds_per_iteration"],
-      "tunix_ratio": tunix_ratio,
-      "tunix_peak_rss_mb": None if tunix is None else tunix["peak_rss_mb"],
+      "warmup_seconds": warm_times, "phases": phases, "peak_rss_mb": rss,
+      "trl_versions": list(grpo_peers.trl_peers(args).values()), **reported,
       "ppo_quickstart_peak_rss_mb": None if quickstart is None else quickstart["peak_rss_mb"],
       "ppojax_mean_score": statistics.mean(m["objective/scores"] for m in timed_rows),
-      "trl_mean_reward": None if trl is None else trl["metrics"].get("reward"),
       "cpu": scale_table.cpu_name(), "cpus": os.cpu_count(),
       "device": jax.devices()[0].device_kind, "huge_pages": hostmem.huge_pages_active(),
-      "tunix_mean_reward": None if tunix is None else tunix["mean_reward"],
-      "versions": {**versions(), **({} if trl is None else {
-          k: trl[k] for k in ("trl", "transformers", "torch")}),
-                   **({} if tunix is None else {"tunix": tunix["tunix"]})},
+      "versions": versions_run,
       "settings": {
           "model": "SmolLM2-135M-Instruct", "dtype": "float32", "prompts": b,
           "samples_per_prompt": n, "prompt_length": PROMPT_LENGTH,
@@ -390,7 +337,7 @@ def main():
           "kl_estimator": rl.kl_estimator, "aggregation": rl.aggregation,
           "epochs": 1, "minibatches": 1, "grad_accum": 1, "reward": "ppojax.tasks.arith:reward",
           "iterations": args.iterations, "warmup": args.warmup},
-      "trl": trl, "tunix": tunix, "ppo_quickstart": quickstart}))
+      "ppo_quickstart": quickstart}))
 
 
 if __name__ == "__main__":

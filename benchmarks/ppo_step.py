@@ -18,7 +18,9 @@ iteration of the fused step (one compiled function), a median over the phase-tim
 4096² float32 ``jnp.dot``, sampled between the timed iterations of the same run), and trl 0.17's
 ``PPOTrainer`` on the same models, prompts and settings, timed in the same run (before ppojax's
 step, in a subprocess: ``benchmarks/trl_ppo.py``, in a virtual environment of its own that the
-first ``--trl`` run creates under ``~/.cache/ppojax``; ``--no-trl`` skips it). ``--tunix`` also
+first ``--trl`` run creates under ``~/.cache/ppojax``; ``--no-trl`` skips it; trl 1.16, the
+second trl peer of ``grpo_step.py``, has no PPO trainer: trl 1.13 removed
+``trl.experimental.ppo``). ``--tunix`` also
 times Google's tunix ``PPOLearner`` on the same models, prompts and lengths in the same run
 (``benchmarks/tunix_ppo.py``, in its own environment under ``~/.cache/ppojax``; its docstring lists
 what differs) and prints its figure and the ratio beside trl's. The last line is a

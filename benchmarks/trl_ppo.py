@@ -2,7 +2,10 @@
 
 It runs in an environment of its own, because trl 0.17 needs a transformers 4.x and ppojax
 installs 5.x (``ppo_step.py --trl`` makes that environment with ``ensure_env`` and runs this
-script in it, in the same benchmark run as ppojax's step):
+script in it, in the same benchmark run as ppojax's step). trl 0.17 is the only trl it runs
+with: trl 1.13 removed ``trl.experimental.ppo`` (1.12 was its last release with a
+``PPOTrainer``), so under trl 1.16 (``ensure_env(version="1.16")``, ``grpo_step.py``'s second
+trl peer) it exits naming the missing import:
 
     python benchmarks/trl_ppo.py --policy DIR --reward DIR --prompts FILE.json \\
         [--response-length 32] [--iterations 3] [--warmup 1] [--lora-rank R [--lora-critic]]
@@ -56,16 +59,30 @@ import peer_env  # this folder; standard library only, so every environment impo
 # with), the newest transformers 4.x it runs with, and the project's CPU build of torch.
 TRL_REQUIREMENTS = ("torch==2.13.0", "trl==0.17.0", "transformers==4.51.3", "accelerate==1.15.0",
                     "datasets>=3", "peft==0.15.2")
+# trl 1.16 (GRPOTrainer only: trl 1.13 removed trl.experimental.ppo, so it has no PPOTrainer)
+# with the transformers, accelerate, datasets and peft that ppojax's own environment pins
+# (trl 1.16 needs transformers >= 4.56.2, datasets >= 4.7).
+TRL116_REQUIREMENTS = ("torch==2.13.0", "trl==1.16.0", "transformers==5.25.0",
+                       "accelerate==1.16.0", "datasets==5.2.0", "peft==0.21.2")
+# trl version -> (its key in the benchmarks' JSON, its environment's folder, its requirements);
+# "trl" keeps the keys the figures before trl 1.16 were reported under
+TRL_VERSIONS = {"0.17": ("trl", "trl-0.17-venv", TRL_REQUIREMENTS),
+                "1.16": ("trl116", "trl-1.16-venv", TRL116_REQUIREMENTS),
+                # trl 1.16 as a user runs it on a CPU: its LM head over every position
+                # (``trl_grpo.py --all-positions-lm-head``), in the same environment
+                "1.16-shipped": ("trl116_shipped", "trl-1.16-venv", TRL116_REQUIREMENTS)}
 
 
-def default_env_dir() -> Path:
-  return peer_env.cache_dir("trl-0.17-venv")
+def default_env_dir(version: str = "0.17") -> Path:
+  return peer_env.cache_dir(TRL_VERSIONS[version][1])
 
 
-def ensure_env(directory: Path | None = None) -> Path:
-  """The Python of a virtual environment with ``TRL_REQUIREMENTS``, created on first use."""
-  return peer_env.ensure_env(directory or default_env_dir(), TRL_REQUIREMENTS, "trl",
-                             "ppo_step.py --no-trl")
+def ensure_env(directory: Path | None = None, version: str = "0.17",
+               skip: str = "ppo_step.py --no-trl") -> Path:
+  """The Python of a virtual environment with trl ``version``'s requirements (``TRL_VERSIONS``),
+  created on first use."""
+  return peer_env.ensure_env(directory or default_env_dir(version), TRL_VERSIONS[version][2],
+                             f"trl {version}", skip)
 
 
 def hf_tokenizer(policy_dir: str):
@@ -162,7 +179,11 @@ def main():
   import trl
   from datasets import Dataset
   from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
-  from trl import PPOConfig, PPOTrainer
+  try:
+    from trl import PPOConfig, PPOTrainer
+  except ImportError as e:  # trl >= 1.13: no PPO at all (trl.experimental.ppo was removed)
+    raise SystemExit(f"trl {trl.__version__} has no PPOTrainer ({e}); this script needs trl "
+                     "0.17 (TRL_REQUIREMENTS)") from e
 
   torch.set_num_threads(os.cpu_count())
   prompts = json.loads(Path(args.prompts).read_text())
