@@ -4,7 +4,6 @@ is checked against hand-computed memory- and compute-bound limits."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import os
@@ -14,6 +13,7 @@ import sys
 import types
 
 import pytest
+from benchmark_script import load
 
 from ppojax.infra.flops import model_flops
 
@@ -40,10 +40,7 @@ TOP_LEVEL = {"command", "date", "small", "wall_s", "budget_s", "environment", "s
 
 
 def _script():
-  spec = importlib.util.spec_from_file_location("accelerator_bench", SCRIPT)
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module
+  return load("accelerator")
 
 
 @pytest.fixture(scope="module")

@@ -3,11 +3,11 @@
 table (``benchmarks/scale_table.py``) says which rows the compiler refused and which HBM it
 does not know."""
 
-import importlib.util
 import pathlib
 
 import jax
 import pytest
+from benchmark_script import load
 
 from ppojax.data import encoding
 from ppojax.run import aot
@@ -59,11 +59,7 @@ def test_the_rollout_compiles_with_the_tokenizers_prefix_and_counts_fewer_flops(
 
 
 def _scale_table():
-  spec = importlib.util.spec_from_file_location("scale_table",
-                                                ROOT / "benchmarks" / "scale_table.py")
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module
+  return load("scale_table")
 
 
 @pytest.mark.parametrize("fits, refused, verdict", [

@@ -6,25 +6,12 @@ the stacked arrays), nor write more than two vocabulary-sized arrays per step.""
 
 from __future__ import annotations
 
-import importlib.util
-import pathlib
-
 import pytest
+from benchmark_script import load
 
 from ppojax.rollout.sampling import SamplingConfig
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
-
-
-def _script():
-  spec = importlib.util.spec_from_file_location("decode_hlo",
-                                                ROOT / "benchmarks" / "decode_hlo.py")
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module
-
-
-decode_hlo = _script()
+decode_hlo = load("decode_hlo")
 
 # batch 2, 5 new tokens, vocabulary 100; one layer's weight bf16[4, 8] of a stacked [3, 4, 8]
 HLO = """HloModule toy, entry_computation_layout={()->()}
