@@ -1,23 +1,30 @@
 """What the decode loop copies per token: ``sampling.generate`` compiled (never run) at a real
-shape for the GPU's decode layout, its optimized HLO read for the token loop's data movement
-(issue 62, item 5).
+shape for a back end's decode layout, its optimized HLO read for the token loop's data movement
+(issue 62, item 5). Produces docs/performance.md's table "The decode loop's copies".
 
-    python benchmarks/decode_hlo.py [--model qwen2.5-0.5b] [--batch 256 --prompt 128 --new 512]
-        [--layers scan|unroll] [--dtype bfloat16] [--top-p P] [--top-k K] [--temperature T]
-        [--greedy] [--min-new-tokens N] [--small] [--check]
+    python benchmarks/decode_hlo.py [--target cpu|gpu|tpu] [--layers auto|scan|unroll]
+        [--model qwen2.5-0.5b] [--batch 256 --prompt 128 --new 512] [--dtype bfloat16]
+        [--top-p P] [--top-k K] [--temperature T] [--greedy] [--min-new-tokens N] [--small]
+        [--check]
 
-Compiled for this machine's CPU: the loop structure, slices and copies come from passes XLA's
-CPU and GPU back ends share. The weights stay abstract (``jax.eval_shape`` of the init, then
-``lower(ShapeDtypeStruct...)``): compiling needs no values. The GPU's decode layout: this
-script replaces ``ppojax.rollout.sampling.compile_platform`` by one that answers "gpu", so
-``decode_layout`` keeps the kernels [in, out] as on a GPU (on a CPU it stores them [out, in]);
-the model's own platform checks (attention path, ``columns_matmul``) still see the CPU, which
-changes nothing in a decode step of this many rows. Defaults: the accelerator suite's decode
-(``benchmarks/accelerator.py``: Qwen2.5-0.5B, bfloat16, 256 rows, 128 + 512 tokens, every row
-forced to 512, temperature 1), its params in the decode layout, layers scanned. ``--small``:
-``decode_compile.py``'s 2-layer, width-64 model (its 49152-token embedding is most of its
-weights). XLA:CPU carries float32 copies of the bfloat16 weights through the loop and converts
-each layer's slice back: the slices it writes are bfloat16, as a GPU's.
+Targets, all compiled on this machine without an accelerator (the weights stay abstract:
+``jax.eval_shape`` of the init, then ``lower(ShapeDtypeStruct...)``):
+  * ``cpu`` (default, what the test suite runs): this CPU's XLA in the GPU's decode layout. The
+    script replaces ``ppojax.rollout.sampling.compile_platform`` by one that answers "gpu", so
+    ``decode_layout`` keeps the kernels [in, out] and "auto" resolves as on a GPU; the loop
+    structure, slices and copies come from passes XLA's CPU and GPU back ends share, but XLA:CPU
+    also copies slices XLA:GPU reads in place (the KV cache) and casts the LM head's output
+    through float32 (vocabulary-sized arrays XLA:GPU does not write).
+  * ``gpu``: XLA:GPU itself, for an H100 described by ``H100_TARGET`` (deviceless: no GPU, no
+    autotuning; needs JAX's CUDA plugin, ``CUDA_INSTALL``). The prefill's attention takes the
+    einsum path (cuDNN's needs its library); a decode step's attention takes it anyway.
+  * ``tpu``: XLA:TPU for one v5e chip (libtpu, as ``python -m ppojax.aot``).
+
+Defaults: the accelerator suite's decode (``benchmarks/accelerator.py``: Qwen2.5-0.5B,
+bfloat16, 256 rows, 128 + 512 tokens, every row forced to 512, temperature 1), its params in
+the decode layout, the layers as ``SamplingConfig.layers="auto"`` resolves them for the target.
+``--small``: ``decode_compile.py``'s 2-layer, width-64 model (its 49152-token embedding is most
+of its weights).
 
 Reading the HLO:
   * the token loop: the ``while`` whose loop state carries the s32[batch, new] token buffer
@@ -53,6 +60,7 @@ weight copies exceed ``GOAL_FRACTION`` of the weight + KV-cache bytes or more th
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import json
 import math
@@ -267,35 +275,92 @@ class Program(NamedTuple):
   weight_shapes: set  # each params leaf's, and one layer's of each stacked leaf
   lower_s: float
   compile_s: float
+  layers: str  # "scan" or "unroll": ``config.layers`` resolved for the target
 
 
 def gpu_layout(params=None) -> str:  # pylint: disable=unused-argument
-  return "gpu"  # ``sampling.compile_platform`` while this script traces
+  return "gpu"  # ``sampling.compile_platform`` while this script traces for target "cpu"
 
 
-def compile_generate(cfg, batch: int, prompt: int, config) -> Program:
-  """``generate`` of ``cfg`` for [batch, prompt] prompts compiled for the CPU in the GPU's decode
-  layout, every input abstract, the params in the decode layout as the suite passes them."""
-  platform, sampling.compile_platform = sampling.compile_platform, gpu_layout
+# XLA:GPU's description of an H100 SXM (its public properties), for a deviceless compile
+H100_TARGET = """
+gpu_device_info {
+  threads_per_block_limit: 1024 threads_per_warp: 32 shared_memory_per_block: 49152
+  shared_memory_per_core: 233472 threads_per_core_limit: 2048 core_count: 132
+  fpus_per_core: 128 block_dim_limit_x: 2147483647 block_dim_limit_y: 65535
+  block_dim_limit_z: 65535 memory_bandwidth: 3352320000000 l2_cache_size: 52428800
+  clock_rate_ghz: 1.98 device_memory_size: 84929347584 shared_memory_per_block_optin: 232448
+  cuda_compute_capability { major: 9 } registers_per_core_limit: 65536
+  registers_per_block_limit: 65536
+}
+platform_name: "CUDA"
+dnn_version_info { major: 9 minor: 7 }
+runtime_version { major: 13 minor: 0 patch: 0 }
+device_description_str: "NVIDIA H100 80GB HBM3"
+"""
+CUDA_INSTALL = ("pip install jax-cuda13-plugin=={v} jax-cuda13-pjrt=={v} nvidia-cuda-nvcc "
+                "nvidia-nvvm nvidia-cuda-runtime nvidia-nvjitlink")
+TARGETS = ("cpu", "gpu", "tpu")
+
+
+def target_device(target: str):
+  """The device to compile for: None for "cpu" (this machine's), an H100 described to XLA:GPU
+  for "gpu" (needs JAX's CUDA plugin, no GPU), one v5e chip for "tpu" (libtpu, no TPU)."""
+  if target == "cpu":
+    return None
+  if target == "tpu":
+    from ppojax.run import aot  # pylint: disable=import-outside-toplevel
+    return aot.topology_devices("v5e:1x1")[0]
+  from jax.experimental import topologies  # pylint: disable=import-outside-toplevel
+  try:
+    return topologies.get_topology_desc(platform="cuda", target_config=H100_TARGET,
+                                        topology="1x1x1").devices[0]
+  except Exception as e:  # no plugin: JAX's errors vary by version
+    raise SystemExit(f"--target gpu compiles with XLA:GPU without a GPU, which needs JAX's "
+                     f"CUDA plugin ({type(e).__name__}: {str(e).splitlines()[0]}): "
+                     f"{CUDA_INSTALL.format(v=jax.__version__)}") from e
+
+
+def compile_generate(cfg, batch: int, prompt: int, config, target: str = "cpu") -> Program:
+  """``generate`` of ``cfg`` for [batch, prompt] prompts compiled for ``target`` (``TARGETS``,
+  module docstring), every input abstract, the params in the decode layout as the suite passes
+  them; "cpu" compiles this machine's back end in the GPU's decode layout."""
+  device = target_device(target)
+  mesh = contextlib.nullcontext() if device is None else jax.set_mesh(
+      jax.sharding.Mesh([device], ("data",)))
+  if target == "gpu":  # cuDNN's prefill attention needs the library; the token loop's is einsum
+    cfg = cfg.replace(attention="einsum")
+
+  def place(tree):
+    if device is None:
+      return tree
+    where = jax.sharding.NamedSharding(jax.sharding.Mesh([device], ("data",)),
+                                       jax.sharding.PartitionSpec())
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=where), tree)
+
+  platform = sampling.compile_platform
+  if target == "cpu":
+    sampling.compile_platform = gpu_layout
   try:
     found = {}
 
     def layout(p):
       found["module"], p = sampling.decode_layout(CausalLM(cfg), p, config.layers)
       return p
-    params = jax.eval_shape(layout, jax.eval_shape(
-        lambda: init_params(CausalLM(cfg), jax.random.key(0))))
+    params = place(jax.eval_shape(layout, place(jax.eval_shape(
+        lambda: init_params(CausalLM(cfg), jax.random.key(0))))))
     module = found["module"]
-    tokens = jax.ShapeDtypeStruct((batch, prompt), jnp.int32)
-    mask = jax.ShapeDtypeStruct((batch, prompt), jnp.bool_)
-    key = jax.eval_shape(lambda: jax.random.key(0))
-    # a new function, so no trace cached under the CPU's layout is reused
+    tokens = place(jax.ShapeDtypeStruct((batch, prompt), jnp.int32))
+    mask = place(jax.ShapeDtypeStruct((batch, prompt), jnp.bool_))
+    key = place(jax.eval_shape(lambda: jax.random.key(0)))
+    # a new function, so no trace cached under another layout is reused
     program = jax.jit(functools.partial(sampling.generate.__wrapped__, module, config=config))
-    t = time.perf_counter()
-    lowered = program.lower(params, tokens, mask, key)
-    lower_s, t = time.perf_counter() - t, time.perf_counter()
-    hlo = lowered.compile().as_text()
-    compile_s = time.perf_counter() - t
+    with mesh:
+      t = time.perf_counter()
+      lowered = program.lower(params, tokens, mask, key)
+      lower_s, t = time.perf_counter() - t, time.perf_counter()
+      hlo = lowered.compile().as_text()
+      compile_s = time.perf_counter() - t
   finally:
     sampling.compile_platform = platform
   slots = prompt + config.max_new_tokens - 1
@@ -307,7 +372,7 @@ def compile_generate(cfg, batch: int, prompt: int, config) -> Program:
       squeezed(x.shape[1:]) for x in leaves if x.ndim > 1 and x.shape[0] == module.cfg.num_layers}
   size = lambda xs: sum(x.size * x.dtype.itemsize for x in xs)
   return Program(hlo, size(leaves), size(kv), per_layer, weight_shapes, lower_s,
-                 compile_s)
+                 compile_s, "scan" if module.cfg.scan_layers else "unroll")
 
 
 def main(argv=None) -> int:
@@ -317,7 +382,11 @@ def main(argv=None) -> int:
   parser.add_argument("--batch", type=int, default=256)
   parser.add_argument("--prompt", type=int, default=128)
   parser.add_argument("--new", type=int, default=512)
-  parser.add_argument("--layers", choices=("scan", "unroll"), default="scan")
+  parser.add_argument("--layers", choices=sampling.LAYERS, default="auto",
+                      help="auto: as the target's platform resolves it (scan on TPU only)")
+  parser.add_argument("--target", choices=TARGETS, default="cpu",
+                      help="cpu: this CPU in the GPU's layout; gpu: XLA:GPU for an H100 "
+                      "(JAX's CUDA plugin, no GPU); tpu: XLA:TPU for one v5e chip (libtpu)")
   parser.add_argument("--dtype", default="bfloat16")
   parser.add_argument("--temperature", type=float, default=1.0)
   parser.add_argument("--top-p", type=float, default=1.0)
@@ -333,14 +402,15 @@ def main(argv=None) -> int:
       max_new_tokens=args.new, stop_ids=(0,), pad_id=0, temperature=args.temperature,
       top_k=args.top_k, top_p=args.top_p, greedy=args.greedy, layers=args.layers,
       min_new_tokens=args.new if args.min_new_tokens is None else args.min_new_tokens)
-  got = compile_generate(cfg, args.batch, args.prompt, config)
+  got = compile_generate(cfg, args.batch, args.prompt, config, args.target)
   report = analyse(got.hlo, args.batch, args.new, cfg.vocab_size, got.kv_shapes,
                    got.weight_shapes)
   layer_copies = report["kv_copy_bytes_per_step"] + report["weight_copy_bytes_per_step"]
   fraction = layer_copies / (got.weight_bytes + got.kv_bytes)
   passed = fraction <= GOAL_FRACTION and report["vocab_arrays_per_step"] <= GOAL_VOCAB_ARRAYS
   print(json.dumps({
-      "model": name, "layers": args.layers, "dtype": args.dtype, "batch": args.batch,
+      "model": name, "target": args.target, "layers": got.layers, "dtype": args.dtype,
+      "batch": args.batch,
       "prompt": args.prompt, "new": args.new, "sampling": {
           k: getattr(config, k) for k in ("temperature", "top_k", "top_p", "greedy",
                                           "min_new_tokens")},
@@ -350,7 +420,8 @@ def main(argv=None) -> int:
       **report, "goals": {"weight_kv_copy_fraction": GOAL_FRACTION,
                           "vocab_arrays_per_step": GOAL_VOCAB_ARRAYS, "met": passed},
       "lower_s": got.lower_s, "compile_s": got.compile_s,
-      "compiled_for": f"{jax.devices()[0].platform} (GPU decode layout)"}))
+      "compiled_for": {"cpu": "this CPU (GPU decode layout)", "gpu": "XLA:GPU, H100",
+                       "tpu": "XLA:TPU, v5e"}[args.target]}))
   return 0 if passed or not args.check else 1
 
 

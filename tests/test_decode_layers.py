@@ -177,6 +177,14 @@ def test_auto_resolves_from_the_params_platform_on_cpu():
     SamplingConfig(4, stop_ids=(1,), pad_id=0, layers="stacked")
 
 
+def test_auto_unrolls_for_a_gpu(monkeypatch):
+  """On a GPU, scanned layers copy each layer's weights out of the stacked arrays on every token
+  (benchmarks/decode_hlo.py --target gpu): "auto" unrolls there as on a CPU."""
+  monkeypatch.setattr(sampling, "compile_platform", lambda params=None: "gpu")
+  assert sampling.decode_layers("auto", _params()) == "unroll"
+  assert sampling.decode_layers("scan", _params()) == "scan"
+
+
 # In a child process, so that libtpu never lives in a test worker (as tests/test_aot.py does).
 TPU_RESOLVE = """
 import json

@@ -74,8 +74,11 @@ def sample_token(logits: Array, key: Array, config: SamplingConfig, banned: Arra
 
   log π(i) = z_i − m − log Σ_j exp(z_j − m) with m = max z is evaluated for the chosen tokens
   only. Top-k and top-p are one cut on z (``top_threshold``), min-p keeps exp(z − m) ≥ min_p
-  (p_i ≥ min_p · p_max), so the sampled distribution's weights are the one vocabulary-sized
-  array: w = exp(z − m) where kept, else 0, its sum the truncated normaliser, its CDF the draw.
+  (p_i ≥ min_p · p_max), so the sampled distribution's weights are w = exp(z − m) where kept,
+  else 0: their sum is the truncated normaliser, their CDF the draw. No pass writes them out:
+  each reduction (the sums, the CDF's block totals) computes them from z as it reads, and the
+  chosen block's are computed again from its z (the logits are the step's one vocabulary-sized
+  array: ``benchmarks/decode_hlo.py``).
   """
   z = logits.astype(jnp.float32) / config.temperature
   z_max, _, lse = _normaliser(z)
@@ -87,12 +90,13 @@ def sample_token(logits: Array, key: Array, config: SamplingConfig, banned: Arra
     zt = jnp.where(zt >= top_threshold(zt, zt_max, config), zt, jnp.finfo(z.dtype).min)
   if config.min_p > 0:
     zt = jnp.where(jnp.exp(zt - zt_max) >= config.min_p, zt, jnp.finfo(z.dtype).min)
-  weights_t = jnp.exp(zt - zt_max)  # the maximum is never cut: zt_max stays
-  lse_t = zt_max + jnp.log(jnp.sum(weights_t, axis=-1, keepdims=True))
+  # the maximum is never cut: zt_max stays; w = exp(zt − zt_max) only inside reductions
+  lse_t = zt_max + jnp.log(jnp.sum(jnp.exp(zt - zt_max), axis=-1, keepdims=True))
   if config.greedy:
     tokens = first_argmax(zt, zt_max)
   else:
-    tokens = _inverse_cdf_sample(key, weights_t)
+    tokens = _inverse_cdf(zt, _uniform(key, zt.shape[0]), lambda x: jnp.exp(
+        x - zt_max.reshape(zt_max.shape[:1] + (1,) * (x.ndim - 1))), jnp.finfo(zt.dtype).min)
   pick = lambda x: jnp.take_along_axis(x, tokens[:, None], axis=-1)[:, 0]  # noqa: E731
   return tokens, pick(z) - lse[:, 0], pick(z) - lse_t[:, 0]
 
@@ -125,13 +129,16 @@ def cdf_block(vocab: int) -> int:
   return size if size >= 64 else _CDF_BLOCK
 
 
+def _uniform(key: Array, rows: int) -> Array:
+  """u ~ U[tiny, 1) [rows, 1]: one uniform per row instead of the Gumbel-max trick's one per
+  vocabulary entry (whose random bits cost more than the rest of a decode step)."""
+  return jax.random.uniform(key, (rows, 1), minval=jnp.finfo(jnp.float32).tiny, maxval=1.0)
+
+
 def _inverse_cdf_sample(key: Array, weights: Array) -> Array:
   """Token i with probability w_i / Σw for weights [B, V] ≥ 0 with a positive sum:
-  ``inverse_cdf`` at u ~ U[tiny, 1), one uniform per row instead of the Gumbel-max trick's one
-  per vocabulary entry (whose random bits cost more than the rest of a decode step)."""
-  u = jax.random.uniform(key, (weights.shape[0], 1), minval=jnp.finfo(jnp.float32).tiny,
-                         maxval=1.0)
-  return inverse_cdf(weights, u)
+  ``inverse_cdf`` at u ~ U[tiny, 1)."""
+  return inverse_cdf(weights, _uniform(key, weights.shape[0]))
 
 
 def inverse_cdf(weights: Array, u: Array) -> Array:
@@ -140,16 +147,23 @@ def inverse_cdf(weights: Array, u: Array) -> Array:
 
   The CDF is two-level: cumulative sums of block totals (``cdf_block``: up to 256 tokens) pick
   the block (the first whose block CDF reaches the target, so its total is positive), a
-  cumulative sum inside that
-  block picks the token (a full-length ``cumsum`` is slow on CPU). The two levels round
-  differently, so the offset in the block is clipped to the block's first and last positive
-  weights: a rounding at either edge would otherwise land on a zero-weight token.
+  cumulative sum inside that block picks the token (a full-length ``cumsum`` is slow on CPU).
+  The two levels round differently, so the offset in the block is clipped to the block's first
+  and last positive weights: a rounding at either edge would otherwise land on a zero-weight
+  token.
   """
-  batch, vocab = weights.shape
+  return _inverse_cdf(weights, u, lambda w: w, 0.0)
+
+
+def _inverse_cdf(values: Array, u: Array, weight, fill) -> Array:
+  """``inverse_cdf`` of the weights w = weight(values) (elementwise; weight(fill) = 0), computed
+  where they are read: inside the block totals' reduction, and for the chosen block's tokens."""
+  batch, vocab = values.shape
   size = cdf_block(vocab)
   blocks = -(-vocab // size)
-  w = weights if blocks * size == vocab else jnp.pad(weights, ((0, 0), (0, blocks * size - vocab)))
-  block_cdf = jnp.cumsum(jnp.sum(w.reshape(batch, blocks, size), axis=-1), axis=-1)  # [B, blocks]
+  v = values if blocks * size == vocab else jnp.pad(
+      values, ((0, 0), (0, blocks * size - vocab)), constant_values=fill)
+  block_cdf = jnp.cumsum(jnp.sum(weight(v.reshape(batch, blocks, size)), axis=-1), axis=-1)
   target = u * block_cdf[:, -1:]  # in [0, Σw] (0 only by underflow)
   # leading blocks of total 0 are skipped even at target 0
   block = jnp.sum((block_cdf < target) | (block_cdf <= 0), axis=-1)  # [B]
@@ -157,8 +171,8 @@ def inverse_cdf(weights: Array, u: Array) -> Array:
   below = jnp.where(block > 0, jnp.take_along_axis(
       block_cdf, jnp.maximum(block - 1, 0)[:, None], axis=-1)[:, 0], 0.0)
   tokens = block[:, None] * size + jnp.arange(size, dtype=jnp.int32)  # [B, size]
-  inner = jnp.where(tokens < vocab, jnp.take_along_axis(
-      weights, jnp.minimum(tokens, vocab - 1), axis=-1), 0.0)  # the block's weights
+  inner = jnp.where(tokens < vocab, weight(jnp.take_along_axis(
+      values, jnp.minimum(tokens, vocab - 1), axis=-1)), 0.0)  # the block's weights
   offset = jnp.sum(jnp.cumsum(inner, axis=-1) < (target - below[:, None]), axis=-1)
   index = jnp.arange(size, dtype=jnp.int32)
   first = jnp.min(jnp.where(inner > 0, index, size - 1), axis=-1)

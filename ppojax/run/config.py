@@ -160,8 +160,8 @@ def defaults() -> ml_collections.ConfigDict:
   # the sampler's compute dtype ("": model.dtype), e.g. "bfloat16" sampling for a float32
   # learner: "rollout/logp_mismatch" reports the log-prob gap, rl.tis_cap corrects for it
   c.sampling.dtype = ""
-  # the decode's layers: "scan" (one layer body: compiles fast), "unroll" (faster per token on
-  # CPU), "auto" (unroll when compiled for the CPU, scan for GPU/TPU, deviceless included)
+  # the decode's layers: "scan" (one layer body: compiles fast), "unroll" (no per-token copy of
+  # weights or cache), "auto" (scan for TPU, whose compiler copies neither; unroll elsewhere)
   c.sampling.decode_layers = "auto"
   # tuples and placeholders so that --config.sampling.stop_ids="(2, 3)" etc. parse
   c.sampling.stop_ids = ()  # empty: the model's eos_token_id
