@@ -29,7 +29,9 @@ of its weights).
 Reading the HLO:
   * the token loop: the ``while`` whose loop state carries the s32[batch, new] token buffer
     (``_LoopState.tokens``: no layer loop or RNG loop carries it); if several do, the one whose
-    body reaches the most instructions (the outermost).
+    body reaches the most instructions (the outermost), then, where its body holds another
+    that carries it (N steps per stop check: ``SamplingConfig.stop_check_every``), that one:
+    its body is one decode step.
   * per decode step: its body and every computation it reaches: a nested ``while`` (the layer
     loop; the RNG's loops) counts ``known_trip_count`` times (backend_config; 1 and a note where
     unknown), a ``call`` once, a ``conditional`` its largest branch (and, for the
@@ -176,11 +178,26 @@ def moves_only(comps, ins: Instr) -> bool:
 def token_loop(comps, batch: int, new: int) -> Instr:
   """The token loop's ``while`` (the module's docstring says how it is told)."""
   tokens = re.compile(rf"\bs32\[{batch},{new}\]")
+  where = {i.name: comp for comp, body in comps.items() for i in body}
   loops = [i for body in comps.values() for i in body
            if i.opcode == "while" and tokens.search(i.type)]
   if not loops:
     raise ValueError(f"no while loop carries the s32[{batch},{new}] token buffer")
-  return max(loops, key=lambda i: reach(comps, called(i)[0]))
+  loop = max(loops, key=lambda i: reach(comps, called(i)[0]))
+  while inner := [i for i in loops if where[i.name] in reached(comps, called(loop)[0])]:
+    loop = max(inner, key=lambda i: reach(comps, called(i)[0]))  # N steps per stop check
+  return loop
+
+
+def reached(comps, name: str, seen=None) -> set[str]:
+  """The computations ``name`` calls, directly or not, itself included."""
+  seen = set() if seen is None else seen
+  if name not in seen:
+    seen.add(name)
+    for i in comps[name]:
+      for c in called(i):
+        reached(comps, c, seen)
+  return seen
 
 
 def reach(comps, name: str, seen=None) -> int:

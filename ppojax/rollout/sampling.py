@@ -48,6 +48,7 @@ from ppojax.models.layout import (
 )
 from ppojax.models.rope import model_rope
 from ppojax.rollout.draw import sample_token
+from ppojax.rollout.prefix import split_shared_prefix  # noqa: F401  (its home before)
 
 Array = jax.Array
 LAYERS = ("auto", "scan", "unroll")  # SamplingConfig.layers
@@ -72,6 +73,9 @@ class SamplingConfig:
   # the decode's layers (``decode_layers``): "scan" (one compiled layer body), "unroll" (each
   # layer its own code, reading its weights and cache in place), "auto" (scan on TPU only)
   layers: str = "auto"
+  # decode steps per check of the stop condition (``stop_check_steps``; 0: 8 on a GPU, else 1):
+  # the rows' outputs are the same whatever it is; up to N − 1 steps run past the last stop
+  stop_check_every: int = 0
 
   def __post_init__(self):
     object.__setattr__(self, "stop_ids", tuple(int(i) for i in self.stop_ids))  # hashable
@@ -91,6 +95,9 @@ class SamplingConfig:
     if not 0 < self.top_p <= 1 or not 0 <= self.min_p < 1 or self.top_k < 0:
       raise ValueError(f"need 0 < top_p <= 1, 0 <= min_p < 1, top_k >= 0; got "
                        f"top_p={self.top_p}, min_p={self.min_p}, top_k={self.top_k}")
+    if not isinstance(self.stop_check_every, (int, np.integer)) or self.stop_check_every < 0:
+      raise ValueError(f"stop_check_every must be an int >= 0 (0: automatic), got "
+                       f"{self.stop_check_every!r}")
     if self.layers not in LAYERS:
       raise ValueError(f"layers must be one of {', '.join(map(repr, LAYERS))}, got "
                        f"{self.layers!r}")
@@ -117,33 +124,6 @@ class _LoopState(NamedTuple):
   logp: Array
   sampling_logp: Array
   done: Array
-
-
-def split_shared_prefix(tokens, mask, max_prefix: int | None = None):
-  """(prefix [C], rest [B, W], rest_mask [B, W]) for left-padded host prompts [B, P]: the
-  longest run of leading real tokens that every row shares, and each row's remaining tokens,
-  still left-padded (W = the longest remainder: the last W columns of ``tokens``; the tokens
-  under ``~rest_mask`` are left as they were). Every row keeps at least one token of its own, so
-  the prefill of ``rest`` ends on each row's last prompt token. ``max_prefix`` caps C (a fixed C
-  keeps one compiled program across batches)."""
-  tokens, mask = np.asarray(tokens), np.asarray(mask, bool)
-  if tokens.ndim != 2 or tokens.shape != mask.shape:
-    raise ValueError(f"tokens and mask must both be [B, P]; got {tokens.shape}, {mask.shape}")
-  lengths = mask.sum(axis=1)
-  if not lengths.all():
-    raise ValueError(f"rows {np.flatnonzero(lengths == 0).tolist()} have no prompt token")
-  if (np.diff(mask.astype(np.int8), axis=1) < 0).any():
-    raise ValueError("prompts must be left-padded: in each row, no pad after a real token")
-  limit = int(lengths.min()) - 1
-  if max_prefix is not None:
-    limit = max(0, min(limit, max_prefix))
-  starts = tokens.shape[1] - lengths  # each row's first real token
-  heads = np.take_along_axis(tokens, starts[:, None] + np.arange(limit)[None, :], axis=1)
-  same = (heads == heads[:1]).all(axis=0)
-  shared = limit if same.all() else int(np.argmin(same))
-  width = int(lengths.max()) - shared
-  rest_mask = np.arange(width)[None, :] >= (width - (lengths - shared))[:, None]
-  return heads[0, :shared].copy(), tokens[:, tokens.shape[1] - width:].copy(), rest_mask
 
 
 def _shared_prefix_cache(apply, cfg, prefix: Array, cache: KVCache, size: int) -> KVCache:
@@ -173,6 +153,19 @@ def decode_layers(layers: str, params) -> str:
   if layers != "auto":
     return layers
   return "scan" if compile_platform(params) == "tpu" else "unroll"
+
+
+STOP_CHECK_GPU = 8  # ``stop_check_steps``'s automatic N on a GPU
+
+
+def stop_check_steps(every: int, x=None) -> int:
+  """Decode steps per check of the stop condition: ``every``, or for 0 (automatic)
+  ``STOP_CHECK_GPU`` where ``x`` (an array, or None: the default) is compiled for a GPU, whose
+  while loop reads its condition back to the host on every iteration, and 1 elsewhere (a CPU's
+  and a TPU's loops check on their own cores). N steps then run as one fixed-trip inner loop."""
+  if every:
+    return int(every)
+  return STOP_CHECK_GPU if compile_platform(x) in ("gpu", "cuda", "rocm") else 1
 
 
 def decode_layout(module: nn.Module, params, layers: str = "auto") -> tuple[nn.Module, dict]:
@@ -279,14 +272,37 @@ def _prefill(apply, cfg, prompts: Array, prompt_mask: Array, prefix: Array | Non
   return logits, cache, kv_mask, first_position
 
 
+def _record(s: _LoopState, t, tok: Array, logp: Array, slogp: Array, pad_id: int,
+            stop_ids: Array) -> _LoopState:
+  """Token t [B] and its log-probs written at column t (pad_id and 0 in rows already stopped);
+  past the last column (t ≥ R: N steps between stop checks) nothing changes but t."""
+  tok = jnp.where(s.done, pad_id, tok)
+  logp, slogp = jnp.where(s.done, 0.0, logp), jnp.where(s.done, 0.0, slogp)
+  live = t < s.tokens.shape[1]
+
+  def write(buf, x):  # column t, or where t ≥ R the (clamped) last column as it was
+    old = jax.lax.dynamic_slice_in_dim(buf, t, 1, axis=1)
+    return jax.lax.dynamic_update_slice(buf, jnp.where(live, x[:, None], old), (0, t))
+  return s._replace(
+      t=t + 1, last=tok, tokens=write(s.tokens, tok), logp=write(s.logp, logp),
+      sampling_logp=write(s.sampling_logp, slogp),
+      done=s.done | (live & jnp.any(tok[:, None] == stop_ids, axis=-1)))
+
+
 def _decode(apply, cfg, logits: Array, cache, kv_mask: Array, first_position: Array,
             prompt_len, size: int, key: Array, config: SamplingConfig,
             done: Array | None = None) -> _LoopState:
   """Token 0 from the prefill's ``logits``, then the ``lax.while_loop`` of decode steps until
   every row has stopped or R tokens are out; ``size`` is the RoPE table's (C + slots). Token t
   is fed at slot ``prompt_len`` + t (an int, or traced: a later turn's first slot). ``done``
-  [B]: rows that sample nothing (pad_id, log-probs 0; default: none)."""
+  [B]: rows that sample nothing (pad_id, log-probs 0; default: none).
+
+  The stop condition is checked every N = ``stop_check_steps`` steps, N steps running as one
+  fixed-trip loop: a step past token R − 1 changes no output (its writes keep the values there)
+  but does write the cache at a slot past the last (clamped: the last slot, read by no later
+  step here; a later turn writes its own slots before it reads them)."""
   batch, length = logits.shape[0], config.max_new_tokens
+  every = stop_check_steps(config.stop_check_every, logits)
   stop_ids = jnp.asarray(config.stop_ids, jnp.int32)
   is_stop_id = jnp.isin(jnp.arange(logits.shape[-1]), stop_ids)  # [V]
 
@@ -296,21 +312,15 @@ def _decode(apply, cfg, logits: Array, cache, kv_mask: Array, first_position: Ar
     banned = None
     if config.min_new_tokens:  # as Hugging Face's MinNewTokensLengthLogitsProcessor
       banned = (t < config.min_new_tokens) & is_stop_id
-    tok, logp, slogp = sample_token(logits, jax.random.fold_in(key, t), config, banned)
-    tok = jnp.where(s.done, config.pad_id, tok)
-    logp, slogp = jnp.where(s.done, 0.0, logp), jnp.where(s.done, 0.0, slogp)
-    write = lambda buf, x: jax.lax.dynamic_update_slice(buf, x[:, None], (0, t))  # noqa: E731
-    return s._replace(
-        t=t + 1, last=tok, tokens=write(s.tokens, tok), logp=write(s.logp, logp),
-        sampling_logp=write(s.sampling_logp, slogp),
-        done=s.done | jnp.any(tok[:, None] == stop_ids, axis=-1))
+    drawn = sample_token(logits, jax.random.fold_in(key, t), config, banned)
+    return _record(s, t, *drawn, config.pad_id, stop_ids)
 
   # RoPE of every decode step, once, outside the loop: in the loop body they would be gathered
   # again inside each layer's fusions
   decode_positions = first_position[:, None] + jnp.arange(max(length - 1, 1), dtype=jnp.int32)
   decode_rope = model_rope(cfg, decode_positions, size)
 
-  def body(s: _LoopState) -> _LoopState:
+  def step(s: _LoopState) -> _LoopState:
     """Feed token t − 1 (slot P + t − 1), then sample token t."""
     slot = prompt_len + s.t - 1
     kv_mask = jax.lax.dynamic_update_slice(s.kv_mask, jnp.ones((batch, 1), jnp.bool_), (0, slot))
@@ -319,6 +329,9 @@ def _decode(apply, cfg, logits: Array, cache, kv_mask: Array, first_position: Ar
     logits, cache = apply(s.last[:, None], decode_positions[:, s.t - 1, None], kv_mask,
                           s.cache, slot, rope=rope)
     return pick(s.t, logits[:, -1], s._replace(cache=cache, kv_mask=kv_mask))
+
+  def body(s: _LoopState) -> _LoopState:
+    return step(s) if every == 1 else jax.lax.fori_loop(0, every, lambda _, s: step(s), s)
 
   def cond(s: _LoopState) -> Array:
     return (s.t < length) & ~jnp.all(s.done)

@@ -276,7 +276,8 @@ def sampling_config(config, policy: LoadedModel) -> SamplingConfig:
                         temperature=s.temperature, top_k=s.top_k, top_p=s.top_p,
                         min_new_tokens=s.min_new_tokens,
                         num_samples_per_prompt=s.get("num_samples_per_prompt", 1),
-                        layers=s.get("decode_layers", "auto"))
+                        layers=s.get("decode_layers", "auto"),
+                        stop_check_every=s.get("stop_check_every", 0))
 
 
 def _eos_ids(policy: LoadedModel) -> tuple[int, ...]:

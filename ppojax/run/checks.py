@@ -218,6 +218,9 @@ RANGES = (
      "must be >= 1: tokens whose sampler/learner ratio is above it leave the loss"),
     ("save_every", lambda v: is_int(v, 1), "must be an integer >= 1 (iterations per checkpoint)"),
     ("keep", lambda v: is_int(v, 1), "must be an integer >= 1 (checkpoints kept)"),
+    ("sampling.stop_check_every", lambda v: is_int(v, 0),
+     "must be an integer >= 0: decode steps between checks of the stop condition (0: 8 on a "
+     "GPU, 1 elsewhere; the samples are the same whatever it is)"),
     ("data.prompt_bucket", lambda v: is_int(v, 0),
      "must be an integer >= 0: a batch's prompts are padded to the next multiple of it (tokens; "
      "0: always to data.max_prompt_len)"),

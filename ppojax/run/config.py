@@ -163,6 +163,9 @@ def defaults() -> ml_collections.ConfigDict:
   # the decode's layers: "scan" (one layer body: compiles fast), "unroll" (no per-token copy of
   # weights or cache), "auto" (scan for TPU, whose compiler copies neither; unroll elsewhere)
   c.sampling.decode_layers = "auto"
+  # decode steps between checks of the stop condition (0: 8 on a GPU, whose loop checks on the
+  # host, else 1); the samples are the same whatever it is
+  c.sampling.stop_check_every = 0
   # tuples and placeholders so that --config.sampling.stop_ids="(2, 3)" etc. parse
   c.sampling.stop_ids = ()  # empty: the model's eos_token_id
   # None: the model's pad id (may equal the stop id)
