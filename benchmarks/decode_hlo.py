@@ -53,7 +53,8 @@ Reading the HLO:
     fusion's tuple apart; bitcasts, tuples, parameters and in-place updates write none.
 
 Prints one JSON line: bytes per decode step copied (total, KV cache, weights, other), the top
-10 copies, vocabulary-sized arrays per step, the weight and KV-cache bytes of the shape, the
+10 copies, vocabulary-sized arrays per step, all bytes the step writes (outputs of every
+instruction but in-place updates, bitcasts and tuples; the 8 largest by shape), the weight and KV-cache bytes of the shape, the
 copy fractions of those and the compile seconds. ``--check`` exits 1 where the KV-cache and
 weight copies exceed ``GOAL_FRACTION`` of the weight + KV-cache bytes or more than
 ``GOAL_VOCAB_ARRAYS`` vocabulary-sized arrays are written per step (issue 62's goals).
@@ -213,6 +214,7 @@ class Tally(NamedTuple):
   copies: list  # (instruction, opcode, shape, bytes per execution, executions per step)
   vocab: list  # (instruction, shape): vocabulary-sized arrays written per step
   notes: list
+  writes: list  # (shape, bytes per step): every array the step writes (not in place)
 
 
 def walk(comps, name: str, times: int, tally: Tally, vocab_elements: int, nested=False,
@@ -237,6 +239,11 @@ def walk(comps, name: str, times: int, tally: Tally, vocab_elements: int, nested
     elif moves_only(comps, ins) and nbytes(ins.type):
       tally.copies.append((ins.name, _kind(comps, ins), re.sub(r"\{[^}]*\}", "", ins.type),
                            nbytes(ins.type), times))
+    if ins.opcode not in WRITES_NOTHING | {"call", "conditional"} and not is_in_place(
+        comps, ins):
+      tally.writes.extend((f"{dtype}[{dims}]", n * ITEMSIZE.get(dtype, 4) * times)
+                          for (dtype, dims), (_, n) in zip(_ARRAY.findall(ins.type),
+                                                           arrays(ins.type)))
     if (not nested and ins.opcode not in WRITES_NOTHING and not is_in_place(comps, ins)):
       tally.vocab.extend((ins.name, shape) for shape, (_, n) in
                          zip(_ARRAY.findall(ins.type), arrays(ins.type)) if n >= vocab_elements)
@@ -261,9 +268,9 @@ def analyse(text: str, batch: int, new: int, vocab: int, kv_shapes: set[tuple],
   """The token loop's data movement per decode step (module docstring) from optimized HLO."""
   comps = parse_hlo(text)
   loop = token_loop(comps, batch, new)
-  tally = Tally([], [], [])
+  tally = Tally([], [], [], [])
   walk(comps, called(loop)[0], 1, tally, batch * vocab)
-  common = Tally([], [], [])
+  common = Tally([], [], [], [])
   walk(comps, called(loop)[0], 1, common, batch * vocab, branch=min)
   by = {"kv_cache": 0, "weights": 0, "other": 0}
   for _, _, shape, size, times in tally.copies:
@@ -271,6 +278,9 @@ def analyse(text: str, batch: int, new: int, vocab: int, kv_shapes: set[tuple],
     by["kv_cache" if dims in kv_shapes else "weights" if dims in weight_shapes else "other"] += (
         size * times)
   top = sorted(tally.copies, key=lambda c: -c[3] * c[4])[:10]
+  written = {}
+  for shape, size in tally.writes:
+    written[shape] = written.get(shape, 0) + size
   return {
       "token_loop": loop.name, "copy_bytes_per_step": sum(c[3] * c[4] for c in tally.copies),
       "kv_copy_bytes_per_step": by["kv_cache"], "weight_copy_bytes_per_step": by["weights"],
@@ -281,7 +291,10 @@ def analyse(text: str, batch: int, new: int, vocab: int, kv_shapes: set[tuple],
       # a conditional's smaller branch instead (the draw's rare sort fallback not taken)
       "vocab_arrays_common_path": len(common.vocab),
       "copy_bytes_common_path": sum(c[3] * c[4] for c in common.copies),
-      "vocab_arrays": [f"{n}: {d}[{s}]" for n, (d, s) in tally.vocab], "notes": tally.notes}
+      "vocab_arrays": [f"{n}: {d}[{s}]" for n, (d, s) in tally.vocab],
+      "written_bytes_per_step": sum(b for _, b in tally.writes),
+      "top_writes": [{"shape": k, "bytes_per_step": v} for k, v in sorted(
+          written.items(), key=lambda kv: -kv[1])[:8]], "notes": tally.notes}
 
 
 class Program(NamedTuple):

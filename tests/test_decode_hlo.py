@@ -122,6 +122,10 @@ def test_a_hand_written_module_is_read_as_documented():
   assert report["copy_bytes_per_step"] == 3 * 64 + 800
   assert [(c["name"], c["per_step"]) for c in report["top_copies"]] == [("cp", 1), ("slice", 3)]
   assert report["vocab_arrays_per_step"] == 3  # the cast, exp and the copy
+  # every output but the constants, tuples and the in-place write: per layer the slice and the
+  # counter's add (s32, 4 bytes), then the cast, exp and the copy
+  assert report["written_bytes_per_step"] == 3 * (64 + 4) + 3 * 800
+  assert report["top_writes"][0] == {"shape": "f32[2,100]", "bytes_per_step": 2400}
   assert report["notes"] == []
 
 
