@@ -10,6 +10,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from ppojax.infra.sharding import compile_platform
+
 Array = jax.Array
 SamplingConfig = Any  # rollout.sampling.SamplingConfig (not imported: sampling imports this)
 
@@ -75,10 +77,7 @@ def sample_token(logits: Array, key: Array, config: SamplingConfig, banned: Arra
   log π(i) = z_i − m − log Σ_j exp(z_j − m) with m = max z is evaluated for the chosen tokens
   only. Top-k and top-p are one cut on z (``top_threshold``), min-p keeps exp(z − m) ≥ min_p
   (p_i ≥ min_p · p_max), so the sampled distribution's weights are w = exp(z − m) where kept,
-  else 0: their sum is the truncated normaliser, their CDF the draw. No pass writes them out:
-  each reduction (the sums, the CDF's block totals) computes them from z as it reads, and the
-  chosen block's are computed again from its z (the logits are the step's one vocabulary-sized
-  array: ``benchmarks/decode_hlo.py``).
+  else 0: their sum is the truncated normaliser, their CDF the draw (``_weights``).
   """
   z = logits.astype(jnp.float32) / config.temperature
   z_max, _, lse = _normaliser(z)
@@ -90,15 +89,28 @@ def sample_token(logits: Array, key: Array, config: SamplingConfig, banned: Arra
     zt = jnp.where(zt >= top_threshold(zt, zt_max, config), zt, jnp.finfo(z.dtype).min)
   if config.min_p > 0:
     zt = jnp.where(jnp.exp(zt - zt_max) >= config.min_p, zt, jnp.finfo(z.dtype).min)
-  # the maximum is never cut: zt_max stays; w = exp(zt − zt_max) only inside reductions
-  lse_t = zt_max + jnp.log(jnp.sum(jnp.exp(zt - zt_max), axis=-1, keepdims=True))
+  values, weight, fill = _weights(zt, zt_max)  # the maximum is never cut: zt_max stays
+  lse_t = zt_max + jnp.log(jnp.sum(weight(values), axis=-1, keepdims=True))
   if config.greedy:
     tokens = first_argmax(zt, zt_max)
   else:
-    tokens = _inverse_cdf(zt, _uniform(key, zt.shape[0]), lambda x: jnp.exp(
-        x - zt_max.reshape(zt_max.shape[:1] + (1,) * (x.ndim - 1))), jnp.finfo(zt.dtype).min)
+    tokens = _inverse_cdf(values, _uniform(key, zt.shape[0]), weight, fill)
   pick = lambda x: jnp.take_along_axis(x, tokens[:, None], axis=-1)[:, 0]  # noqa: E731
   return tokens, pick(z) - lse[:, 0], pick(z) - lse_t[:, 0]
+
+
+def _weights(zt: Array, zt_max: Array):
+  """(values, weight, fill): the draw's weights w = weight(values) = exp(zt − zt_max), elementwise
+  (weight(fill) = 0). Compiled for a GPU or TPU, the values are zt and no pass writes w out:
+  each reduction (the sums, the CDF's block totals) computes it as it reads, and the chosen
+  block's again from its zt, so the logits are a step's one vocabulary-sized array
+  (``benchmarks/decode_hlo.py``). XLA:CPU, whose exp costs more than the pass, gets w written
+  once (values = w; ``benchmarks/draw.py``)."""
+  if compile_platform(zt) == "cpu":
+    return jnp.exp(zt - zt_max), lambda w: w, 0.0
+  def weight(x):
+    return jnp.exp(x - zt_max.reshape(zt_max.shape[:1] + (1,) * (x.ndim - 1)))
+  return zt, weight, jnp.finfo(zt.dtype).min
 
 
 def _normaliser(z: Array) -> tuple[Array, Array, Array]:
