@@ -1,6 +1,9 @@
 """Every accelerator figure in one command: calibration, decode, PPO (the verl anchor), MFU, GRPO
 and compile seconds, on random bfloat16 weights at real shapes (nothing is downloaded).
 
+Table: docs/performance/gpu.md, "The accelerator suite: `benchmarks/accelerator.py`" (its figures:
+"Figures: one H200").
+
     python benchmarks/accelerator.py [--small] [--out FILE] [--only SECTION[,SECTION...]]
         [--budget SECONDS]
 

@@ -1,6 +1,9 @@
 """The five algorithms on the quickstart task, several seeds each: held-out accuracy, training
 time and peak memory in one table, and the accuracy-against-time curves in one figure.
 
+Tables: docs/algorithms.md, "On the quickstart task" and "DAPO against GRPO on chain_sum" (and their
+figures, docs/algorithms.png and docs/dapo_vs_grpo.png).
+
     python benchmarks/algorithms.py --out runs/algorithms [--seeds 0 1 2] [--parallel 1]
         [--figure docs/algorithms.png [--figure-by-iteration]] [--eval-every 5] [JOB ...]
 

@@ -1,7 +1,9 @@
 """Time to solve CartPole-v1 (mean return >= 475; 500 is the maximum) with ppojax.classic and with
-a straightforward PyTorch + gymnasium PPO of the same hyper-parameters (benchmarks/
-cartpole_torch.py), one after the other on this CPU; and the throughput of many seeds trained
-in one vmapped call.
+a straightforward PyTorch + gymnasium PPO of the same hyper-parameters
+(benchmarks/peers/cartpole_torch.py), one after the other on this CPU; and the throughput of many
+seeds trained in one vmapped call.
+
+Table: docs/classic.md, "Figures" (ppojax against PyTorch, time to 475, many seeds).
 
     python benchmarks/cartpole.py [--seeds 16] [--total-timesteps 500000] [--no-torch] \
         [--warm-cache]
@@ -144,7 +146,7 @@ def time_to_target_warm_cache() -> dict:
 
 
 def time_torch(total_timesteps: int, threads: int) -> dict:
-  script = pathlib.Path(__file__).with_name("cartpole_torch.py")
+  script = pathlib.Path(__file__).resolve().parent / "peers" / "cartpole_torch.py"
   result = subprocess.run([sys.executable, str(script), "--total-timesteps", str(total_timesteps),
                            "--threads", str(threads)], capture_output=True, text=True, check=False)
   if result.returncode:

@@ -1,5 +1,7 @@
 """Where the compiling in CartPole's time to 475 goes, and what two XLA options change.
 
+Table: docs/classic.md, "Figures" (where the compiling goes).
+
     python benchmarks/cartpole_compile.py [--rounds 2]
 
 ``benchmarks/cartpole.py``'s time to 475 compiles two programs before the first iteration runs:

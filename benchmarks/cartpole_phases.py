@@ -1,6 +1,8 @@
 """Where the seconds of the vmapped CartPole run go: rollout (with GAE) against the updates, for
 one seed and for many.
 
+Table: docs/classic.md, "Figures" (rollout against updates).
+
     python benchmarks/cartpole_phases.py [--seeds 16] [--total-timesteps 250000]
 
 Runs ``make_train`` (compiled first, then timed) with 1 and with 4 epochs, for one seed

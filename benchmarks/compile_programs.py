@@ -1,5 +1,7 @@
 """Compile seconds of each program of the training iteration, deviceless for a TPU topology.
 
+Table: docs/scale-memory.md, "Compile seconds, by program".
+
     python benchmarks/compile_programs.py [--models qwen2_5_0_5b,qwen2_5_1_5b,llama3_1_8b]
         [--programs rollout,learn,step] [--topology v5e:2x4] [--config.X=Y ...]
 

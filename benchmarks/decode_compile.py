@@ -2,6 +2,10 @@
 random weights (compile time does not depend on the values), with its layers scanned (one layer
 body) or unrolled (``SamplingConfig.layers``).
 
+Tables: docs/performance/decode.md, "Scanned or unrolled layers on a GPU";
+docs/performance/compiling.md, "Layers that differ by type: Gemma 3's decode"; the decode-alone
+figures of docs/scale-memory.md, "Compile seconds, by program".
+
     python benchmarks/decode_compile.py [--layers scan|unroll|auto] [--model smollm2] [--runs 3]
     python benchmarks/decode_compile.py --tpu v5e:1x1 --model qwen2.5-0.5b --layers scan
     python benchmarks/decode_compile.py --model gemma3-270m[-uniform] --layers scan|unroll

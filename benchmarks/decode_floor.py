@@ -1,6 +1,8 @@
 """The matmul floor of generation on this CPU: the fastest ``generate`` could possibly be, against
 transformers' measured ``generate``, side by side in one run.
 
+Table: docs/performance/decode.md, "Decode floor: `benchmarks/decode_floor.py`".
+
     python benchmarks/decode_floor.py [--batches 16 64] [--new-tokens 64]
 
 With the settings of ``benchmarks/sampling.py`` (SmolLM2-135M-Instruct, float32, its ~45-token

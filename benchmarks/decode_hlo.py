@@ -1,6 +1,7 @@
 """What the decode loop copies per token: ``sampling.generate`` compiled (never run) at a real
 shape for a back end's decode layout, its optimized HLO read for the token loop's data movement
-(issue 62, item 5). Produces docs/performance.md's table "The decode loop's copies".
+(issue 62, item 5). Table: docs/performance/decode.md, "The decode loop's copies:
+`benchmarks/decode_hlo.py`".
 
     python benchmarks/decode_hlo.py [--target cpu|gpu|tpu] [--layers auto|scan|unroll]
         [--model qwen2.5-0.5b] [--batch 256 --prompt 128 --new 512] [--dtype bfloat16]
@@ -10,9 +11,10 @@ shape for a back end's decode layout, its optimized HLO read for the token loop'
 Targets, all compiled on this machine without an accelerator (the weights stay abstract:
 ``jax.eval_shape`` of the init, then ``lower(ShapeDtypeStruct...)``):
   * ``cpu`` (default, what the test suite runs): this CPU's XLA in the GPU's decode layout. The
-    script replaces ``ppojax.rollout.sampling.compile_platform`` by one that answers "gpu", so
-    ``decode_layout`` keeps the kernels [in, out] and "auto" resolves as on a GPU; the loop
-    structure, slices and copies come from passes XLA's CPU and GPU back ends share, but XLA:CPU
+    script replaces ``compile_platform`` in ``ppojax.rollout.sampling`` and ``.draw`` by one
+    that answers "gpu", so ``decode_layout`` keeps the kernels [in, out], "auto" resolves and
+    the draw reads its weights as on a GPU (``draw._weights``); the loop structure, slices and
+    copies come from passes XLA's CPU and GPU back ends share, but XLA:CPU
     also copies slices XLA:GPU reads in place (the KV cache) and casts the LM head's output
     through float32 (vocabulary-sized arrays XLA:GPU does not write).
   * ``gpu``: XLA:GPU itself, for an H100 described by ``H100_TARGET`` (deviceless: no GPU, no
@@ -78,7 +80,7 @@ import jax.numpy as jnp
 
 from ppojax.models import CausalLM, init_params
 from ppojax.models.cache import init_cache
-from ppojax.rollout import sampling
+from ppojax.rollout import draw, sampling
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 from decode_compile import MODELS
@@ -369,8 +371,8 @@ def compile_generate(cfg, batch: int, prompt: int, config, target: str = "cpu") 
     return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=where), tree)
 
   platform = sampling.compile_platform
-  if target == "cpu":
-    sampling.compile_platform = gpu_layout
+  if target == "cpu":  # the layout and the draw as compiled for a GPU
+    sampling.compile_platform = draw.compile_platform = gpu_layout
   try:
     found = {}
 
@@ -392,7 +394,7 @@ def compile_generate(cfg, batch: int, prompt: int, config, target: str = "cpu") 
       hlo = lowered.compile().as_text()
       compile_s = time.perf_counter() - t
   finally:
-    sampling.compile_platform = platform
+    sampling.compile_platform = draw.compile_platform = platform
   slots = prompt + config.max_new_tokens - 1
   cache = jax.eval_shape(lambda: init_cache(module.cfg, batch, slots))
   kv = jax.tree.leaves(cache)

@@ -1,6 +1,8 @@
 """Milliseconds per draw of one token per row (``rollout.draw.sample_token``, every decode step's
 sampling) against the sort-based draw it replaced, side by side in one process.
 
+Table: docs/performance/decode.md, "The draw: `benchmarks/draw.py`".
+
     python benchmarks/draw.py [--shapes 64x49152 256x151936] [--scale 12] [--repeats 7]
 
 The sort-based draw: ``draw.truncate_logits`` (top-p by a sort of the whole vocabulary, min-p by

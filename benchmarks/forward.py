@@ -1,5 +1,7 @@
 """Tokens/s of a batched forward and forward+backward pass: ppojax vs transformers (PyTorch).
 
+Table: docs/performance/cpu.md, "Forward: `benchmarks/forward.py`".
+
 Both run SmolLM2-135M-Instruct with identical weights (the GGUF dequantized once, handed to both)
 on this machine, one after the other in the same process, so the ratio is comparable:
 

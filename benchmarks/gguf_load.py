@@ -2,6 +2,8 @@
 against ``ppojax.models.gguf_file.read``, and a whole ``load_model("smollm2")`` (header,
 dequantising, tokenizer, parameters), each the best of ``--repeats`` in this process:
 
+Table: docs/performance/compiling.md, "Start-up".
+
     python benchmarks/gguf_load.py [--repeats 3]
 
 The last line printed is a JSON object.

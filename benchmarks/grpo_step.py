@@ -1,5 +1,8 @@
 """Seconds per GRPO iteration of ppojax and of trl's ``GRPOTrainer`` (0.17 and 1.16), in one run.
 
+Tables: docs/performance/peers.md, "GRPO iteration vs trl: `benchmarks/grpo_step.py`", "trl 1.16
+beside trl 0.17" and "GRPO vs tunix: `benchmarks/grpo_step.py --tunix`".
+
 SmolLM2-135M-Instruct (``model.policy = "smollm2"``) is the policy and, frozen, the reference.
 The task is ppojax's arithmetic (``ppojax.tasks.arith``): ``--prompts`` two-digit problems from the
 training split ("What is 23 + 45?"), each chat-templated to exactly 40 tokens, so neither side
@@ -26,31 +29,29 @@ functions and a host round trip; ``config.algorithm = "grpo"``, float32):
   (clipped ratio loss + β·k3 KL, sequence mean of token means), gradient clipping at norm 1
   and one AdamW step (weight decay 0).
 
-trl's iteration (``benchmarks/trl_grpo.py``, in trl's own environment, ``trl_ppo.ensure_env``)
-runs under each version of ``--trl-versions`` (default both: trl 0.17 with transformers 4.51 in
-the environment ``--trl-env``, trl 1.16 with transformers 5.25 in ``--trl116-env``; each made
-under ``~/.cache/ppojax`` on first use; ``grpo_peers.py`` runs them), one after the other, each
-in its own process, on the same weights, prompt ids and settings. Both versions run the same
-passes (``trl_grpo.py``'s docstring lists what trl 1.16 changed and what it sets to run 0.17's
-work: ``loss_type`` "grpo", no gradient checkpointing, the KL term without 1.16's importance-ratio
-factor, the fused LM head on the completion positions only), with these differences from
-ppojax: it prefills each of the B·n rows in full (no
-prefill shared by a prompt's samples, no shared header); its group advantages divide by
-std + 1e-4 (ppojax: + 1e-6); its decode is Hugging Face ``generate`` with a dynamic KV cache;
-trl 1.16's fused LM head recomputes its projection in the backward and computes the entropy.
-Like ppojax it runs no old log-probs pass (trl computes them only when num_iterations > 1, or
-with vLLM; its ratio's denominator is the update's own detached log-probs) and it runs the LM
+trl's iteration (``benchmarks/peers/trl_grpo.py``, in trl's own environment, ``trl_ppo.ensure_env``)
+runs under each version of ``--trl-versions`` (default both: trl 0.17 with transformers 4.51 in the
+environment ``--trl-env``, trl 1.16 with transformers 5.25 in ``--trl116-env``; each made under
+``~/.cache/ppojax`` on first use; ``grpo_peers.py`` runs them), one after the other, each in its own
+process, on the same weights, prompt ids and settings. Both versions run the same passes
+(``trl_grpo.py``'s docstring lists what trl 1.16 changed and what it sets to run 0.17's work:
+``loss_type`` "grpo", no gradient checkpointing, the KL term without 1.16's importance-ratio factor,
+the fused LM head on the completion positions only), with these differences from ppojax: it prefills
+each of the B·n rows in full (no prefill shared by a prompt's samples, no shared header); its group
+advantages divide by std + 1e-4 (ppojax: + 1e-6); its decode is Hugging Face ``generate`` with a
+dynamic KV cache; trl 1.16's fused LM head recomputes its projection in the backward and computes
+the entropy. Like ppojax it runs no old log-probs pass (trl computes them only when num_iterations >
+1, or with vLLM; its ratio's denominator is the update's own detached log-probs) and it runs the LM
 head on the completion positions only in the reference forward and the update (0.17:
-``logits_to_keep``; 1.16: its fused LM head, as on CUDA, see ``trl_grpo.py``). Both
-clip the gradient at norm 1 and take one AdamW step with weight decay 0 at a constant lr; both
-run float32 on every core. trl runs in a subprocess before ppojax builds anything, so the two
-processes' memory never adds up. trl 1.16 has no PPO trainer, so ``ppo_step.py``'s trl peer
-stays trl 0.17.
+``logits_to_keep``; 1.16: its fused LM head, as on CUDA, see ``trl_grpo.py``). Both clip the
+gradient at norm 1 and take one AdamW step with weight decay 0 at a constant lr; both run float32 on
+every core. trl runs in a subprocess before ppojax builds anything, so the two processes' memory
+never adds up. trl 1.16 has no PPO trainer, so ``ppo_step.py``'s trl peer stays trl 0.17.
 
 ``--tunix`` (off by default) also times Google's tunix 0.1.7 ``GRPOLearner`` on the same weights,
-prompt ids, lengths, temperature, β and reward (``benchmarks/tunix_grpo.py``, in the environment
-of ``tunix_ppo.ensure_env``, run likewise in a subprocess first; its docstring lists what
-differs): ``tunix_seconds_per_iteration``, ``tunix_ratio`` (tunix / ppojax) and
+prompt ids, lengths, temperature, β and reward (``benchmarks/peers/tunix_grpo.py``, in the
+environment of ``tunix_ppo.ensure_env``, run likewise in a subprocess first; its docstring lists
+what differs): ``tunix_seconds_per_iteration``, ``tunix_ratio`` (tunix / ppojax) and
 ``tunix_peak_rss_mb`` in the JSON line. ``TUNIX_RSS_LIMIT_MB`` stops it at that resident set.
 
 Equal work (``--equal-work``, the default while a peer runs): ppojax's default runs the chat
@@ -116,6 +117,7 @@ from ppojax.run import runner
 from ppojax.tasks import arith
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent / "peers"))  # the peers' sides
 # pylint: disable=wrong-import-position
 import grpo_peers  # noqa: E402
 import scale_table  # noqa: E402

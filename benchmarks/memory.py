@@ -1,5 +1,8 @@
 """Peak memory of whole training runs: GRPO (no critic) against PPO on the quickstart task.
 
+Tables: docs/algorithms.md, "Memory" (GRPO against PPO); docs/performance/memory.md, "Freed memory
+between phases".
+
     python benchmarks/memory.py [--iterations 3] [--save-every 2] [--ab] \\
         [NAME=CONFIG[,--config.FIELD=VALUE...] ...]
 

@@ -4,6 +4,9 @@ environment tokens) and the toy task in one turn of T·(L + O) tokens, same mode
 and PPO settings. Every turn runs its full L tokens and the single turn its full R (both by
 ``sampling.min_new_tokens``), so both iterations hold the same tokens: B rows of P + T·(L + O).
 
+Table: docs/performance/cpu.md, "Multi-turn vs single-turn iteration:
+`benchmarks/multiturn_step.py`".
+
     python benchmarks/multiturn_step.py [--turns 4 --turn-tokens 8 --obs-tokens 2]
         [--batch 64] [--width 256 --layers 4] [--runs 5] [--small]
 

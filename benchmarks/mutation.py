@@ -1,5 +1,7 @@
 """Mutation testing of ppojax's math modules: do the tests notice a wrong operator?
 
+Table: none in the docs; it prints every surviving mutant and a count per module.
+
 Each mutant is one small change inside a function body of one module (docstrings, comments,
 signatures, error messages and f-strings are never touched):
 

@@ -1,6 +1,8 @@
 """The learn phase with packed rows vs padded rows (``rl.pack_fractions``), side by side in one
 run, on responses whose lengths have a long tail.
 
+Table: docs/performance/cpu.md, "Packed vs padded update: `benchmarks/packed_update.py`".
+
     python benchmarks/packed_update.py [--config configs/grpo_arith.py] [--batch 16]
         [--response-length 128] [--median-length 24] [--pack-fractions 0.5 ...] [--iterations 3]
         [--small]

@@ -1,5 +1,10 @@
 """Seconds per PPO iteration of ppojax's compiled step, where the time goes, and the FLOP rate.
 
+Tables: docs/performance/cpu.md, "The PPO iteration: `benchmarks/ppo_step.py`";
+docs/performance/peers.md, "PPO iteration vs trl: `benchmarks/ppo_step.py`", "PPO iteration vs
+tunix: `benchmarks/ppo_step.py --tunix`" and "LoRA PPO iteration vs trl + peft:
+`benchmarks/ppo_step.py --lora 16`".
+
 SmolLM2-135M-Instruct is policy, reference, reward model and critic (the reward model is the
 policy's backbone with a zero score head, saved to a temporary Hugging Face directory by a child
 process, so that its loading is not in this process's peak memory; the critic starts from
@@ -17,13 +22,13 @@ iteration of the fused step (one compiled function), a median over the phase-tim
 (VmHWM), the model FLOPs of one iteration, the achieved GFLOP/s against the matmul peak (a
 4096² float32 ``jnp.dot``, sampled between the timed iterations of the same run), and trl 0.17's
 ``PPOTrainer`` on the same models, prompts and settings, timed in the same run (before ppojax's
-step, in a subprocess: ``benchmarks/trl_ppo.py``, in a virtual environment of its own that the
+step, in a subprocess: ``benchmarks/peers/trl_ppo.py``, in a virtual environment of its own that the
 first ``--trl`` run creates under ``~/.cache/ppojax``; ``--no-trl`` skips it; trl 1.16, the
 second trl peer of ``grpo_step.py``, has no PPO trainer: trl 1.13 removed
 ``trl.experimental.ppo``). ``--tunix`` also
 times Google's tunix ``PPOLearner`` on the same models, prompts and lengths in the same run
-(``benchmarks/tunix_ppo.py``, in its own environment under ``~/.cache/ppojax``; its docstring lists
-what differs) and prints its figure and the ratio beside trl's. The last line is a
+(``benchmarks/peers/tunix_ppo.py``, in its own environment under ``~/.cache/ppojax``; its
+docstring lists what differs) and prints its figure and the ratio beside trl's. The last line is a
 JSON object. Like the CLI, the script restarts itself once with glibc's huge-page tunable
 (``ppojax.infra.hostmem``; ``PPOJAX_HUGE_PAGES=0``: off).
 
@@ -162,6 +167,7 @@ from ppojax.run import build as build_lib
 from ppojax.run import runner
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent / "peers"))  # the peers' sides
 # pylint: disable=wrong-import-position
 import peer_env  # noqa: E402
 import trl_ppo  # noqa: E402
@@ -507,7 +513,7 @@ def main():
                       help=f"its virtual environment (default {trl_ppo.default_env_dir()})")
   parser.add_argument("--tunix", action=argparse.BooleanOptionalAction, default=False,
                       help="time tunix's PPOLearner on the same task in this run "
-                      "(benchmarks/tunix_ppo.py; its docstring lists what differs)")
+                      "(benchmarks/peers/tunix_ppo.py; its docstring lists what differs)")
   parser.add_argument("--tunix-env", type=pathlib.Path, default=None,
                       help=f"its virtual environment (default {tunix_ppo.default_env_dir()})")
   parser.add_argument("--lora", type=int, default=0, metavar="RANK",

@@ -2,6 +2,10 @@
 pairs → a reward model from the SFT policy → PPO against it at one or more KL coefficients;
 then the reward-model over-optimisation figure (Gao, Schulman and Hilton 2022) and one JSON line.
 
+Tables: docs/learning.md, "A reward model that learns" and "RLHF against a learned reward model:
+over-optimisation, measured" (and the figures docs/rlhf_overoptimisation.png,
+docs/rlhf_reward_model.png).
+
     python benchmarks/rlhf.py --out runs/rlhf [--kl 0.05 0.01] [--iterations 60] \
         [--eval-every 10] [--save-every 20] [--rm-save-every N] \
         [--figure docs/rlhf_overoptimisation.png] [--rm-figure docs/rlhf_reward_model.png] \

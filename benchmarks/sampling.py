@@ -1,5 +1,7 @@
 """New tokens per second of generation: ppojax's compiled sampler vs transformers' ``generate``.
 
+Table: docs/performance/decode.md, "Sampling vs transformers: `benchmarks/sampling.py`".
+
 SmolLM2-135M-Instruct with identical weights in both, ~40-token chat prompts (left-padded), 64
 new tokens sampled at temperature 1 with stop tokens suppressed until the 64th (min_new_tokens),
 so both produce exactly batch × 64 tokens. Run side by side in one process:

@@ -1,5 +1,8 @@
 """The fit tables of docs/scale.md: ``python -m ppojax.aot`` for each (config, topology, options).
 
+Tables: docs/scale.md, "The table" and "LoRA: Llama-3.1-8B on 8 chips"; docs/scale-families.md
+(Qwen3 and Gemma 3).
+
     python benchmarks/scale_table.py [--jobs 2] [--out FILE [--skip-done]]
         [--only qwen2_5_0_5b | --goals | --lora | --families]
 

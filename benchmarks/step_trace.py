@@ -2,6 +2,8 @@
 ``benchmarks/ppo_step.py`` times (SmolLM2-135M-Instruct as policy, reference, reward model and
 critic; its defaults), summed by the kind of XLA operation each traced op is:
 
+Table: docs/performance/cpu.md, "Where the time goes".
+
     python benchmarks/step_trace.py [--batch 16] [--response-length 32] [--dtype float32]
         [--trace-dir DIR]
 

@@ -1,5 +1,8 @@
 """Whether the vmapped CartPole run still hangs on XLA:CPU (issue 28), and the hang's cause.
 
+Table: none; its counts of hung runs per arm are quoted in docs/classic.md, at the top ("Classic
+control: CartPole on the same PPO math").
+
     python benchmarks/xla_cpu_hang.py [--processes 3] [--runs 12] [--timeout 150]
                                       [--calls 20000] [--arms ARM ...]
 

@@ -10,7 +10,7 @@ run, supervised, classic; the command lines are ``ppojax.train``, ``ppojax.sft``
 
 Importing ppojax with ``JAX_PLATFORMS`` unset on a machine without a TPU sets it to the GPUs
 here and the CPU (``ppojax.infra.compile.choose_platforms``), so that an installed libtpu does
-not probe for a TPU and print its errors (docs/performance.md, "Compiling").
+not probe for a TPU and print its errors (docs/performance/compiling.md).
 """
 
 import importlib.abc
@@ -26,7 +26,7 @@ __version__ = "0.2.0"
 
 __all__ = ["advantages", "kl", "logprobs", "losses", "ops", "rewards", "__version__"]
 
-# Modules of the flat 0.1 layout and where their code lives now (docs/design.md maps them all).
+# Modules of the flat 0.1 layout and where their code lives now.
 MOVED = {
     **{f"ppojax.{m}": f"ppojax.core.{m} (or: from ppojax import {m})"
        for m in ("ops", "kl", "rewards", "advantages", "losses")},
@@ -59,7 +59,7 @@ class _MovedModules(importlib.abc.MetaPathFinder):
     if fullname in MOVED:
       raise ModuleNotFoundError(
           f"{fullname} moved in ppojax 0.2 to {MOVED[fullname]}: import it from there "
-          "(docs/design.md maps every old module to its new home)", name=fullname)
+          "(docs/design.md shows the layout)", name=fullname)
     return None
 
 

@@ -12,6 +12,7 @@ import types
 import pytest
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "benchmarks"))
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "peers"))
 # pylint: disable=wrong-import-position
 import peer_env  # noqa: E402
 import ppo_step  # noqa: E402

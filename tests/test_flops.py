@@ -75,7 +75,7 @@ def smollm2():
 
 @pytest.mark.parametrize("setting", list(SETTINGS))
 def test_model_flops_equal_the_convention_written_out(smollm2, setting):
-  """The SmolLM2-135M iteration of docs/performance.md (16 prompts of 44 slots, 32 response
+  """The SmolLM2-135M iteration of docs/performance/cpu.md (16 prompts of 44 slots, 32 response
   tokens) and its variants, every part."""
   cfg = smollm2
   kw = dict(SETTINGS[setting])
@@ -86,7 +86,7 @@ def test_model_flops_equal_the_convention_written_out(smollm2, setting):
 
 
 def test_the_documented_smollm2_totals_follow_from_the_convention(smollm2):
-  """docs/performance.md and benchmarks/ppo_step.py quote the single-pass iteration's model
+  """docs/performance/cpu.md and benchmarks/ppo_step.py quote the single-pass iteration's model
   FLOPs: 2.49 TFLOP of whole rows, 1.80 with the 24-token prefix shared."""
   cfg = smollm2
   whole = sum(_written_out(cfg, 16, 44, 32, update_fwd=False).values())

@@ -19,7 +19,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 TASKS = {"use my own reward function": "how-to/reward/index.html",
          "use my own dataset": "how-to/dataset/index.html",
          "run GRPO with LoRA on a GPU": "how-to/grpo-lora-gpu/index.html",
-         "compile for a TPU pod": "scale/index.html"}
+         "compile for a TPU pod": "how-to/tpu-pod/index.html"}
 
 
 @pytest.fixture(scope="module")

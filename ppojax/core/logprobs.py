@@ -3,7 +3,7 @@
 ``selective_log_softmax`` (log π of the sampled tokens) and ``entropy_from_logits`` read logits
 [..., T, V] of any float dtype and return float32 [..., T]. Neither holds a second [..., T, V]
 float32 array, forward or backward: the float32 upcast lives one chunk of tokens at a time, and
-custom VJPs keep only (logits, tokens, logsumexp) as residuals (docs/performance.md, "Memory").
+custom VJPs keep only (logits, tokens, logsumexp) as residuals (docs/performance/memory.md).
 """
 
 from __future__ import annotations

@@ -191,7 +191,8 @@ def ppo_loss(
   and value clip). Metrics: ``loss/{policy,value,kl,total}``, ``policy/{clipfrac,
   dual_clipfrac,approxkl_masked,entropy_masked,kl}``, ``val/{clipfrac,error,values,
   ratio_masked,ratio_token_var}`` (trl's names, without its ``_avg``, where they mean what
-  trl's mean; ``_masked`` where trl averages over padding too: docs/design.md, "Metric names").
+  trl's mean; ``_masked`` where trl averages over padding too: docs/explanation/step.md,
+  "Metric names").
   ``ent_coef`` other than a Python 0 without ``entropy`` raises ``ValueError``, as does a Python
   ``vf_coef`` < 0.
   """

@@ -1,5 +1,5 @@
 """Compiling as a measured, bounded cost: which platforms JAX starts, the persistent compilation
-cache, and the seconds and count of XLA's compiles by program (docs/performance.md, "Compiling").
+cache, and the seconds and count of XLA's compiles by program (docs/performance/compiling.md).
 
 - ``choose_platforms``: with ``JAX_PLATFORMS`` unset and no TPU attached, JAX is kept from
   probing one (an installed libtpu otherwise prints initialisation errors on every start); the

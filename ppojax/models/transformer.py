@@ -189,7 +189,7 @@ class Decoder(nn.Module):
   def __call__(self, tokens, positions, kv_mask, cache=None, cache_index=0, rope=None,
                prefix=None):
     """``rope``: ``model_rope(cfg, positions)`` when the caller already has it (a decode loop
-    computes it once for all its steps, outside its loop: docs/performance.md).
+    computes it once for all its steps, outside its loop: docs/performance/decode.md).
 
     ``prefix``: [C] token ids that precede every row (no cache): they take positions 0 … C − 1
     and the rows' ``positions`` start at C; the prefix runs through each layer once, for the

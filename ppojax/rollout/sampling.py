@@ -143,9 +143,10 @@ def decode_layers(layers: str, params) -> str:
   for a TPU (``compile_platform``), "unroll" elsewhere; "scan" and "unroll" stay.
 
   What each back end's compiler makes of a scanned decode step (``benchmarks/decode_hlo.py``,
-  Qwen2.5-0.5B, 256 rows, docs/performance.md "The decode loop's copies"): XLA:TPU reads each
-  layer's weights and cache slices in place; XLA:GPU copies every layer's weights out of the
-  stacked arrays on every token (0.72 GB per step), XLA:CPU its weights and KV cache (2.7 GB).
+  Qwen2.5-0.5B, 256 rows, docs/performance/decode.md "The decode loop's copies"): XLA:TPU
+  reads each layer's weights and cache slices in place; XLA:GPU copies every layer's weights
+  out of the stacked arrays on every token (0.72 GB per step), XLA:CPU its weights and KV cache
+  (2.7 GB).
   Unrolled, no back end copies either; the program is longer to compile, once per shape per
   machine with the persistent compilation cache (``infra.compile.use_cache``)."""
   if layers not in LAYERS:
@@ -180,7 +181,7 @@ def decode_layout(module: nn.Module, params, layers: str = "auto") -> tuple[nn.M
 
   ``generate`` applies it on every call, which copies every weight. Call it once and pass its
   result to reuse one set of params across calls (evaluation, serving, benchmarks); on params
-  already in this layout it copies nothing. Timings: docs/performance.md."""
+  already in this layout it copies nothing. Timings: docs/performance/decode.md."""
   cfg = module.cfg
   scan = decode_layers(layers, params) == "scan"
   transposed = compile_platform(params) == "cpu"

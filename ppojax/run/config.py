@@ -30,7 +30,7 @@ def defaults() -> ml_collections.ConfigDict:
   c.sample_table_rows = 4  # rows in each sample table
   c.save_every = 50  # checkpoint every N iterations (and at the end), with --workdir
   c.keep = 2  # checkpoints kept (>= 2: a corrupt latest one falls back to the one before)
-  # a rerun resumes only its own run (docs/design.md, resume); changes accepted deliberately,
+  # a rerun resumes only its own run (docs/explanation/runs.md); changes accepted deliberately,
   # comma-separated fields or sections: "seed,rl.batch_size"
   c.resume_allow_changes = ""
   c.phase_timing = False  # True: run sampling / scoring / update as three timed calls
@@ -103,7 +103,7 @@ def defaults() -> ml_collections.ConfigDict:
   # {"enable_thinking": False}: answer without a <think> block (docs/from-trl.md, configs/qwen3_*)
   c.data.chat_template_kwargs = ml_collections.ConfigDict()
   # the tokens every prompt begins with (the chat template's header) run once per batch, not
-  # once per row: the same numbers, fewer FLOPs (docs/design.md)
+  # once per row: the same numbers, fewer FLOPs (docs/explanation/step.md)
   c.data.shared_prefix = True
   c.data.eval_per_digits = 64  # task "arith": held-out problems per digit count
   c.data.eval_size = 128  # task "calc": held-out problems
@@ -231,10 +231,10 @@ def defaults() -> ml_collections.ConfigDict:
   # as trl's; one forward pass fewer, equal up to the KV-cache decode's rounding)
   c.rl.old_logprobs = "recompute"
   # with 1 epoch × 1 minibatch × 1 micro-batch, the old log-probs and values from the update's
-  # own forward pass (two forward passes fewer; docs/design.md); False: the rollout's
+  # own forward pass (two forward passes fewer; docs/explanation/step.md); False: the rollout's
   c.rl.reuse_update_forward = True
   # padding-free update: a micro-batch's n sequences packed into the fewest ⌈f·n⌉ rows, f from
-  # this ascending tuple, that hold them, else padded (docs/design.md, "Packed rows"); (): off
+  # this ascending tuple, that hold them, else padded (docs/explanation/step.md); (): off
   c.rl.pack_fractions = ()
   # a non-finite iteration is skipped (skipped/nonfinite); after this many in a row the run
   # saves its last good state and stops (0: never stop)

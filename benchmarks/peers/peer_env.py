@@ -1,7 +1,12 @@
-"""What the peers' benchmark sides share (standard library only: it is imported inside the trl
-and tunix environments as well as ppojax's): their virtual environments under the ppojax cache,
-created on first use, the PPO sides' common options, the process's peak resident set and the
-check that every response has the requested length."""
+"""What the peers' benchmark sides share; it measures nothing itself.
+
+Table: none of its own; the peer harnesses beside it (``trl_ppo.py``, ``tunix_ppo.py`` and, through
+them, the GRPO sides) fill the rows of docs/performance/peers.md.
+
+Standard library only: it is imported inside the trl and tunix environments as well as ppojax's.
+It holds their virtual environments under the ppojax cache, created on first use, the PPO sides'
+common options, the process's peak resident set and the check that every response has the
+requested length."""
 
 from __future__ import annotations
 

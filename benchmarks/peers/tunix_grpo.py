@@ -1,4 +1,8 @@
-"""Seconds per GRPO iteration of Google's tunix (``GRPOLearner``): the other side of ``grpo_step.py --tunix``.
+"""Seconds per GRPO iteration of Google's tunix (``GRPOLearner``): the other side of
+``grpo_step.py --tunix``.
+
+Table: the tunix rows of docs/performance/peers.md, "GRPO vs tunix: `benchmarks/grpo_step.py
+--tunix`".
 
 It runs in the environment of ``tunix_ppo.ensure_env`` (tunix 0.1.7, under ``~/.cache/ppojax``)
 and takes its pieces from ``tunix_ppo.py``: the SmolLM2-135M ``ModelConfig`` of tunix's Llama-3,
@@ -6,7 +10,7 @@ the loading by tunix's safetensors loader, the tokenizer, the ``RLCluster`` and 
 ``grpo_step.py --tunix`` runs it in the same benchmark run as ppojax's iteration, before ppojax
 builds anything (the two processes' memory never adds up):
 
-    python benchmarks/tunix_grpo.py --policy DIR --prompts FILE.json [--num-generations 4]
+    python benchmarks/peers/tunix_grpo.py --policy DIR --prompts FILE.json [--num-generations 4]
         [--response-length 32] [--temperature 0.7] [--beta 0.04] [--iterations 3] [--warmup 1]
 
 DIR is the Hugging Face directory ppojax exports (``save_model``, ``LlamaForCausalLM``): the

@@ -4,6 +4,9 @@ environment, ``trl_ppo.TRL_VERSIONS``) and, with ``--tunix``, tunix's ``GRPOLear
 (``tunix_grpo.py``), each in a process of its own, run before ppojax builds anything; and the
 flat keys of ``grpo_step.py``'s JSON line that report them.
 
+Table: the peers' rows of docs/performance/peers.md, "GRPO iteration vs trl:
+`benchmarks/grpo_step.py`" and "GRPO vs tunix: `benchmarks/grpo_step.py --tunix`".
+
 Each peer has a key (``trl_ppo.TRL_VERSIONS``: "trl" for trl 0.17, "trl116" for trl 1.16; and
 "tunix") that names its results: ``PEER_seconds_per_iteration``, ``PEER_peak_rss_mb``,
 ``PEER_mean_reward``, the peer's whole JSON under ``PEER`` and, from ``ppo_step.comparisons``,
@@ -16,16 +19,23 @@ from __future__ import annotations
 
 import argparse
 import pathlib
+import sys
 import tempfile
 
 import numpy as np
 
-# this folder (grpo_step.py, the one importer, puts it on sys.path)
-import trl_grpo
-import trl_ppo
-import tunix_grpo
-import tunix_ppo
-from ppo_step import run_json, tunix_rss_limit
+# this folder (benchmarks/peers) and benchmarks/ (ppo_step.py): grpo_step.py, the one importer,
+# puts both on sys.path; so does this module, for a test or a shell that imports it alone
+_HERE = pathlib.Path(__file__).resolve().parent
+for _folder in (_HERE, _HERE.parent):
+  if str(_folder) not in sys.path:
+    sys.path.insert(0, str(_folder))
+# pylint: disable=wrong-import-position
+import trl_grpo  # noqa: E402
+import trl_ppo  # noqa: E402
+import tunix_grpo  # noqa: E402
+import tunix_ppo  # noqa: E402
+from ppo_step import run_json, tunix_rss_limit  # noqa: E402
 
 from ppojax.models import save_model
 
@@ -49,7 +59,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         f"{trl_ppo.default_env_dir(version)})")
   parser.add_argument("--tunix", action=argparse.BooleanOptionalAction, default=False,
                       help="time tunix's GRPOLearner on the same task in this run "
-                      "(benchmarks/tunix_grpo.py; its docstring lists what differs)")
+                      "(benchmarks/peers/tunix_grpo.py; its docstring lists what differs)")
   parser.add_argument("--tunix-env", type=pathlib.Path, default=None,
                       help=f"its virtual environment (default {tunix_ppo.default_env_dir()})")
 

@@ -1,5 +1,8 @@
 """Seconds per PPO iteration of trl's ``PPOTrainer``: the other side of ``ppo_step.py --trl``.
 
+Table: the trl rows of docs/performance/peers.md, "PPO iteration vs trl: `benchmarks/ppo_step.py`"
+and "LoRA PPO iteration vs trl + peft: `benchmarks/ppo_step.py --lora 16`".
+
 It runs in an environment of its own, because trl 0.17 needs a transformers 4.x and ppojax
 installs 5.x (``ppo_step.py --trl`` makes that environment with ``ensure_env`` and runs this
 script in it, in the same benchmark run as ppojax's step). trl 0.17 is the only trl it runs
@@ -7,7 +10,7 @@ with: trl 1.13 removed ``trl.experimental.ppo`` (1.12 was its last release with 
 ``PPOTrainer``), so under trl 1.16 (``ensure_env(version="1.16")``, ``grpo_step.py``'s second
 trl peer) it exits naming the missing import:
 
-    python benchmarks/trl_ppo.py --policy DIR --reward DIR --prompts FILE.json \\
+    python benchmarks/peers/trl_ppo.py --policy DIR --reward DIR --prompts FILE.json \\
         [--response-length 32] [--iterations 3] [--warmup 1] [--lora-rank R [--lora-critic]]
 
 DIR are Hugging Face directories (the policy as ``*ForCausalLM``, the reward model as

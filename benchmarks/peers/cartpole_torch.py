@@ -3,6 +3,8 @@ tutorial code writes it (CleanRL's ``ppo.py`` shape: a Python loop over steps, a
 ``SyncVectorEnv``, GAE in a reversed Python loop, epochs of shuffled minibatches), with the same
 hyper-parameters and the same algorithm as ``ppojax.classic.ppo``:
 
+Table: the PyTorch column of docs/classic.md, "Figures" (run by ``benchmarks/cartpole.py``).
+
 * actor and critic: 2 tanh layers of 64, orthogonal init (√2; heads 0.01 and 1), no sharing;
 * N environments × T steps; GAE with γ, λ; a truncated episode (the 500-step limit) bootstraps
   from V(final observation) (gymnasium's same-step autoreset gives it), a terminated one does
@@ -10,7 +12,7 @@ hyper-parameters and the same algorithm as ``ppojax.classic.ppo``:
 * clipped surrogate, clipped value loss ½·max(...), entropy bonus; global-norm clip 0.5; Adam
   (eps 1e-5) with the rate annealed linearly to 0 over every optimizer step.
 
-    python benchmarks/cartpole_torch.py [--seed 0] [--total-timesteps 500000] [--threads 1]
+    python benchmarks/peers/cartpole_torch.py [--seed 0] [--total-timesteps 500000] [--threads 1]
 
 ``--threads`` sets ``torch.set_num_threads`` (1 by default: on the 2-core CPU of docs/classic.md
 torch's default of one thread per core made each iteration about 8x slower, its tiny ops

@@ -1,4 +1,8 @@
-"""Seconds per PPO iteration of Google's tunix (``PPOLearner``): the other side of ``ppo_step.py --tunix``.
+"""Seconds per PPO iteration of Google's tunix (``PPOLearner``): the other side of
+``ppo_step.py --tunix``.
+
+Table: the tunix rows of docs/performance/peers.md, "PPO iteration vs tunix: `benchmarks/ppo_step.py
+--tunix`".
 
 It runs in a virtual environment of its own (``ensure_env``, under ``~/.cache/ppojax``), so that
 ppojax's environment stays untouched even where the versions agree: tunix 0.1.7 pulls in grain,
@@ -6,7 +10,7 @@ qwix, metrax, tensorflow-datasets and more. ``ppo_step.py --tunix`` creates that
 runs this script in it, in the same benchmark run as ppojax's step (before ppojax builds
 anything, so the two processes' memory never adds up):
 
-    python benchmarks/tunix_ppo.py --policy DIR --reward DIR --prompts FILE.json \\
+    python benchmarks/peers/tunix_ppo.py --policy DIR --reward DIR --prompts FILE.json \\
         [--response-length 32] [--iterations 3] [--warmup 1] [--temperature 1.0]
 
 ``tunix_grpo.py`` (the GRPO side, ``grpo_step.py --tunix``) imports its pieces from here: the

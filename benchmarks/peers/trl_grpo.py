@@ -1,11 +1,14 @@
 """Seconds per GRPO iteration of trl's ``GRPOTrainer``: the other side of ``grpo_step.py``.
 
+Table: the trl rows of docs/performance/peers.md, "GRPO iteration vs trl: `benchmarks/grpo_step.py`"
+and "trl 1.16 beside trl 0.17".
+
 It runs under trl 0.17 or trl 1.16, each in its own environment (``trl_ppo.ensure_env(version=
 "0.17" | "1.16")``: trl 0.17 needs a transformers 4.x, ppojax installs 5.x; ``trl_ppo.TRL_VERSIONS``
 lists both); ``grpo_step.py`` makes those environments and runs this script in each, in the same
 benchmark run as ppojax's iteration:
 
-    python benchmarks/trl_grpo.py --policy DIR --prompts FILE.json [--num-generations 4]
+    python benchmarks/peers/trl_grpo.py --policy DIR --prompts FILE.json [--num-generations 4]
         [--response-length 32] [--temperature 0.7] [--beta 0.04] [--iterations 3] [--warmup 1]
         [--all-positions-lm-head]
 
@@ -89,7 +92,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import trl_ppo  # noqa: E402  pylint: disable=wrong-import-position
 
-ARITH = Path(__file__).resolve().parents[1] / "ppojax" / "tasks" / "arith.py"
+ARITH = Path(__file__).resolve().parents[2] / "ppojax" / "tasks" / "arith.py"
 
 
 def arith_reward():
