@@ -369,6 +369,27 @@ def test_eval_every_evaluates_between_iterations_across_a_resume(policy_dir, tmp
   assert (tmp_path / "parts" / "eval_samples_iteration_2.jsonl").exists()
 
 
+def test_a_finished_run_extended_evaluates_after_again(policy_dir, tmp_path):
+  """2 iterations, then ``num_iterations = 3`` in the same workdir: the held-out "after" is
+  taken again at 3 (eval.json's and the printed one), not left at the first run's 2."""
+  config = _text_task_config(policy_dir, tmp_path)
+  config.num_iterations = 2
+  first = runner.run(config, str(tmp_path / "run"))
+  config.num_iterations = 3
+  extended = runner.run(config, str(tmp_path / "run"))
+  rows = reporting.read_metrics(str(tmp_path / "run" / "metrics.jsonl"))
+  evaluated = {r["step"]: r["eval/accuracy"] for r in rows if "eval/accuracy" in r}
+  assert sorted(evaluated) == [0, 2, 3]
+  assert first.evals["after"]["eval/accuracy"] == pytest.approx(evaluated[2])
+  assert extended.evals["after"]["eval/accuracy"] == pytest.approx(evaluated[3])
+  evals = json.loads((tmp_path / "run" / "eval.json").read_text())
+  assert evals["after"] == pytest.approx(extended.evals["after"])
+  finished = runner.run(config, str(tmp_path / "run"))  # nothing left to train: no new eval
+  rows = reporting.read_metrics(str(tmp_path / "run" / "metrics.jsonl"))
+  assert sorted(r["step"] for r in rows if "eval/accuracy" in r) == [0, 2, 3]
+  assert finished.evals["after"] == extended.evals["after"]
+
+
 def test_tiny_policy_takes_a_tokenizer_for_text_tasks(policy_dir, char_tokenizer, tmp_path):
   config = _text_task_config(policy_dir, tmp_path)
   config.model.policy = "tiny"

@@ -282,7 +282,8 @@ def _checkpoint(loop: loop_state.LoopState, it: int, stop_after: int | None) -> 
 
 
 def _end(loop: loop_state.LoopState, progress) -> None:
-  """After the loop: a stop by a signal said, else the held-out evaluation "after"."""
+  """After the loop: a stop by a signal said, else the held-out evaluation "after" — again where
+  this process trained on past a finished run's end (more ``num_iterations`` in its workdir)."""
   signal, last, start = loop.signals.received, loop.last, loop.start
   if signal:
     where = f"after iteration {last}" if last > start else "before any iteration"
@@ -290,7 +291,7 @@ def _end(loop: loop_state.LoopState, progress) -> None:
                    + (f"; checkpoint {last} saved: run the same command again to resume"
                       if loop.ckpt and last > start else ""))
   elif (last == loop.r.config.num_iterations and loop.r.source.eval_records
-        and "after" not in loop.evals):
+        and ("after" not in loop.evals or last > start)):
     progress.close()
     loop.evaluate("after", loop.r.config.num_iterations)
 
