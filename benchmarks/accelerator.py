@@ -388,7 +388,9 @@ def decode_batch(module, params, sampling, batch: int, sizes: dict, name: str, r
                  "new_tokens": sampling.max_new_tokens, "first_call_s": first, "seconds": times,
                  "weight_bytes": weight_bytes,
                  "kv_itemsize": jnp.dtype(cfg.compute_dtype).itemsize, "dims": dims(cfg),
-                 "layers": getattr(sampling, "layers", "unroll")})
+                 "layers": "scan" if cfg.scan_layers else "unroll",  # as decode_layout made it
+                 "stop_check_every": sampling_lib.stop_check_steps(sampling.stop_check_every,
+                                                                   jax.tree.leaves(params)[0])})
   log(f"{name}: {statistics.median(times):.3f} s (first call {first:.1f} s)")
 
 
