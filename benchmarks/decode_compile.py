@@ -7,6 +7,7 @@ docs/performance/compiling.md, "Layers that differ by type: Gemma 3's decode"; t
 figures of docs/scale-memory.md, "Compile seconds, by program".
 
     python benchmarks/decode_compile.py [--layers scan|unroll|auto] [--model smollm2] [--runs 3]
+        [--dtype bfloat16]
     python benchmarks/decode_compile.py --tpu v5e:1x1 --model qwen2.5-0.5b --layers scan
     python benchmarks/decode_compile.py --model gemma3-270m[-uniform] --layers scan|unroll
 
@@ -99,14 +100,18 @@ def main(argv=None) -> None:
   parser.add_argument("--prompt", type=int)
   parser.add_argument("--new", type=int)
   parser.add_argument("--runs", type=int, default=3)
+  parser.add_argument("--dtype", default=None, help="the model's dtype (default: float32, "
+                      "ModelConfig's; bfloat16 with --tpu)")
   args = parser.parse_args(argv)
   name = "small" if args.small else args.model
   cfg = MODELS[name]()
+  if args.dtype:
+    cfg = cfg.replace(dtype=args.dtype, param_dtype=args.dtype)
   batch, prompt, new = SHAPES["tpu" if args.tpu else "cpu"]
   batch, prompt, new = args.batch or batch, args.prompt or prompt, args.new or new
   sampling = SamplingConfig(max_new_tokens=new, min_new_tokens=new, stop_ids=(2,), pad_id=2,
                             greedy=True, layers=args.layers)
-  if args.tpu:
+  if args.tpu and not args.dtype:
     cfg = cfg.replace(dtype="bfloat16", param_dtype="bfloat16")
     program, params, tokens, mask, key = _on_tpu(cfg, args.tpu, batch, prompt)
   else:
@@ -127,7 +132,8 @@ def main(argv=None) -> None:
     runs.append(time.perf_counter() - t)
   target = tpu_device(args.tpu).device_kind + f" ({args.tpu})" if args.tpu else None
   print(json.dumps({
-      "model": name, "layers": decode_layers(args.layers, params), "batch": batch,
+      "model": name, "dtype": cfg.dtype, "layers": decode_layers(args.layers, params),
+      "batch": batch,
       "prompt": prompt, "new": new, "lower_s": lower_s, "compile_s": compile_s, "run_s": runs,
       "step_ms": [1e3 * r / new for r in runs], "compiled_for": target or "here",
       "machine": machine()}))
