@@ -213,9 +213,9 @@ RANGES = (
     ("rl.pack_fractions", packing.valid_fractions, "must be ascending numbers in (0, 1], packed "
      "rows per padded row to try, fewest first: e.g. (0.5,) or (0.25, 0.5, 0.75); (): off"),
     ("rl.reject_low", lambda v: 0 < v <= 1,
-     "must be in (0, 1]: tokens whose sampler/learner ratio is below it leave the loss"),
+     "must be in (0, 1]: tokens whose ratio π_old/π_sampler is below it leave the loss"),
     ("rl.reject_high", lambda v: v >= 1,
-     "must be >= 1: tokens whose sampler/learner ratio is above it leave the loss"),
+     "must be >= 1: tokens whose ratio π_old/π_sampler is above it leave the loss"),
     ("save_every", lambda v: is_int(v, 1), "must be an integer >= 1 (iterations per checkpoint)"),
     ("keep", lambda v: is_int(v, 1), "must be an integer >= 1 (checkpoints kept)"),
     ("sampling.stop_check_every", lambda v: is_int(v, 0),
