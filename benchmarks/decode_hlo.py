@@ -203,13 +203,9 @@ def reached(comps, name: str, seen=None) -> set[str]:
   return seen
 
 
-def reach(comps, name: str, seen=None) -> int:
+def reach(comps, name: str) -> int:
   """How many instructions ``name`` holds with the computations it calls (once each)."""
-  seen = set() if seen is None else seen
-  if name in seen:
-    return 0
-  seen.add(name)
-  return len(comps[name]) + sum(reach(comps, c, seen) for i in comps[name] for c in called(i))
+  return sum(len(comps[c]) for c in reached(comps, name))
 
 
 class Tally(NamedTuple):
@@ -358,16 +354,14 @@ def compile_generate(cfg, batch: int, prompt: int, config, target: str = "cpu") 
   module docstring), every input abstract, the params in the decode layout as the suite passes
   them; "cpu" compiles this machine's back end in the GPU's decode layout."""
   device = target_device(target)
-  mesh = contextlib.nullcontext() if device is None else jax.set_mesh(
-      jax.sharding.Mesh([device], ("data",)))
+  mesh = None if device is None else jax.sharding.Mesh([device], ("data",))
   if target == "gpu":  # cuDNN's prefill attention needs the library; the token loop's is einsum
     cfg = cfg.replace(attention="einsum")
 
-  def place(tree):
-    if device is None:
+  def place(tree):  # on the target's device (this machine's without one)
+    if mesh is None:
       return tree
-    where = jax.sharding.NamedSharding(jax.sharding.Mesh([device], ("data",)),
-                                       jax.sharding.PartitionSpec())
+    where = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
     return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=where), tree)
 
   platform = sampling.compile_platform
@@ -387,7 +381,7 @@ def compile_generate(cfg, batch: int, prompt: int, config, target: str = "cpu") 
     key = place(jax.eval_shape(lambda: jax.random.key(0)))
     # a new function, so no trace cached under another layout is reused
     program = jax.jit(functools.partial(sampling.generate.__wrapped__, module, config=config))
-    with mesh:
+    with contextlib.nullcontext() if mesh is None else jax.set_mesh(mesh):
       t = time.perf_counter()
       lowered = program.lower(params, tokens, mask, key)
       lower_s, t = time.perf_counter() - t, time.perf_counter()

@@ -71,14 +71,10 @@ def _unescape(cell: str) -> str:
   return cell.replace(r"\|", "|").replace(r"\*", "*").replace("&lt;", "<")
 
 
-def _leaves(config, prefix=""):
-  """(dotted name, value) of every option; the free-form sections are options themselves."""
-  for key in config.keys():
-    name, value = prefix + key, config[key]
-    if isinstance(value, ml_collections.ConfigDict) and name not in checks.FREE_FORM:
-      yield from _leaves(value, name + ".")
-    else:
-      yield name, value
+def _leaves(config):
+  """(dotted name, value) of every option (the generator's walk: free-form sections are options
+  themselves)."""
+  return generator.leaves(config)
 
 
 # ---- (a) the pages are current ---------------------------------------------------------------
