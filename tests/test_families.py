@@ -75,6 +75,8 @@ def _perturb(model, seed):
 @functools.lru_cache(maxsize=None)
 def _hf_model(name: str, head: str = "lm"):
   """(transformers model in float32, eager attention; its checkpoint directory)."""
+  import atexit  # pylint: disable=import-outside-toplevel
+  import shutil  # pylint: disable=import-outside-toplevel
   import tempfile  # pylint: disable=import-outside-toplevel
   config_cls, lm_cls, value_cls, kwargs = FAMILIES[name]
   config = getattr(tf, config_cls)(**kwargs, **({"num_labels": 1} if head == "value" else {}))
@@ -83,6 +85,7 @@ def _hf_model(name: str, head: str = "lm"):
   model = getattr(tf, value_cls if head == "value" else lm_cls)(config)
   model = _perturb(model, seed=sum(map(ord, name + head)))
   directory = pathlib.Path(tempfile.mkdtemp(prefix=f"ppojax-{name}-{head}-"))
+  atexit.register(shutil.rmtree, directory, ignore_errors=True)  # per worker, at its exit
   model.save_pretrained(str(directory))
   return model, directory
 

@@ -8,7 +8,10 @@ from __future__ import annotations
 import dataclasses
 import json
 import pathlib
+import shutil
 from typing import Any
+
+import jax
 
 from ppojax.infra import compile as compile_lib
 from ppojax.infra import files
@@ -53,6 +56,10 @@ class LoopState:
     self.fingerprint = resume.fingerprint(config, self.r.source)
     if self.ckpt.latest_step() is not None:
       self._resume()
+    warning = disk_warning(self.state, config, self.start, len(self.ckpt.all_steps()),
+                           shutil.disk_usage(workdir).free)
+    if warning:
+      print(f"warning: {workdir}: {warning}", flush=True)
     _write_json(workdir / "config.json", config.to_dict())  # this invocation's resolved config
     held_out.redo_cut_short(workdir, config, self.start, self.evals)
     wandb = config.get("wandb_project") or None
@@ -113,6 +120,34 @@ def nonfinite(metrics: dict) -> set[str]:
 def saved(state):
   """What a checkpoint holds: the state without LoRA's frozen base (the config names it)."""
   return state._replace(base=None)
+
+
+def saves_left(start: int, iterations: int, save_every: int) -> int:
+  """Checkpoints a run from iteration ``start`` to ``iterations`` writes: every ``save_every``-th
+  iteration and the last one."""
+  due = iterations // save_every - start // save_every
+  return due + (iterations > start and iterations % save_every != 0)
+
+
+def disk_warning(state, config, start: int, held: int, free: int) -> str | None:
+  """A warning when the disk may run out before the run ends, else None. Needed, in the state's
+  bytes C (its arrays uncompressed: an upper bound) and the exported policy's P:
+
+      (min(keep + 1, held + saves) − held) · C + P
+
+  (a new checkpoint is written before the oldest of ``keep`` goes; ``held`` are there already)."""
+  size = sum(getattr(x, "nbytes", 0) for x in jax.tree.leaves(saved(state)))
+  policy = sum(x.nbytes for x in jax.tree.leaves(state.actor if state.base is None else state.base))
+  saves = saves_left(start, config.num_iterations, config.save_every)
+  written = max(min(config.keep + 1, held + saves) - held, 0)
+  need = written * size + (policy if config.num_iterations > start else 0)
+  if need <= free:
+    return None
+  return (f"{free / 1e9:.1f} GB free on disk, and this run may write {need / 1e9:.1f} GB: "
+          f"{written} checkpoint(s) of up to {size / 1e9:.1f} GB (keep={config.keep}, "
+          f"save_every={config.save_every}) and the exported policy ({policy / 1e9:.1f} GB). "
+          "Free space, or lower --config.keep or raise --config.save_every, or the run will stop "
+          "at a save with 'No space left on device'")
 
 
 def _write_json(path: pathlib.Path, obj) -> None:
