@@ -56,7 +56,9 @@ Reading the HLO:
 
 Prints one JSON line: bytes per decode step copied (total, KV cache, weights, other), the top
 10 copies, vocabulary-sized arrays per step, all bytes the step writes (outputs of every
-instruction but in-place updates, bitcasts and tuples; the 8 largest by shape), the weight and KV-cache bytes of the shape, the
+instruction but in-place updates, bitcasts and tuples; the 8 largest by shape), of those the
+attention's scores and probabilities (``score_bytes_per_step``: none where the fused decode
+kernel runs, ``decode_attention`` "pallas"), the weight and KV-cache bytes of the shape, the
 copy fractions of those and the compile seconds. ``--check`` exits 1 where the KV-cache and
 weight copies exceed ``GOAL_FRACTION`` of the weight + KV-cache bytes or more than
 ``GOAL_VOCAB_ARRAYS`` vocabulary-sized arrays are written per step (issue 62's goals).
@@ -79,7 +81,7 @@ import jax
 import jax.numpy as jnp
 
 from ppojax.models import CausalLM, init_params
-from ppojax.models.cache import init_cache
+from ppojax.models.cache import cache_length, init_cache, keys_transposed
 from ppojax.rollout import draw, sampling
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
@@ -262,8 +264,10 @@ def squeezed(shape) -> tuple[int, ...]:
 
 
 def analyse(text: str, batch: int, new: int, vocab: int, kv_shapes: set[tuple],
-            weight_shapes: set[tuple]) -> dict:
-  """The token loop's data movement per decode step (module docstring) from optimized HLO."""
+            weight_shapes: set[tuple], slots: int = 0) -> dict:
+  """The token loop's data movement per decode step (module docstring) from optimized HLO;
+  ``slots``: the cache's length, whose [.., S] arrays of 3 or more axes are attention scores or
+  probabilities (``score_bytes_per_step``; none where the fused decode kernel runs)."""
   comps = parse_hlo(text)
   loop = token_loop(comps, batch, new)
   tally = Tally([], [], [], [])
@@ -291,8 +295,16 @@ def analyse(text: str, batch: int, new: int, vocab: int, kv_shapes: set[tuple],
       "copy_bytes_common_path": sum(c[3] * c[4] for c in common.copies),
       "vocab_arrays": [f"{n}: {d}[{s}]" for n, (d, s) in tally.vocab],
       "written_bytes_per_step": sum(b for _, b in tally.writes),
+      "score_bytes_per_step": sum(b for shape, b in written.items()
+                                  if slots and _is_scores(shape, slots)),
       "top_writes": [{"shape": k, "bytes_per_step": v} for k, v in sorted(
           written.items(), key=lambda kv: -kv[1])[:8]], "notes": tally.notes}
+
+
+def _is_scores(shape: str, slots: int) -> bool:
+  """Whether ``dtype[d0,d1,...]`` has 3 or more axes, the last ``slots`` long."""
+  dims = [int(x) for x in shape[shape.index("[") + 1:-1].split(",") if x]
+  return len(dims) >= 3 and dims[-1] == slots
 
 
 class Program(NamedTuple):
@@ -304,6 +316,8 @@ class Program(NamedTuple):
   lower_s: float
   compile_s: float
   layers: str  # "scan" or "unroll": ``config.layers`` resolved for the target
+  slots: int  # the cache's length (``cache.cache_length``)
+  decode_attention: str  # "pallas" or "einsum": ``attention.decode_path`` for the target
 
 
 def gpu_layout(params=None) -> str:  # pylint: disable=unused-argument
@@ -387,10 +401,12 @@ def compile_generate(cfg, batch: int, prompt: int, config, target: str = "cpu") 
       lower_s, t = time.perf_counter() - t, time.perf_counter()
       hlo = lowered.compile().as_text()
       compile_s = time.perf_counter() - t
+      # the cache as generate lays it out for the target (keys, length: cache.keys_transposed)
+      slots = cache_length(module.cfg, prompt + config.max_new_tokens - 1)
+      cache = jax.eval_shape(lambda: init_cache(module.cfg, batch, slots))
+      path = "einsum" if keys_transposed(module.cfg) else "pallas"
   finally:
     sampling.compile_platform = draw.compile_platform = platform
-  slots = prompt + config.max_new_tokens - 1
-  cache = jax.eval_shape(lambda: init_cache(module.cfg, batch, slots))
   kv = jax.tree.leaves(cache)
   per_layer = {squeezed(x.shape[1:] if module.cfg.scan_layers else x.shape) for x in kv}
   leaves = jax.tree.leaves(params)
@@ -398,7 +414,7 @@ def compile_generate(cfg, batch: int, prompt: int, config, target: str = "cpu") 
       squeezed(x.shape[1:]) for x in leaves if x.ndim > 1 and x.shape[0] == module.cfg.num_layers}
   size = lambda xs: sum(x.size * x.dtype.itemsize for x in xs)
   return Program(hlo, size(leaves), size(kv), per_layer, weight_shapes, lower_s,
-                 compile_s, "scan" if module.cfg.scan_layers else "unroll")
+                 compile_s, "scan" if module.cfg.scan_layers else "unroll", slots, path)
 
 
 def main(argv=None) -> int:
@@ -430,12 +446,13 @@ def main(argv=None) -> int:
       min_new_tokens=args.new if args.min_new_tokens is None else args.min_new_tokens)
   got = compile_generate(cfg, args.batch, args.prompt, config, args.target)
   report = analyse(got.hlo, args.batch, args.new, cfg.vocab_size, got.kv_shapes,
-                   got.weight_shapes)
+                   got.weight_shapes, got.slots)
   layer_copies = report["kv_copy_bytes_per_step"] + report["weight_copy_bytes_per_step"]
   fraction = layer_copies / (got.weight_bytes + got.kv_bytes)
   passed = fraction <= GOAL_FRACTION and report["vocab_arrays_per_step"] <= GOAL_VOCAB_ARRAYS
   print(json.dumps({
       "model": name, "target": args.target, "layers": got.layers, "dtype": args.dtype,
+      "decode_attention": got.decode_attention, "cache_slots": got.slots,
       "batch": args.batch,
       "prompt": args.prompt, "new": args.new, "sampling": {
           k: getattr(config, k) for k in ("temperature", "top_k", "top_p", "greedy",

@@ -213,7 +213,21 @@ def test_xla_tpu_reads_the_scanned_layers_slices_in_place():
 @pytest.mark.skipif(not _cuda_plugin(),
                     reason="the GPU target needs JAX's CUDA plugin (decode_hlo.CUDA_INSTALL)")
 def test_xla_gpu_copies_no_layer_and_writes_one_vocabulary_array():
-  report = _script("--target", "gpu", "--dtype", "bfloat16", "--min-new-tokens", "0")
+  report = _script("--target", "gpu", "--dtype", "bfloat16", "--min-new-tokens", "0",
+                   "--new", "25")  # 40 slots, 48 in the cache: not the head dim (32)
   assert report["layers"] == "unroll"
   assert report["kv_copy_bytes_per_step"] == report["weight_copy_bytes_per_step"] == 0, report
   assert report["vocab_arrays_per_step"] == 1, report["vocab_arrays"]
+  # the fused decode attention: no [.., S] scores or probabilities written
+  assert report["decode_attention"] == "pallas" and report["cache_slots"] == 48, report
+  assert report["score_bytes_per_step"] == 0, report["top_writes"]
+
+
+def test_the_einsum_decode_writes_its_scores_and_the_reader_sees_them(scanned):
+  """On this CPU the decode keeps the einsum path, whose float32 scores [B·H_kv, G, S] and
+  probabilities are written every layer: what ``score_bytes_per_step`` counts."""
+  got, report = scanned
+  assert got.decode_attention == "einsum"
+  scores = decode_hlo.analyse(got.hlo, 8, 8, 4096, got.kv_shapes, got.weight_shapes,
+                              got.slots)["score_bytes_per_step"]
+  assert scores >= 8 * 2 * 23 * 4, report["top_writes"]  # a layer's float32 scores at least

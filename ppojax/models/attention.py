@@ -14,6 +14,8 @@ import jax
 import jax.numpy as jnp
 
 from ppojax.infra.sharding import compile_platform
+from ppojax.models import decode_kernel
+from ppojax.models.config import DECODE_CHOICES
 
 Array = jax.Array
 FUSED_DTYPES = ("bfloat16", "float16")  # the dtypes cuDNN's fused attention takes
@@ -71,6 +73,24 @@ def attention(path: str, q: Array, k: Array, v: Array, slots: tuple[Array, Array
   k = k.transpose(0, 3, 1, 2) if keys_transposed else k.transpose(0, 2, 1, 3)
   return attend_fused(q, k, v.transpose(0, 2, 1, 3), allowed, path,
                       aligned=not keys_transposed, window=window, scale_base=scale_base)
+
+
+def decode_path(choice: str, dtype, head_dim: int, platform: str | None = None) -> str:
+  """The attention of a decode step (one query per row over the cache) for
+  ``ModelConfig.decode_attention`` = ``choice``: "pallas" (``decode_kernel``; off a GPU it runs
+  in Pallas's interpreter, for tests) or "einsum" (``attend``). "auto": "pallas" on one NVIDIA
+  GPU (not under a mesh of several devices: the kernel is not partitioned) where
+  ``decode_kernel.applies``, "einsum" elsewhere. The cache's keys are stored as the path reads
+  them (``cache.keys_transposed``)."""
+  if choice not in DECODE_CHOICES:
+    raise ValueError(f"decode_attention={choice!r}: choose auto, einsum or pallas")
+  if choice != "auto":
+    return choice
+  platform = accelerator_platform() if platform is None else platform
+  mesh = jax.sharding.get_abstract_mesh()
+  one_device = mesh.empty or mesh.size == 1
+  fits = decode_kernel.applies(dtype, head_dim, 16)
+  return "pallas" if platform == "cuda" and one_device and fits else "einsum"
 
 
 def fused_applies(path: str, t: int, s: int, shared: bool, softcap: float = 0.0) -> bool:

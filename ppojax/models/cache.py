@@ -2,7 +2,8 @@
 position ids of left-padded rows, and the in-place write of a layer's new keys and values.
 
 Keys are stored transposed ([.., D, S]) and values [.., S, D], so that both attention products
-of a decode step are plain matmuls; see ``KVCache``.
+of a decode step are plain matmuls; see ``KVCache``. The fused decode kernel
+(``decode_kernel``) reads keys [.., S, D] as values: ``keys_transposed`` says which.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import jax
 import jax.numpy as jnp
 
 from ppojax.infra.sharding import shard_rows
+from ppojax.models.attention import decode_path
 from ppojax.models.config import ModelConfig
 
 Array = jax.Array
@@ -30,7 +32,11 @@ class KVCache(NamedTuple):
   precede every row, one copy for the whole batch, in the layout of ``k`` / ``v``: [L, H_kv, D,
   C] / [L, H_kv, C, D], or tuples of L [H_kv, D, C] / [H_kv, C, D]. Every query attends to all of
   them before its row's slots; their scores are one [B·G·T, D]·[D, C] matmul per KV head instead
-  of B matrix-vector products."""
+  of B matrix-vector products.
+
+  Where a decode step takes the fused kernel (``keys_transposed`` False), keys are stored as the
+  values are, [.., S, D] (and the prefix's [.., C, D]): the kernel reads a block of slots' keys
+  as one contiguous tile."""
 
   k: Array | tuple[Array, ...]  # [(L,) B, H_kv, D, S]
   v: Array | tuple[Array, ...]  # [(L,) B, H_kv, S, D]
@@ -38,11 +44,25 @@ class KVCache(NamedTuple):
   prefix_v: Array | tuple[Array, ...] | None = None  # [(L,) H_kv, C, D]
 
 
+def keys_transposed(cfg: ModelConfig) -> bool:
+  """Whether the cache stores keys [.., D, S] (the einsum decode step's layout) rather than
+  [.., S, D] (the fused kernel's: ``attention.decode_path`` "pallas"), decided at trace time."""
+  return decode_path(cfg.decode_attention, cfg.compute_dtype, cfg.head_dim) != "pallas"
+
+
+def cache_length(cfg: ModelConfig, slots: int) -> int:
+  """The slots a cache for ``slots`` tokens gets: as many, or for the fused decode kernel
+  (``keys_transposed`` False) rounded up to its multiple of 16 (the extra slots stay empty and
+  masked)."""
+  return slots if keys_transposed(cfg) else -(-slots // 16) * 16
+
+
 def init_cache(cfg: ModelConfig, batch: int, max_length: int, dtype=None) -> KVCache:
   """A zeroed cache for ``max_length`` slots (prompt + response) per row, laid out for
-  ``cfg.scan_layers`` (see ``KVCache``)."""
-  k_shape = (batch, cfg.num_kv_heads, cfg.head_dim, max_length)
+  ``cfg.scan_layers`` and ``keys_transposed`` (see ``KVCache``)."""
   v_shape = (batch, cfg.num_kv_heads, max_length, cfg.head_dim)
+  k_shape = (batch, cfg.num_kv_heads, cfg.head_dim, max_length) if keys_transposed(cfg) \
+      else v_shape
   dtype = dtype or cfg.compute_dtype
   # rows over the batch axes, KV heads over "tensor" (traced under a mesh)
   zeros = lambda shape, lead=0: shard_rows(  # noqa: E731
@@ -72,15 +92,19 @@ def with_shared_prefix(cache: KVCache, prefix_cache: KVCache) -> KVCache:
   return cache._replace(prefix_k=prefix_cache.k[:, 0], prefix_v=prefix_cache.v[:, 0])
 
 
-def layer_prefix(cache: KVCache | None, layer) -> tuple[Array, Array] | None:
+def layer_prefix(cache: KVCache | None, layer, transposed: bool = True
+                 ) -> tuple[Array, Array] | None:
   """The shared prefix's keys [H_kv, D, C] and values [H_kv, C, D] at ``layer`` (a Python int
-  for unrolled layers, traced in a layer scan), or None without one."""
+  for unrolled layers, traced in a layer scan), or None without one; ``transposed``: whether
+  the cache stores keys [.., D, C] (``keys_transposed``; else they are transposed here)."""
   if cache is None or cache.prefix_k is None:
     return None
   if isinstance(cache.prefix_k, tuple):
-    return cache.prefix_k[layer], cache.prefix_v[layer]
-  return tuple(jax.lax.dynamic_index_in_dim(c, layer, 0, keepdims=False)
-               for c in (cache.prefix_k, cache.prefix_v))
+    k, v = cache.prefix_k[layer], cache.prefix_v[layer]
+  else:
+    k, v = (jax.lax.dynamic_index_in_dim(c, layer, 0, keepdims=False)
+            for c in (cache.prefix_k, cache.prefix_v))
+  return (k if transposed else k.swapaxes(-1, -2)), v
 
 
 def repeat_rows(cache: KVCache, n: int) -> KVCache:
@@ -100,10 +124,13 @@ def positions_from_mask(mask: Array) -> Array:
 
 
 
-def update_cache(cache: KVCache, layer, cache_index, k_t: Array, v: Array):
-  """Write this layer's new keys k_t [B, H_kv, D, T] and values v [B, H_kv, T, D] at slot
-  ``cache_index``; return the updated cache and the layer's full keys and values."""
-  k_start, v_start = (0, 0, 0, cache_index), (0, 0, cache_index, 0)
+def update_cache(cache: KVCache, layer, cache_index, k_t: Array, v: Array,
+                 transposed: bool = True):
+  """Write this layer's new keys k_t [B, H_kv, D, T] (``transposed``, else [B, H_kv, T, D]) and
+  values v [B, H_kv, T, D] at slot ``cache_index``; return the updated cache and the layer's
+  full keys and values."""
+  v_start = (0, 0, cache_index, 0)
+  k_start = (0, 0, 0, cache_index) if transposed else v_start
   if isinstance(cache.k, tuple):  # per-layer buffers; ``layer`` is a Python int here
     def write(buffers, new, start):
       buffers = list(buffers)

@@ -30,6 +30,7 @@ REMAT_POLICIES = {
     "dots_no_batch": _POLICIES.save_only_these_names("weight_matmul"),  # the weights' matmuls
 }
 ATTENTION_CHOICES = ("auto", "einsum", "xla", "cudnn")  # ModelConfig.attention
+DECODE_CHOICES = ("auto", "einsum", "pallas")  # ModelConfig.decode_attention
 # the layer description's fields that default to the family's row (``families.Family``)
 _FROM_FAMILY = ("norm", "norm_offset", "sublayer_norms", "qk_norm", "mlp", "positions")
 
@@ -84,6 +85,9 @@ class ModelConfig:
   # attention over several query rows (``attention.attention_path``): "auto" (cuDNN's fused
   # attention on GPU in bf16/fp16, else "einsum"), "einsum", "xla" or "cudnn" (jax.nn's API)
   attention: str = "auto"
+  # a decode step's attention (``attention.decode_path``): "auto" (the fused Pallas kernel of
+  # ``decode_kernel`` on one NVIDIA GPU in bf16/fp16, else "einsum"), "einsum" or "pallas"
+  decode_attention: str = "auto"
   scan_layers: bool = True  # stacked layer params in one nn.scan; False: layers_0 … layers_{L−1}
   # q/k/v as one ``qkv`` matmul and gate/up as one ``gate_up`` (``fuse_projections`` converts
   # the parameters); the decode layout of ``sampling.generate``, never a checkpoint's
@@ -118,6 +122,9 @@ class ModelConfig:
     if self.attention not in ATTENTION_CHOICES:
       raise ValueError(f"attention {self.attention!r}: choose one of "
                        f"{', '.join(ATTENTION_CHOICES)}")
+    if self.decode_attention not in DECODE_CHOICES:
+      raise ValueError(f"decode_attention {self.decode_attention!r}: choose one of "
+                       f"{', '.join(DECODE_CHOICES)}")
     if self.lora_rank and (self.fused_projections or not self.lora_targets):
       raise ValueError("LoRA (lora_rank > 0) needs lora_targets and separate projections "
                        "(fused_projections=False; merge the adapters before decoding: "

@@ -41,8 +41,11 @@ import jax
 import jax.numpy as jnp
 
 from ppojax.infra.sharding import shard_rows, vocab_parallel_logits
-from ppojax.models.attention import allowed_keys, attend, attention, attention_path, check_prefix
+from ppojax.models import decode_kernel
+from ppojax.models.attention import accelerator_platform, allowed_keys, attend, attention
+from ppojax.models.attention import attention_path, check_prefix
 from ppojax.models.cache import fills_from_start, layer_prefix, update_cache
+from ppojax.models.cache import keys_transposed as keys_transposed_in
 from ppojax.models.config import REMAT_POLICIES, ModelConfig
 from ppojax.models.families import NORM_PLACES
 from ppojax.models.kernels import dot_f32_accumulate
@@ -90,17 +93,17 @@ class Attention(nn.Module):
         q, k = apply_rope(q, rope), apply_rope(k, rope)
       return q, k, v.transpose(0, 2, 1, 3)
 
-    (b, t, _), (q, k, v), keys_transposed = x.shape, heads(x, rope), False
-    if cache is not None:  # write the new keys/values of this layer in place
-      cache, k_all, v_all = update_cache(cache, layer, cache_index, k.transpose(0, 2, 3, 1), v)
-    if cache is not None and not fills_from_start(cache_index):  # attend over all its slots
-      k, v, keys_transposed = k_all, v_all, True
-      q_slots, kv_slots = cache_index + jnp.arange(t), jnp.arange(v.shape[2])
-    else:  # no cache, or a prefill from slot 0: causally, the T tokens see only their own keys
-      k = k.transpose(0, 2, 1, 3)  # [B, H_kv, T, D]
-      kv_mask = kv_mask[:, :t]
-      q_slots = kv_slots = jnp.arange(t)
-    shared, out_p = layer_prefix(cache, layer), None  # a prefix every row attends to
+    (b, t, _), (q, k, v) = x.shape, heads(x, rope)
+    cache, (k, v, keys_transposed), (q_slots, kv_slots), kv_mask = _keys_to_attend(
+        cfg, cache, layer, cache_index, k, v, kv_mask)
+    shared = layer_prefix(cache, layer, keys_transposed_in(cfg))  # a prefix every row sees
+    out_p = None
+    if self.fused_decode(t, keys_transposed, v.shape[2], shared):  # Pallas's kernel, fused
+      visible = allowed_keys(q_slots, kv_slots, window, kv_mask)[:, 0]
+      out = decode_kernel.decode_attention(q[:, 0], k, v.astype(q.dtype), visible,
+                                           interpret=accelerator_platform() != "cuda",
+                                           **self.scores)
+      return o_proj(out.reshape(b, t, h * d)), cache, out_p
     if prefix is not None:  # the prefix's own causal attention, then its keys for every row
       xp, rope_p = prefix
       qp, kp, vp = heads(xp, rope_p)
@@ -111,15 +114,38 @@ class Attention(nn.Module):
       out_p = o_proj(out_p.reshape(1, c, h * d))
       shared = kp[0].transpose(1, 2, 0), vp[0]  # [H_kv, D, C], [H_kv, C, D]
     out = attention(attention_path(cfg.attention, cfg.compute_dtype, d), q, k, v,
-                    (q_slots, kv_slots), window, kv_mask, keys_transposed, shared, positions,
+                    (q_slots, kv_slots), window, kv_mask, bool(keys_transposed), shared, positions,
                     prefix_window=window if any(cfg.windows) else 0, **self.scores)
     return o_proj(out.reshape(b, t, h * d)), cache, out_p
+
+  def fused_decode(self, t: int, keys_transposed, slots: int, shared) -> bool:
+    """Whether this step's attention takes ``decode_kernel``: one query per row over the cache
+    (``keys_transposed`` False: keys in the kernel's layout; None: no cache read), of a length
+    it takes, with no shared prefix."""
+    return t == 1 and keys_transposed is False and shared is None and slots % 16 == 0
 
   @property
   def scores(self) -> dict:
     """How scores are scaled and capped: q·kᵀ / √``query_pre_attn_scalar`` (head_dim unless
     the config says otherwise), then c·tanh(s/c) with ``attn_softcap`` c."""
     return dict(scale_base=self.cfg.query_pre_attn_scalar, softcap=self.cfg.attn_softcap)
+
+
+def _keys_to_attend(cfg, cache, layer, cache_index, k, v, kv_mask):
+  """This layer's new keys k [B, T, H_kv, D] and values v [B, H_kv, T, D] written into the cache
+  in place (where there is one), and what the T queries attend to: (cache, (keys, values, the
+  keys' layout: True [B, H_kv, D, S], False [B, H_kv, S, D], None: no cache read), (query slots
+  [T], key slots [S]), kv_mask [B, S])."""
+  t = k.shape[1]
+  transposed = keys_transposed_in(cfg)  # the cache's key layout
+  if cache is not None:
+    cache, k_all, v_all = update_cache(cache, layer, cache_index, k.transpose(
+        (0, 2, 3, 1) if transposed else (0, 2, 1, 3)), v, transposed)
+    if not fills_from_start(cache_index):  # attend over all its slots
+      slots = cache_index + jnp.arange(t), jnp.arange(v_all.shape[2])
+      return cache, (k_all, v_all, transposed), slots, kv_mask
+  # no cache, or a prefill from slot 0: causally, the T tokens see only their own keys
+  return cache, (k.transpose(0, 2, 1, 3), v, None), (jnp.arange(t),) * 2, kv_mask[:, :t]
 
 
 class Block(nn.Module):

@@ -34,6 +34,7 @@ from ppojax.infra.sharding import compile_platform, shard_rows
 from ppojax.infra.trees import cast_floats
 from ppojax.models.cache import (
   KVCache,
+  cache_length,
   init_cache,
   positions_from_mask,
   repeat_rows,
@@ -258,6 +259,7 @@ def _prefill(apply, cfg, prompts: Array, prompt_mask: Array, prefix: Array | Non
   into a cache of ``slots`` slots: (last logits [B·n, 1, V], cache, kv_mask [B·n, slots], the
   first new token's position [B·n]), each row repeated for its n samples."""
   prompt_rows, prompt_len = prompts.shape
+  slots = cache_length(cfg, slots)  # a multiple of 16 where the fused decode kernel reads it
   kv_mask = jnp.zeros((prompt_rows, slots), jnp.bool_).at[:, :prompt_len].set(prompt_mask)
   cache = init_cache(cfg, prompt_rows, slots)
   if shared:

@@ -39,6 +39,7 @@ CHOICES = {
     "model.dtype": ("float32", "bfloat16", "float16"),
     "model.remat_policy": ("nothing", "dots", "dots_no_batch"),
     "model.attention": model_config.ATTENTION_CHOICES,
+    "model.decode_attention": model_config.DECODE_CHOICES,
     "model.frozen_dtype": ("", "float32", "bfloat16", "float16"),
     "sampling.dtype": ("", "float32", "bfloat16", "float16"),
     "sampling.decode_layers": ("auto", "scan", "unroll"),

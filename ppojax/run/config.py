@@ -61,6 +61,9 @@ def defaults() -> ml_collections.ConfigDict:
   # attention in prefills and full-sequence passes: "auto" (cuDNN's fused kernel on NVIDIA GPUs
   # in bf16/fp16, else "einsum"), "einsum", "xla" (jax.nn.dot_product_attention) or "cudnn"
   c.model.attention = "auto"
+  # a decode step's attention: "auto" (a fused Pallas kernel over the live slots on one NVIDIA
+  # GPU in bf16/fp16, else "einsum"), "einsum" or "pallas" (off a GPU: Pallas's interpreter)
+  c.model.decode_attention = "auto"
   c.model.tiny = ml_collections.ConfigDict(dict(  # model.policy = "tiny": a random-init model
       vocab_size=16, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
       num_kv_heads=2, max_position_embeddings=64))

@@ -41,7 +41,8 @@ def tiny_model_config(c: ml_collections.ConfigDict) -> ModelConfig:
 def _numerics(config) -> dict:
   return dict(dtype=config.model.dtype, remat=config.model.remat,
               remat_policy=config.model.remat_policy, scan_layers=config.model.scan_layers,
-              attention=config.model.get("attention", "auto"))
+              attention=config.model.get("attention", "auto"),
+              decode_attention=config.model.get("decode_attention", "auto"))
 
 
 def load_tokenizer(name: str):

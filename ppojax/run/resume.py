@@ -41,7 +41,8 @@ ALLOWED = (
     # memory and speed options that give the same numbers (up to float rounding)
     "mesh.shape", "model.remat", "model.remat_policy", "data.shared_prefix", "data.prompt_bucket",
     "rl.grad_accum", "rl.forward_micro_batches", "rl.reuse_update_forward",
-    "rl.max_bad_steps", "model.attention", "sampling.decode_layers",
+    "rl.max_bad_steps", "model.attention", "model.decode_attention",
+    "sampling.decode_layers",
     # the supervised stages (ppojax.supervised.common): how long to train, logging and evaluation,
     # micro-batches (exact accumulation), and data sources whose training rows are
     # fingerprinted (data.train_rows)
