@@ -23,7 +23,8 @@ Sections (``--only`` takes any of them, or a unit name below; the default is all
                position, FLOPs from ``ppojax.infra.flops.model_flops`` (prefill; one decode step
                attending to P + k + 1 positions); ``roofline_fraction`` = roofline / measured.
                ``roofline_fraction_full_cache`` charges every step the whole cache (P + R − 1
-               slots), which ppojax's masked decode attention reads.
+               slots), which the einsum decode attention reads (the fused kernel, a GPU's
+               default in bf16: ``model.decode_attention``, reads the visible slots only).
   ppo          Qwen2.5-0.5B full PPO as verl's GSM8K quickstart runs it: actor, critic,
                reference and a reward MODEL (all of the policy's shape, random), 256 prompts of
                128 tokens, responses of 264 and of 512 tokens (forced), 1 epoch of 4

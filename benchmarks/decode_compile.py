@@ -100,11 +100,14 @@ def main(argv=None) -> None:
   parser.add_argument("--prompt", type=int)
   parser.add_argument("--new", type=int)
   parser.add_argument("--runs", type=int, default=3)
+  parser.add_argument("--decode-attention", choices=("auto", "einsum", "pallas"), default="auto",
+                      help="ModelConfig.decode_attention: auto takes the fused kernel on a GPU "
+                      "in bf16/fp16")
   parser.add_argument("--dtype", default=None, help="the model's dtype (default: float32, "
                       "ModelConfig's; bfloat16 with --tpu)")
   args = parser.parse_args(argv)
   name = "small" if args.small else args.model
-  cfg = MODELS[name]()
+  cfg = MODELS[name]().replace(decode_attention=args.decode_attention)
   if args.dtype:
     cfg = cfg.replace(dtype=args.dtype, param_dtype=args.dtype)
   batch, prompt, new = SHAPES["tpu" if args.tpu else "cpu"]
@@ -133,6 +136,7 @@ def main(argv=None) -> None:
   target = tpu_device(args.tpu).device_kind + f" ({args.tpu})" if args.tpu else None
   print(json.dumps({
       "model": name, "dtype": cfg.dtype, "layers": decode_layers(args.layers, params),
+      "decode_attention": args.decode_attention,
       "batch": batch,
       "prompt": prompt, "new": new, "lower_s": lower_s, "compile_s": compile_s, "run_s": runs,
       "step_ms": [1e3 * r / new for r in runs], "compiled_for": target or "here",

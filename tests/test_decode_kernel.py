@@ -4,10 +4,13 @@ windows, soft-cap, grouped heads, several splits, bf16), how it blocks the slots
 takes it, and generations with it equal to the einsum path's (one turn and multi-turn, scanned
 and unrolled layers, several samples, a shared prefix)."""
 
+import json
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from benchmark_script import load
 
 from ppojax.models import CausalLM, ModelConfig, decode_kernel, init_params
 from ppojax.models.attention import decode_path
@@ -210,3 +213,12 @@ def test_multiturn_generation_equals_the_einsum_decode(params):
   np.testing.assert_array_equal(kernel.tokens, einsum.tokens)
   np.testing.assert_allclose(kernel.logprobs, einsum.logprobs, atol=1e-5)
   assert not np.all(einsum.seen)  # holes in the cache: turns that stopped early
+
+
+def test_the_benchmark_runs_and_agrees_in_its_small_form(capsys):
+  """benchmarks/decode_attention.py --small: one JSON line, the two paths' outputs within
+  bfloat16 rounding (the GPU run's figures come from the same function)."""
+  load("decode_attention").main(["--small"])
+  row = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+  assert row["interpret"] and row["kernel_us"] > 0 and row["einsum_us"] > 0
+  assert row["max_abs_diff"] < 2e-2, row
