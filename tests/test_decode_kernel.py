@@ -149,12 +149,13 @@ def _prompts(rows=4, length=9, seed=0):
   return jnp.asarray(np.where(mask, tokens, PAD)), jnp.asarray(mask)
 
 
-def _both(run, calls_kernel=True):
+def _both(run, calls_kernel=True, attention="einsum"):
   """``run(module)`` with the einsum decode and with the kernel (host arrays); the kernel's
-  program calls it (where ``calls_kernel``), the einsum one does not."""
+  program calls it (where ``calls_kernel``), the einsum one does not. ``attention``: the
+  path of the passes over several tokens (``ModelConfig.attention``)."""
   out = []
   for path in ("einsum", "pallas"):
-    module = CausalLM(TINY.replace(decode_attention=path))
+    module = CausalLM(TINY.replace(decode_attention=path, attention=attention))
     assert ("pallas_call" in str(jax.make_jaxpr(lambda: run(module))())) == (
         path == "pallas" and calls_kernel)
     out.append(jax.device_get(run(module)))
@@ -204,12 +205,16 @@ class _Echo:
                    jnp.zeros(state.shape, bool), {})
 
 
-def test_multiturn_generation_equals_the_einsum_decode(params):
+@pytest.mark.parametrize("attention", ["einsum", "xla"])
+def test_multiturn_generation_equals_the_einsum_decode(params, attention):
+  """Each observation's forward pass attends over the cache from a later slot (its queries do
+  not sit at slots 0 … T − 1): with keys stored for the kernel, also through
+  ``jax.nn.dot_product_attention`` ("xla", the form cuDNN's path takes on a GPU)."""
   prompts, mask = _prompts()
   config = SamplingConfig(6, stop_ids=(STOP,), pad_id=PAD, num_samples_per_prompt=2,
                           layers="unroll")
   einsum, kernel = _both(lambda m: generate_turns(m, params, prompts, mask, jax.random.key(5),
-                                                  config, _Echo()))
+                                                  config, _Echo()), attention=attention)
   np.testing.assert_array_equal(kernel.tokens, einsum.tokens)
   np.testing.assert_allclose(kernel.logprobs, einsum.logprobs, atol=1e-5)
   assert not np.all(einsum.seen)  # holes in the cache: turns that stopped early

@@ -48,7 +48,8 @@ def attention_path(choice: str, dtype, head_dim: int, platform: str | None = Non
 def attention(path: str, q: Array, k: Array, v: Array, slots: tuple[Array, Array], window,
               kv_mask: Array, keys_transposed: bool = False,
               shared: tuple[Array, Array] | None = None, positions: Array | None = None,
-              scale_base: float | None = None, softcap: float = 0.0, prefix_window=None) -> Array:
+              scale_base: float | None = None, softcap: float = 0.0, prefix_window=None,
+              aligned: bool | None = None) -> Array:
   """Attention of q [B, T, H, D] at query slots ``slots[0]`` [T] over keys and values at slots
   ``slots[1]`` [S] (k, v, ``keys_transposed``, ``shared``, ``scale_base``, ``softcap``: as
   ``attend``), causal, within ``window``, over real tokens (``kv_mask`` [B, S]) → [B, T, H, D]
@@ -56,7 +57,8 @@ def attention(path: str, q: Array, k: Array, v: Array, slots: tuple[Array, Array
   ``positions`` [B, T] sees those within its window (``prefix_window``, default ``window``: a
   static 0 where no layer slides skips the rule). ``path`` (``attention_path``)
   "xla"/"cudnn" takes ``attend_fused`` where it applies (``fused_applies``), ``attend``
-  otherwise."""
+  otherwise. ``aligned``: query t sits at key slot t (a pass without a cache, or a prefill from
+  slot 0; default: keys not ``keys_transposed``, i.e. not read from the einsum path's cache)."""
   q_slots, kv_slots = slots
   k, v = k.astype(q.dtype), v.astype(q.dtype)
   scores = dict(scale_base=scale_base, softcap=softcap)
@@ -71,8 +73,9 @@ def attention(path: str, q: Array, k: Array, v: Array, slots: tuple[Array, Array
     return attend(q, k, v, allowed, keys_transposed, shared, **scores)
   allowed = allowed_keys(q_slots, kv_slots, window, kv_mask, see_self=True)
   k = k.transpose(0, 3, 1, 2) if keys_transposed else k.transpose(0, 2, 1, 3)
+  aligned = not keys_transposed if aligned is None else aligned
   return attend_fused(q, k, v.transpose(0, 2, 1, 3), allowed, path,
-                      aligned=not keys_transposed, window=window, scale_base=scale_base)
+                      aligned=aligned, window=window, scale_base=scale_base)
 
 
 def decode_path(choice: str, dtype, head_dim: int, platform: str | None = None) -> str:

@@ -115,7 +115,8 @@ class Attention(nn.Module):
       shared = kp[0].transpose(1, 2, 0), vp[0]  # [H_kv, D, C], [H_kv, C, D]
     out = attention(attention_path(cfg.attention, cfg.compute_dtype, d), q, k, v,
                     (q_slots, kv_slots), window, kv_mask, bool(keys_transposed), shared, positions,
-                    prefix_window=window if any(cfg.windows) else 0, **self.scores)
+                    prefix_window=window if any(cfg.windows) else 0,
+                    aligned=keys_transposed is None, **self.scores)
     return o_proj(out.reshape(b, t, h * d)), cache, out_p
 
   def fused_decode(self, t: int, keys_transposed, slots: int, shared) -> bool:
