@@ -394,7 +394,7 @@ COMMANDS = {
         "--config.model.policy=runs/sft/policy --n 256"),
     "ppojax.aot": (
         "Compiles the RL step for a TPU topology on this machine (no TPU needed) and reports "
-        "its memory; it keeps nothing in the compilation cache (`--compile_cache` is accepted "
-        "and has no effect).",
+        "its memory; it keeps nothing in the compilation cache (`--compile_cache` is refused "
+        "with a message).",
         "python -m ppojax.aot --config configs/scale.py:qwen2_5_0_5b --topology v5e:2x4"),
 }

@@ -39,6 +39,9 @@ flags.adopt_module_key_flags(cli)
 def main(argv):
   if len(argv) > 1:
     raise cli.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
+  if cli.COMPILE_CACHE.value is not None:
+    raise cli.UsageError("--compile_cache has no effect here: ppojax.aot compiles for another "
+                         "machine's TPUs and keeps nothing in a compilation cache; drop the flag")
   config = _CONFIG.value
   result = aot.compile_step(config, aot.topology_devices(_TOPOLOGY.value),
                             prefix_len=_PREFIX.value)

@@ -118,6 +118,8 @@ def test_aot_a_bad_option_is_one_message():
                       "flag --config=None: Flag --config must have a value other than None.")
   result = _run("ppojax.run.aot", "--config=configs/scale.py:tiny", f"--config.{RL}.clp_eps=1")
   _assert_usage_error(result, "ppojax.aot", f"did you mean {RL}.clip_eps?")
+  result = _run("ppojax.aot", "--config=configs/scale.py:tiny", "--compile_cache=/tmp/cache")
+  _assert_usage_error(result, "ppojax.aot", "--compile_cache has no effect here")
 
 
 # ---------------------------------------------------------------------------------------------
