@@ -53,6 +53,7 @@ INPUT_ERRORS = (
     "ppojax.models.gguf:GGUFError",  # a GGUF file that cannot be read
     "ppojax.models.gguf:ModelFetchError",  # a model that cannot be downloaded
     "ppojax.run.aot:AotError",  # a TPU topology that cannot be had here
+    "ppojax.infra.files:DiskFullError",  # no space left for a checkpoint or the export
 )
 LOADING_ERRORS = (OSError, ImportError, ValueError, KeyError)
 DEBUG_HINT = "PPOJAX_DEBUG=1 shows the traceback"

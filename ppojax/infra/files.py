@@ -14,11 +14,43 @@ exported for a serving process or another user could not be read. Directories ma
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import pathlib
+import shutil
 import re
 import uuid
 from typing import IO, Iterator
+
+
+class DiskFullError(OSError):
+  """No space was left on the device for a file a run writes (a checkpoint, the export)."""
+
+
+def is_disk_full(error: BaseException) -> bool:
+  """Whether ``error`` (or one it was raised from) reports a full disk (ENOSPC): OSError's
+  errno, or the message of a library that wraps it (tensorstore, safetensors)."""
+  while error is not None:
+    if getattr(error, "errno", None) == errno.ENOSPC or "No space left on device" in str(error):
+      return True
+    error = error.__cause__ or error.__context__
+  return False
+
+
+def size_text(n: float) -> str:
+  """Bytes as "3.2 GB", "640.0 MB" or "12.0 kB" (powers of 1000)."""
+  unit = next((u for u in ("GB", "MB") if n >= {"GB": 1e9, "MB": 1e6}[u]), "kB")
+  return f"{n / {'GB': 1e9, 'MB': 1e6, 'kB': 1e3}[unit]:.1f} {unit}"
+
+
+def disk_full(what: str, path: str | os.PathLike, remedy: str) -> DiskFullError:
+  """The error for ``what`` not fitting at ``path``: how much is free there, and ``remedy``."""
+  probe = pathlib.Path(path)
+  while not probe.exists() and probe != probe.parent:
+    probe = probe.parent
+  free = shutil.disk_usage(probe).free
+  return DiskFullError(errno.ENOSPC, f"no space left on device for {what} in {path} "
+                       f"({size_text(free)} free): {remedy}")
 
 
 def umask() -> int:

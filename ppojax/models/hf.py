@@ -302,6 +302,11 @@ def save_pretrained(directory: str | os.PathLike, cfg: ModelConfig, params: dict
     if directory.exists():
       shutil.rmtree(directory)
     os.replace(tmp, directory)
+  except Exception as e:  # safetensors' errors are no OSError
+    if files.is_disk_full(e):
+      raise files.disk_full("the exported model", directory, "free disk space and run the same "
+                            "command again (a run resumes from its last checkpoint)") from e
+    raise
   finally:
     if tmp.exists():
       shutil.rmtree(tmp, ignore_errors=True)

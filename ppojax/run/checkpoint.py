@@ -47,9 +47,10 @@ import warnings
 from typing import Any, Callable
 
 import jax
-import numpy as np
 import orbax.checkpoint as ocp
-from jax.sharding import NamedSharding, PartitionSpec
+
+from ppojax.infra import files
+from ppojax.run import checkpoint_leaves as leaves
 
 _STATE, _META, _MANIFEST = "state", "meta", "manifest"
 _MAX_REPORTED = 20  # mismatching leaves listed in an error message
@@ -68,87 +69,6 @@ class CorruptCheckpointError(RuntimeError):
 
 class CheckpointWarning(UserWarning):
   """A checkpoint was skipped or set aside; the message names it and why."""
-
-
-def _is_key(x) -> bool:
-  dtype = getattr(x, "dtype", None)
-  return dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)
-
-
-def _key_impl_name(x) -> str:
-  """The PRNG implementation name of a typed key array or ShapeDtypeStruct ("threefry2x32")."""
-  if isinstance(x, jax.Array):
-    return str(jax.random.key_impl(x))
-  impls = []
-  jax.eval_shape(lambda k: impls.append(str(jax.random.key_impl(k))),
-                 jax.ShapeDtypeStruct(x.shape, x.dtype))
-  return impls[0]
-
-
-def _path_str(path) -> str:
-  return jax.tree_util.keystr(path, simple=True, separator="/") or "<root>"
-
-
-def _shape_dtype(x) -> tuple[tuple[int, ...], np.dtype]:
-  if hasattr(x, "shape") and hasattr(x, "dtype"):
-    return tuple(x.shape), x.dtype
-  return np.shape(x), np.result_type(x)
-
-
-def _manifest(tree) -> dict[str, dict]:
-  """Shape and dtype (and PRNG impl for typed keys) of every leaf, by path."""
-  leaves = {}
-  for path, x in jax.tree_util.tree_flatten_with_path(tree)[0]:
-    shape, dtype = _shape_dtype(x)
-    if _is_key(x):
-      leaves[_path_str(path)] = {"shape": list(shape), "dtype": "key", "impl": _key_impl_name(x)}
-    else:
-      leaves[_path_str(path)] = {"shape": list(shape), "dtype": str(np.dtype(dtype))}
-  return leaves
-
-
-def _unwrap_keys(tree):
-  return jax.tree.map(lambda x: jax.random.key_data(x) if _is_key(x) else x, tree)
-
-
-def _default_sharding() -> jax.sharding.Sharding:
-  """Where a target leaf without a sharding goes: JAX's default device, replicated if multi-host."""
-  if jax.process_count() == 1:
-    return jax.sharding.SingleDeviceSharding(jax.devices()[0])
-  return NamedSharding(jax.sharding.Mesh(np.asarray(jax.devices()), ("all",)), PartitionSpec())
-
-
-def _abstract_leaf(x) -> jax.ShapeDtypeStruct:
-  """What orbax restores a target leaf into (typed keys: their uint32 key data)."""
-  sharding = getattr(x, "sharding", None) or _default_sharding()
-  if _is_key(x):
-    data = jax.eval_shape(jax.random.key_data, jax.ShapeDtypeStruct(x.shape, x.dtype))
-    return jax.ShapeDtypeStruct(data.shape, data.dtype, sharding=sharding)
-  shape, dtype = _shape_dtype(x)
-  return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
-
-
-def _rewrap_key(target_leaf, restored):
-  """A restored leaf, wrapped back into a typed key if the target's leaf is one. (JAX itself writes
-  a replicated key array's spec as P(None,): equivalent to, but not equal to, a target's P().)"""
-  if not _is_key(target_leaf):
-    return restored
-  return jax.random.wrap_key_data(restored, impl=_key_impl_name(target_leaf))
-
-
-def _mismatches(saved: dict[str, dict], wanted: dict[str, dict]) -> list[str]:
-  """Human-readable differences between a checkpoint's manifest and the target's."""
-  problems = [f"{p}: in the checkpoint but not in the target" for p in saved if p not in wanted]
-  problems += [f"{p}: in the target but not in the checkpoint" for p in wanted if p not in saved]
-  for p in saved.keys() & wanted.keys():
-    s, w = saved[p], wanted[p]
-    if s["shape"] != w["shape"]:
-      problems.append(f"{p}: shape {tuple(s['shape'])} in the checkpoint, "
-                      f"{tuple(w['shape'])} in the target")
-    elif (s["dtype"] == "key") != (w["dtype"] == "key") or s.get("impl") != w.get("impl"):
-      problems.append(f"{p}: {s.get('impl', s['dtype'])} in the checkpoint, "
-                      f"{w.get('impl', w['dtype'])} in the target")
-  return sorted(problems)
 
 
 def remove_leftovers(directory: str | os.PathLike) -> list[str]:
@@ -218,11 +138,20 @@ class Checkpointer:
       raise ValueError(f"cannot save step {step}: {self.directory} already holds step {latest} "
                        "(saved steps must increase; use another directory to branch a run)")
     args = ocp.args.Composite(**{
-        _STATE: ocp.args.StandardSave(_unwrap_keys(state)),
+        _STATE: ocp.args.StandardSave(leaves.unwrap_keys(state)),
         _META: ocp.args.JsonSave(meta),
-        _MANIFEST: ocp.args.JsonSave({"leaves": _manifest(state)}),
+        _MANIFEST: ocp.args.JsonSave({"leaves": leaves.manifest(state)}),
     })
-    saved = bool(self._manager.save(step, args=args, force=True))
+    try:
+      saved = bool(self._manager.save(step, args=args, force=True))
+    except Exception as e:
+      if not files.is_disk_full(e):
+        raise
+      self._abandon()
+      raise files.disk_full(f"the checkpoint of step {step}", self.directory, (
+          "free disk space, or lower --config.keep or raise --config.save_every, and run the "
+          f"same command again: it resumes from step {latest}" if latest is not None else
+          "free disk space and run the same command again")) from e
     if self._local:
       shutil.rmtree(os.path.join(self.directory, _TRASH), ignore_errors=True)
     return saved
@@ -246,19 +175,19 @@ class Checkpointer:
     step_dir = os.path.join(self.directory, str(step))
     saved = self._manager.restore(step, args=ocp.args.Composite(
         **{_MANIFEST: ocp.args.JsonRestore()}))[_MANIFEST]["leaves"]
-    problems = _mismatches(saved, _manifest(target))
+    problems = leaves.mismatches(saved, leaves.manifest(target))
     if problems:
       more = len(problems) - _MAX_REPORTED
       raise CheckpointMismatchError(
           f"checkpoint {step_dir} does not match the restore target:\n  "
           + "\n  ".join(problems[:_MAX_REPORTED])
           + (f"\n  ... and {more} more" if more > 0 else ""))
-    abstract = jax.tree.map(_abstract_leaf, target)
+    abstract = jax.tree.map(leaves.abstract_leaf, target)
     restored = self._manager.restore(step, args=ocp.args.Composite(**{
         _STATE: ocp.args.StandardRestore(abstract),
         _META: ocp.args.JsonRestore(),
     }))
-    state = jax.tree.map(_rewrap_key, target, restored[_STATE])
+    state = jax.tree.map(leaves.rewrap_key, target, restored[_STATE])
     return state, dict(restored[_META] or {})
 
   def read_meta(self, step: int) -> dict:
@@ -328,6 +257,16 @@ class Checkpointer:
       warnings.warn(f"resuming from step {restored}: the unreadable checkpoint {path} is kept as "
                     f"{aside}", CheckpointWarning, stacklevel=3)
     self._manager.reload()
+
+  def _abandon(self) -> None:
+    """After a failed save: orbax's writers finished (their errors are the save's), and the
+    partial step's directory gone (``remove_leftovers``)."""
+    try:
+      self._manager.wait_until_finished()
+    except Exception:  # pylint: disable=broad-except
+      pass
+    if self._local:
+      remove_leftovers(self.directory)
 
   def wait(self) -> None:
     """Blocks until any save in progress is committed (saves are synchronous: a no-op)."""

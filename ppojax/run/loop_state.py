@@ -143,9 +143,10 @@ def disk_warning(state, config, start: int, held: int, free: int) -> str | None:
   need = written * size + (policy if config.num_iterations > start else 0)
   if need <= free:
     return None
-  return (f"{free / 1e9:.1f} GB free on disk, and this run may write {need / 1e9:.1f} GB: "
-          f"{written} checkpoint(s) of up to {size / 1e9:.1f} GB (keep={config.keep}, "
-          f"save_every={config.save_every}) and the exported policy ({policy / 1e9:.1f} GB). "
+  text = files.size_text
+  return (f"{text(free)} free on disk, and this run may write {text(need)}: "
+          f"{written} checkpoint(s) of up to {text(size)} (keep={config.keep}, "
+          f"save_every={config.save_every}) and the exported policy ({text(policy)}). "
           "Free space, or lower --config.keep or raise --config.save_every, or the run will stop "
           "at a save with 'No space left on device'")
 
