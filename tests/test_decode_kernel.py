@@ -174,6 +174,24 @@ def test_generation_equals_the_einsum_decode(params, layers, greedy, n):
   assert int(einsum.mask.sum()) > 2 * prompts.shape[0] * n  # several tokens compared
 
 
+@pytest.mark.parametrize("layers", ["unroll", "scan"])
+def test_generation_with_sliding_windows_and_a_soft_cap_equals_the_einsum_decode(layers):
+  """Gemma-2-like layers: a window of 8 slots on the first layer (traced per layer in a scan:
+  the kernel's visible range starts at the window), full attention on the second, scores
+  soft-capped."""
+  cfg = TINY.replace(layer_windows=(8, 0), attn_softcap=3.0)
+  p = init_params(CausalLM(cfg), jax.random.key(1))
+  p = {**p, "lm_head": {"kernel": p["lm_head"]["kernel"] * 20.0}}
+  prompts, mask = _prompts()
+  config = SamplingConfig(20, stop_ids=(STOP,), pad_id=PAD, layers=layers)
+  out = []
+  for path in ("einsum", "pallas"):
+    module = CausalLM(cfg.replace(decode_attention=path))
+    out.append(jax.device_get(generate(module, p, prompts, mask, jax.random.key(6), config)))
+  np.testing.assert_array_equal(out[1].tokens, out[0].tokens)
+  np.testing.assert_allclose(out[1].logprobs, out[0].logprobs, atol=1e-5)
+
+
 def test_generation_with_a_shared_prefix_equals_the_einsum_decode(params):
   """The kernel takes no second key set: with a shared prefix the decode keeps the einsum path,
   over keys stored [.., S, D] (the prefix's transposed for it)."""
