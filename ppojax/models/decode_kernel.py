@@ -35,8 +35,6 @@ import math
 
 import jax
 import jax.numpy as jnp
-from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as plgpu
 
 Array = jax.Array
 MIN_ROWS = 16  # Triton's smallest product: the [G, D] query block is padded to it
@@ -96,9 +94,18 @@ def _join(o: Array, l: Array, m: Array) -> Array:
   return jnp.where(total[..., None] > 0, out / jnp.where(total > 0, total, 1.0)[..., None], 0.0)
 
 
+def _pallas():
+  """Pallas and its Triton ops, imported where a kernel is traced (a quarter of a second that
+  every other program would pay at start-up)."""
+  from jax.experimental import pallas as pl  # pylint: disable=import-outside-toplevel
+  from jax.experimental.pallas import triton as plgpu  # pylint: disable=import-outside-toplevel
+  return pl, plgpu
+
+
 def _one_head(q, k, v, visible, lo, hi, *, scale, softcap, block_k, splits, interpret):
   """One row's one KV head: q [G, D], k and v [S, D], visible [S], the visible range [lo, hi)
   → per split: o [n, G, D] (unnormalised), l and m [n, G], float32."""
+  pl, plgpu = _pallas()
   g, d = q.shape
   split = k.shape[0] // splits
   rows = max(MIN_ROWS, 1 << (g - 1).bit_length())
@@ -126,6 +133,7 @@ def _one_head(q, k, v, visible, lo, hi, *, scale, softcap, block_k, splits, inte
 def _kernel(q_ref, k_ref, v_ref, visible_ref, lo_ref, hi_ref, o_ref, l_ref, m_ref, *, scale,
             softcap, block_k, groups, rows):
   """One split's online softmax over its blocks that overlap [lo, hi) (module docstring)."""
+  pl, plgpu = _pallas()
   split = k_ref.shape[0]
   start = pl.program_id(0) * split
   head_ok = jnp.arange(rows) < groups
