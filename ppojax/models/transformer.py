@@ -100,7 +100,7 @@ class Attention(nn.Module):
     out_p = None
     if self.fused_decode(t, keys_transposed, v.shape[2], shared):  # Pallas's kernel, fused
       visible = allowed_keys(q_slots, kv_slots, window, kv_mask)[:, 0]
-      out = decode_kernel.decode_attention(q[:, 0], k, v.astype(q.dtype), visible,
+      out = decode_kernel.decode_attention(q[:, 0], k.astype(q.dtype), v.astype(q.dtype), visible,
                                            interpret=accelerator_platform() != "cuda",
                                            **self.scores)
       return o_proj(out.reshape(b, t, h * d)), cache, out_p
