@@ -26,7 +26,7 @@ def _brute_saves(start, iterations, save_every):
 @pytest.mark.parametrize("save_every", [1, 2, 3, 50])
 def test_saves_left_counts_every_due_iteration_and_the_last(iterations, save_every):
   for start in range(iterations + 1):
-    assert loop_state.saves_left(start, iterations, save_every) == _brute_saves(
+    assert checkpoint.saves_left(start, iterations, save_every) == _brute_saves(
         start, iterations, save_every)
 
 
@@ -49,7 +49,7 @@ def test_no_warning_when_the_checkpoints_and_the_export_fit():
 def test_warns_with_the_numbers_and_the_remedies():
   warning = loop_state.disk_warning(_state(), _config(), 0, 0, free=12_000_000)
   assert "12.0 MB free" in warning and "may write 13.0 MB" in warning
-  assert "2 checkpoint(s) of up to 6.0 MB" in warning
+  assert "2 checkpoint(s) of up to 6.0 MB" in warning and "exported model (1.0 MB)" in warning
   assert "--config.keep" in warning and "--config.save_every" in warning
 
 
@@ -133,3 +133,12 @@ def test_an_export_on_a_full_disk_is_one_error_and_leaves_nothing(tmp_path, monk
   with pytest.raises(files.DiskFullError, match="the exported model"):
     hf.save_pretrained(tmp_path / "policy", cfg, params)
   assert os.listdir(tmp_path) == []  # no temporary directory, no half-written model
+
+
+def test_the_byte_form_serves_any_loop():
+  """``checkpoint.disk_warning`` in bytes (the supervised loop's call): 100 steps saved every 50
+  from step 0, keep 2, none held: 2 checkpoints and the export."""
+  args = dict(size=1_000_000, export=500_000, keep=2, save_every=50, start=0, steps=100, held=0)
+  assert checkpoint.disk_warning(2_500_000, **args) is None
+  assert "2 checkpoint(s) of up to 1.0 MB" in checkpoint.disk_warning(2_499_999, **args)
+  assert checkpoint.nbytes({"a": np.zeros(3, np.float32), "b": None}) == 12

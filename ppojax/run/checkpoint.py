@@ -93,6 +93,38 @@ def _short(error: BaseException, limit: int = 300) -> str:
   return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
+def nbytes(tree) -> int:
+  """The bytes of a tree's arrays (typed PRNG keys: their key data)."""
+  return sum(getattr(x, "nbytes", 0) for x in jax.tree.leaves(tree))
+
+
+def saves_left(start: int, steps: int, save_every: int) -> int:
+  """Checkpoints a run from step ``start`` to ``steps`` writes: every ``save_every``-th step and
+  the last one."""
+  due = steps // save_every - start // save_every
+  return due + (steps > start and steps % save_every != 0)
+
+
+def disk_warning(free: int, size: int, export: int, keep: int, save_every: int, start: int,
+                 steps: int, held: int) -> str | None:
+  """A warning when a run from step ``start`` to ``steps`` may fill the disk, else None. It
+  needs, for checkpoints of ``size`` bytes (the arrays uncompressed: an upper bound), ``held``
+  of them there already, and an export of ``export`` bytes at the end:
+
+      (min(keep + 1, held + saves) − held) · size + export
+
+  (a new checkpoint is written before the oldest of ``keep`` goes)."""
+  written = max(min(keep + 1, held + saves_left(start, steps, save_every)) - held, 0)
+  need = written * size + (export if steps > start else 0)
+  if need <= free:
+    return None
+  text = files.size_text
+  return (f"{text(free)} free on disk, and this run may write {text(need)}: "
+          f"{written} checkpoint(s) of up to {text(size)} (keep={keep}, save_every={save_every}) "
+          f"and the exported model ({text(export)}). Free space, or lower --config.keep or raise "
+          "--config.save_every, or the run will stop at a save with 'No space left on device'")
+
+
 class Checkpointer:
   """Saves every ``save_every`` steps and keeps the newest ``keep`` complete checkpoints."""
 

@@ -11,8 +11,6 @@ import pathlib
 import shutil
 from typing import Any
 
-import jax
-
 from ppojax.infra import compile as compile_lib
 from ppojax.infra import files
 from ppojax.infra.signals import StopSignals
@@ -122,33 +120,14 @@ def saved(state):
   return state._replace(base=None)
 
 
-def saves_left(start: int, iterations: int, save_every: int) -> int:
-  """Checkpoints a run from iteration ``start`` to ``iterations`` writes: every ``save_every``-th
-  iteration and the last one."""
-  due = iterations // save_every - start // save_every
-  return due + (iterations > start and iterations % save_every != 0)
-
-
 def disk_warning(state, config, start: int, held: int, free: int) -> str | None:
-  """A warning when the disk may run out before the run ends, else None. Needed, in the state's
-  bytes C (its arrays uncompressed: an upper bound) and the exported policy's P:
-
-      (min(keep + 1, held + saves) − held) · C + P
-
-  (a new checkpoint is written before the oldest of ``keep`` goes; ``held`` are there already)."""
-  size = sum(getattr(x, "nbytes", 0) for x in jax.tree.leaves(saved(state)))
-  policy = sum(x.nbytes for x in jax.tree.leaves(state.actor if state.base is None else state.base))
-  saves = saves_left(start, config.num_iterations, config.save_every)
-  written = max(min(config.keep + 1, held + saves) - held, 0)
-  need = written * size + (policy if config.num_iterations > start else 0)
-  if need <= free:
-    return None
-  text = files.size_text
-  return (f"{text(free)} free on disk, and this run may write {text(need)}: "
-          f"{written} checkpoint(s) of up to {text(size)} (keep={config.keep}, "
-          f"save_every={config.save_every}) and the exported policy ({text(policy)}). "
-          "Free space, or lower --config.keep or raise --config.save_every, or the run will stop "
-          "at a save with 'No space left on device'")
+  """``checkpoint.disk_warning`` for an RL run from iteration ``start``: checkpoints of the state
+  (LoRA's frozen base excluded) and the exported policy (with LoRA the merged base's size)."""
+  from ppojax.run import checkpoint  # pylint: disable=import-outside-toplevel
+  return checkpoint.disk_warning(
+      free, checkpoint.nbytes(saved(state)),
+      checkpoint.nbytes(state.actor if state.base is None else state.base), config.keep,
+      config.save_every, start, config.num_iterations, held)
 
 
 def _write_json(path: pathlib.Path, obj) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import pathlib
+import shutil
 from typing import Any, Callable, NamedTuple
 
 import jax
@@ -138,6 +139,12 @@ class _Loop:
     self.ckpt, self.state, self.start, self.history = _resume(
         self.config, pathlib.Path(workdir), self.state, self.fingerprint)
     self.last = self.start
+    warning = checkpoint.disk_warning(
+        shutil.disk_usage(workdir).free, checkpoint.nbytes(self.state),
+        checkpoint.nbytes(self.state["params"]), self.ckpt.keep, self.ckpt.save_every,
+        self.start, self.steps, len(self.ckpt.all_steps()))
+    if warning:
+      print(f"warning: {workdir}: {warning}", flush=True)
     wandb = self.config.get("wandb_project") or None
     self.writer = reporting.MetricWriter(
         str(workdir), wandb_project=wandb,
