@@ -92,7 +92,7 @@ def decode_path(choice: str, dtype, head_dim: int, platform: str | None = None) 
   platform = accelerator_platform() if platform is None else platform
   mesh = jax.sharding.get_abstract_mesh()
   one_device = mesh.empty or mesh.size == 1
-  fits = decode_kernel.applies(dtype, head_dim, 16)
+  fits = decode_kernel.applies(dtype, head_dim)
   return "pallas" if platform == "cuda" and one_device and fits else "einsum"
 
 

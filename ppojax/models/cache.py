@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 
 from ppojax.infra.sharding import shard_rows
+from ppojax.models import decode_kernel
 from ppojax.models.attention import decode_path
 from ppojax.models.config import ModelConfig
 
@@ -52,9 +53,10 @@ def keys_transposed(cfg: ModelConfig) -> bool:
 
 def cache_length(cfg: ModelConfig, slots: int) -> int:
   """The slots a cache for ``slots`` tokens gets: as many, or for the fused decode kernel
-  (``keys_transposed`` False) rounded up to its multiple of 16 (the extra slots stay empty and
-  masked)."""
-  return slots if keys_transposed(cfg) else -(-slots // 16) * 16
+  (``keys_transposed`` False) rounded up to its ``decode_kernel.SLOT_MULTIPLE`` (the extra slots
+  stay empty and masked)."""
+  step = 1 if keys_transposed(cfg) else decode_kernel.SLOT_MULTIPLE
+  return -(-slots // step) * step
 
 
 def init_cache(cfg: ModelConfig, batch: int, max_length: int, dtype=None) -> KVCache:

@@ -38,6 +38,7 @@ import jax.numpy as jnp
 
 Array = jax.Array
 MIN_ROWS = 16  # Triton's smallest product: the [G, D] query block is padded to it
+SLOT_MULTIPLE = 16  # the smallest block of slots: a cache's length must be a multiple of it
 TARGET_PROGRAMS = 264  # B·H_kv·splits to aim for: two per SM of an H100 (132 SMs)
 _NEG = float(jnp.finfo(jnp.float32).min)
 
@@ -57,12 +58,13 @@ def blocking(batch: int, kv_heads: int, slots: int, max_block: int = 128) -> tup
   return block, splits
 
 
-def applies(dtype, head_dim: int, slots: int) -> bool:
-  """Whether the kernel takes these shapes: a 16-bit compute dtype (Triton's bf16/fp16 products;
-  float32 would run as TF32 there), a power-of-two head dim of at least 16 (a Triton block
-  dimension), and a cache length that is a multiple of 16."""
+def applies(dtype, head_dim: int) -> bool:
+  """Whether the kernel takes a model: a 16-bit compute dtype (Triton's bf16/fp16 products;
+  float32 would run as TF32 there) and a power-of-two head dim of at least 16 (a Triton block
+  dimension). Its cache's length must be a multiple of ``SLOT_MULTIPLE``
+  (``cache.cache_length``)."""
   return (jnp.dtype(dtype).name in ("bfloat16", "float16") and head_dim >= 16
-          and head_dim & (head_dim - 1) == 0 and slots % 16 == 0)
+          and head_dim & (head_dim - 1) == 0)
 
 
 def decode_attention(q: Array, k: Array, v: Array, visible: Array, scale_base: float | None = None,

@@ -123,7 +123,8 @@ class Attention(nn.Module):
     """Whether this step's attention takes ``decode_kernel``: one query per row over the cache
     (``keys_transposed`` False: keys in the kernel's layout; None: no cache read), of a length
     it takes, with no shared prefix."""
-    return t == 1 and keys_transposed is False and shared is None and slots % 16 == 0
+    return (t == 1 and keys_transposed is False and shared is None
+            and slots % decode_kernel.SLOT_MULTIPLE == 0)
 
   @property
   def scores(self) -> dict:
