@@ -3,7 +3,8 @@ path (``attention.attend`` over keys [B, H_kv, D, S], the layout it reads) side 
 process: microseconds per layer and per row, the kernel's share of the bytes it must read (the
 visible slots' keys and values) over its time, and the largest difference of their outputs.
 
-Table: docs/performance/decode.md, "Decode attention".
+Table: docs/performance/decode.md, "The decode loop's copies" (the fused decode attention's
+item; its timings go there when first taken on a GPU).
 
     python benchmarks/decode_attention.py                 # on a GPU: Qwen2.5-0.5B's heads
     python benchmarks/decode_attention.py --small         # anywhere (Pallas's interpreter)

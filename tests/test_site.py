@@ -79,3 +79,37 @@ def test_fence_formulas_leaves_sections_and_continuations():
   assert fence(text) == (
       "GAE.\n\n```text\nδ_t = r_t − V_t\nA_t = δ_t\n```\n\n- a list item\n  its second line\n"
       "V'\\_t is `V'_t`.\n\nArgs:\n  x: [B, T].\n\n  more about x.\nReturns:\n  y.")
+
+
+# a page of docs/ named in the code, and the sections quoted after it: 'docs/X.md, "Heading"',
+# 'docs/X.md ("Heading")' or '"One" and "Two"', across a docstring's line breaks
+_CITED = re.compile(r'(docs/[\w./-]+\.(?:md|png))'
+                    r'(?:[,:]?\s*\(?((?:"[^"\n]+"(?:,?\s+and\s+|,\s*)?)+))?')
+
+
+def _headings(page: pathlib.Path) -> list[str]:
+  return [re.sub(r"[`*]", "", line.lstrip("#").strip())
+          for line in page.read_text().splitlines() if line.startswith("#")]
+
+
+def test_every_docs_page_and_section_the_code_cites_exists():
+  """Benchmarks say which docs table they produce and modules where a choice is explained: a
+  page renamed or a section retitled would leave them pointing nowhere."""
+  sources = [p for folder in ("ppojax", "benchmarks", "configs")
+             for p in (ROOT / folder).rglob("*.py")] + [ROOT / "README.md"]
+  missing = []
+  for source in sources:
+    text = re.sub(r"\n[ \t#]*", " ", source.read_text())  # a docstring's or comment's lines
+    for match in _CITED.finditer(text):
+      cited, page = match.group(1), ROOT / match.group(1)
+      if "ggml's docs/" in text[max(0, match.start() - 7):match.end()]:
+        continue  # the GGUF format's own document, in ggml's repository
+      if not page.is_file():
+        missing.append(f"{source.relative_to(ROOT)}: {cited}")
+        continue
+      headings = _headings(page) if cited.endswith(".md") else []
+      for quoted in re.findall(r'"([^"]+)"', match.group(2) or ""):
+        title = re.sub(r"[`*]", "", quoted).strip()
+        if not any(h == title or h.startswith(title) for h in headings):
+          missing.append(f'{source.relative_to(ROOT)}: {cited}, "{quoted}"')
+  assert not missing, "cited but not in docs/:\n" + "\n".join(missing)

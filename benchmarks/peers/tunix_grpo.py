@@ -65,7 +65,7 @@ differs, and how it is made to match:
 
 Status: full-size runs (``grpo_step.py --tunix --no-trl``: 16 prompts × 4 samples, 32 new
 tokens, timed iterations after the warm-up) have finished; their figures and conditions are in
-docs/performance.md ("GRPO vs tunix"). tunix's peak resident set there was about 19 GB, so the
+docs/performance/peers.md ("GRPO vs tunix"). tunix's peak resident set there was about 19 GB, so the
 run needs that much free memory (``TUNIX_RSS_LIMIT_MB`` stops it earlier, exit code 3).
 
 An iteration is the time between two requests of tunix's trainer for its next batch (the

@@ -82,7 +82,7 @@ temperature 1.0. What differs, and how each side is made to match:
 
 Status: full-size runs (``ppo_step.py --tunix --no-trl``: 16 prompts, 32 new tokens, timed
 iterations after the warm-up) have finished; their figures and conditions are in
-docs/performance.md ("PPO iteration vs tunix"). tunix's peak resident set there was 14–15 GB,
+docs/performance/peers.md ("PPO iteration vs tunix"). tunix's peak resident set there was 14–15 GB,
 so the run needs that much free memory beside ppojax's (``TUNIX_RSS_LIMIT_MB`` stops it
 earlier, exit code 3).
 
