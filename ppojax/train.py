@@ -64,15 +64,23 @@ def main(argv):
   history, evals = runner.run(config, _WORKDIR.value)
   if history:
     first, last = history[0]["objective/scores"], history[-1]["objective/scores"]
-    print(f"score: {first:.3f} -> {last:.3f} (iterations {history[0]['iteration']}-"
-          f"{history[-1]['iteration']})", flush=True)
+    print(f"score: {first:.3f} -> {last:.3f} ({_logged(history, config.log_every)})", flush=True)
   if "before" in evals:  # and "after" unless num_iterations = 0
-    shown = [p for p in evals if p.startswith("before_")]  # eval.baselines: untrained, instructed
+    # eval.baselines: the policy the run started from, with each instruction
+    shown = [p for p in evals if p.startswith("before_")]
     for name in evals["before"]:
       get = lambda phase, name=name: f"{evals[phase].get(name, float('nan')):.3f}"  # noqa: E731
       after = f" -> {get('after')}" if "after" in evals else ""
-      also = "".join(f", {p.removeprefix('before_')} (untrained) {get(p)}" for p in shown)
+      also = "".join(f", {p.removeprefix('before_')} (starting policy) {get(p)}" for p in shown)
       print(f"held-out {name.removeprefix('eval/')}: {get('before')}{after}{also}", flush=True)
+
+
+def _logged(history: list[dict], log_every: int) -> str:
+  """"iterations 142-150, logged every 10": the logged rows the score line reads (a run stopped
+  by a signal between two logged iterations ends on an earlier one)."""
+  a, b = history[0]["iteration"], history[-1]["iteration"]
+  span = f"iterations {a}-{b}" if a != b else f"iteration {a}"
+  return span + (f", logged every {log_every}" if log_every > 1 else "")
 
 
 if __name__ == "__main__":

@@ -70,6 +70,19 @@ def test_a_config_file_that_raises_is_one_message(tmp_path):
                       f'(File "{path}", line 2, in get_config; {cli.DEBUG_HINT})')
 
 
+@pytest.mark.parametrize("override", [[], [f"--config.{RL}.clip_eps=0.1"]])
+def test_a_config_file_that_reads_a_missing_file_is_named_as_the_one_that_raised(tmp_path,
+                                                                                   override):
+  """The config file exists; a file it reads does not (ml_collections defers that OSError and,
+  once an override touches the config, rewraps it as "Configuration is not available ...")."""
+  path = tmp_path / "mine.py"
+  missing = tmp_path / "quickstart.py"
+  path.write_text(f"import runpy\ndef get_config():\n  return runpy.run_path({str(missing)!r})\n")
+  _assert_usage_error(_run("ppojax.train", f"--config={path}", *override), "ppojax.train",
+                      f"flag --config={path}: the config file raised FileNotFoundError: [Errno 2] "
+                      f"No such file or directory: '{missing}' ({cli.DEBUG_HINT})")
+
+
 def test_debug_shows_the_traceback():
   for env, flag in (({"PPOJAX_DEBUG": "1"}, []), ({}, ["--debug"])):
     result = _run("ppojax.train", "--config", "configs/toy.py", f"--config.{RL}.clip_eps=2",

@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import safetensors.numpy
 import transformers as tf
 
 from ppojax.core import ops
@@ -504,6 +505,12 @@ def test_export_loads_in_transformers(torch, checkpoint, tmp_path, name):
   ours = _ours(cfg, params, tokens, positions, mask)
   assert _max_diff(ours, _theirs(torch, model, tokens, positions, mask), mask) <= 1e-5
   assert hf.load_config(out) == cfg
+  # a tied model stores its embedding once, as transformers saves it; it reads back exactly
+  stored = safetensors.numpy.load_file(str(out / "model.safetensors"))
+  assert ("lm_head.weight" in stored) == (not cfg.tie_word_embeddings)
+  again = _load(out)[1]
+  assert jax.tree.structure(again) == jax.tree.structure(params)
+  assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(again), jax.tree.leaves(params)))
 
 
 @pytest.mark.parametrize("name", list(VALUE_CASES))

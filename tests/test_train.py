@@ -45,7 +45,7 @@ def test_cli_learns_the_count_task_and_writes_its_outputs(tmp_path):
   for path in ("samples.jsonl", "curves.png", "policy/config.json", "policy/model.safetensors",
                "checkpoints/60", "tensorboard"):
     assert (tmp_path / path).exists(), path
-  assert f"score: {first:.3f} -> {last:.3f}" in out
+  assert f"score: {first:.3f} -> {last:.3f} (iterations 1-60, logged every 10)" in out
   # What the run writes (orbax's checkpoints aside) has the umask's modes: another user of the
   # group, or a serving process, can read the exported policy (mkstemp/mkdtemp would give 0600).
   for path in tmp_path.rglob("*"):

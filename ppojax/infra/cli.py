@@ -179,12 +179,35 @@ def _flag_message(error: BaseException, argv: list[str], names: list[str]) -> st
     where = [line for line in lines if line.startswith('File "')][-1:]
     return (f"{flag}: the config file raised {lines[-1] if lines else 'an error'} "
             f"({''.join(w + '; ' for w in where)}{DEBUG_HINT})")
-  if isinstance(error, OSError):  # the config file (ml_collections: OSError naming it last)
-    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
-    return f"cannot load the config file: {lines[-1] if lines else error}"
+  if isinstance(error, OSError):  # the config file did not load (ml_collections defers it)
+    return _load_message(error, argv, names)
   if isinstance(error, (KeyError, AttributeError)):
     return _override_message(error, argv, names)
   return None
+
+
+def _load_message(error: OSError, argv: list[str], names: list[str]) -> str:
+  """A config file that is missing, or one that raised an OSError itself (a file it reads)."""
+  if isinstance(error.__cause__, OSError):  # "Configuration is not available because of ..."
+    error = error.__cause__
+  lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+  text = lines[-1] if lines else str(error)
+  for name, value in _flag_values(argv, names):
+    path = value.split(":")[0]
+    if os.path.isfile(path) and getattr(error, "filename", None) != path:
+      return (f"flag --{name}={value}: the config file raised {type(error).__name__}: {text} "
+              f"({DEBUG_HINT})")
+  return f"cannot load the config file: {text}"
+
+
+def _flag_values(argv: list[str], names: list[str]):
+  """(name, value) of each ``--name=value`` or ``--name value`` in argv whose name is in names."""
+  for i, arg in enumerate(argv):
+    m = re.fullmatch(r"--?(\w+)(?:=(.*))?", arg)
+    if m and m.group(1) in names:
+      value = m.group(2) if m.group(2) is not None else next(iter(argv[i + 1:i + 2]), "")
+      if value:
+        yield m.group(1), value
 
 
 def _override_message(error: BaseException, argv: list[str], names: list[str]) -> str | None:

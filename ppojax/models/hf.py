@@ -278,7 +278,8 @@ def load_config(directory: str | os.PathLike, **overrides) -> ModelConfig:
 
 def save_pretrained(directory: str | os.PathLike, cfg: ModelConfig, params: dict,
                     tokenizer=None, head: str = "lm") -> pathlib.Path:
-  """Write a Hugging Face directory (config.json, model.safetensors, tokenizer files).
+  """Write a Hugging Face directory (config.json, model.safetensors, tokenizer files). A model
+  with tied embeddings stores them once, without ``lm_head.weight``, as transformers does.
 
   Written to a temporary sibling and renamed into place, so an interrupted export never leaves
   a half-written model where a complete one is expected.
@@ -294,8 +295,10 @@ def save_pretrained(directory: str | os.PathLike, cfg: ModelConfig, params: dict
       hf.update(architectures=[cfg.family.value_architecture], num_labels=1,
                 id2label={"0": "LABEL_0"}, label2id={"LABEL_0": 0})
     (tmp / "config.json").write_text(json.dumps(hf, indent=2))
-    save_file(params_to_hf(cfg, params, head), str(tmp / "model.safetensors"),
-              metadata={"format": "pt"})
+    tensors = params_to_hf(cfg, params, head)
+    if cfg.tie_word_embeddings:  # as transformers saves a tied model: it ties it again on load
+      tensors.pop("lm_head.weight", None)
+    save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
     if tokenizer is not None:
       tokenizer.save_pretrained(str(tmp))
     files.ordinary_permissions(tmp)  # mkdtemp and safetensors make them owner-only

@@ -29,7 +29,7 @@ def defaults() -> ml_collections.ConfigDict:
   c.sample_every = 10  # print a table of sample generations (0: never)
   c.sample_table_rows = 4  # rows in each sample table
   c.save_every = 50  # checkpoint every N iterations (and at the end), with --workdir
-  c.keep = 2  # checkpoints kept (>= 2: a corrupt latest one falls back to the one before)
+  c.keep = 2  # checkpoints kept (with 2 or more, a corrupt latest one falls back to the one before)
   # a rerun resumes only its own run (docs/explanation/runs.md); changes accepted deliberately,
   # comma-separated fields or sections: "seed,rl.batch_size"
   c.resume_allow_changes = ""
@@ -264,7 +264,7 @@ def supervised_defaults() -> ml_collections.ConfigDict:
   c.seed = 0  # model init (tiny), data generation and batch order
   c.wandb_project = ""  # log to Weights & Biases too (needs `pip install 'ppojax[wandb]'`)
   c.save_every = 50  # checkpoint every N steps (and at the end), with --workdir
-  c.keep = 2  # checkpoints kept (>= 2: a corrupt latest one falls back to the one before)
+  c.keep = 2  # checkpoints kept (with 2 or more, a corrupt latest one falls back to the one before)
   c.resume_allow_changes = ""  # as in defaults(): fields a resumed run may change deliberately
 
   c.model = ml_collections.ConfigDict()
