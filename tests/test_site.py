@@ -113,3 +113,19 @@ def test_every_docs_page_and_section_the_code_cites_exists():
         if not any(h == title or h.startswith(title) for h in headings):
           missing.append(f'{source.relative_to(ROOT)}: {cited}, "{quoted}"')
   assert not missing, "cited but not in docs/:\n" + "\n".join(missing)
+
+
+def test_the_readmes_links_resolve():
+  """README.md is no page of the site, so the strict build does not check its links: each
+  relative link names a file of the repository, and its #anchor a heading of that page (slugs
+  as the site's toc makes them)."""
+  from markdown.extensions.toc import slugify  # pylint: disable=import-outside-toplevel
+  readme = (ROOT / "README.md").read_text()
+  broken = []
+  for target, anchor in re.findall(r"\]\((?!https?:)([^)#\s]+)(?:#([^)\s]+))?\)", readme):
+    page = ROOT / target
+    if not page.exists():
+      broken.append(target)
+    elif anchor and anchor not in {slugify(h, "-") for h in _headings(page)}:
+      broken.append(f"{target}#{anchor}")
+  assert not broken, broken
