@@ -147,6 +147,9 @@ def test_cli_prints_a_table_and_a_json_line_and_names_bad_topologies():
   assert ok.returncode == 0, ok.stderr[-3000:]
   last = json.loads(ok.stdout.strip().splitlines()[-1])
   assert last["topology"] == "v5e:2x2" and last["fits"] is True and "per device" in ok.stdout
+  # libtpu's complaints that this machine is no TPU host (ppojax.aot tells it a host of its own)
+  assert "could not determine TPU" not in ok.stderr, ok.stderr[-2000:]
+  assert "unexpected worker hostname" not in ok.stderr, ok.stderr[-2000:]
   bad = subprocess.run(command + ["v9x:3x3"], capture_output=True, text=True, timeout=600,
                        cwd=ROOT)
   assert bad.returncode == 2 and "could not describe the TPU topology 'v9x:3x3'" in bad.stderr
