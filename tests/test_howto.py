@@ -1,6 +1,7 @@
-"""The how-to pages' config files load as printed from a folder of the user's own, outside the
-clone (docs/how-to/dataset.md, "A config file of your own"; docs/how-to/multiturn.md, "Offer
-your own tool"): they find the shipped configs they start from through the installed package."""
+"""The how-to pages' code runs as printed: their config files load from a folder of the user's
+own, outside the clone (docs/how-to/dataset.md, "A config file of your own"; multiturn.md,
+"Offer your own tool": they find the shipped configs through the installed package), and
+reward.md's JAX rule traces and scores as it says."""
 
 from __future__ import annotations
 
@@ -9,6 +10,9 @@ import pathlib
 import re
 import subprocess
 import sys
+
+import jax
+import numpy as np
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -49,3 +53,14 @@ def test_the_tool_pages_config_file_loads_outside_the_clone(tmp_path):
   c = _load(tmp_path, "configs/my_tools_task.py")
   assert c["env"]["tools"] == "my_tools:multiply" and c["model"]["policy"] == "smollm2"
   assert "multiply(a: integer, b: integer): Multiply two whole numbers." in c["data"]["system"]
+
+
+def test_the_reward_pages_jax_rule_traces_and_scores_as_its_docstring_says():
+  (block,) = _python_blocks("how-to/reward.md", "A reward in JAX, inside the compiled step")
+  namespace = {}
+  exec(compile(block, "docs/how-to/reward.md", "exec"), namespace)  # pylint: disable=exec-used
+  lengths = np.array([1, 3, 8])
+  mask = (np.arange(8)[None] < lengths[:, None]).astype(np.int32)
+  prompts = np.ones((3, 4), np.int32)
+  scores = jax.jit(namespace["brevity"])(prompts, np.ones_like(prompts), mask * 5, mask)
+  np.testing.assert_allclose(scores, [1.0, 1 - 2 / 7, 0.0], rtol=1e-6)
