@@ -332,9 +332,13 @@ def metrics_page() -> str:
 def _flag_record(flag) -> dict:
   """What the CLI page says about one absl flag."""
   config_file = flag.flag_type() == "config object"
+  from ppojax.infra import cli  # pylint: disable=import-outside-toplevel
   default = flag.default_as_str.strip("'") if config_file and flag.default_as_str else None
-  required = any("must have a value other than None" in getattr(v, "message", "")
-                 for v in flag.validators)
+  shipped = cli.DEFAULT_CONFIGS.get(flag.name) if config_file else None
+  if shipped:  # cli.config_flag: the clone's configs/NAME, named from the clone's root
+    default = os.path.relpath(shipped, ROOT)
+  required = not shipped and any("must have a value other than None" in getattr(v, "message", "")
+                                 for v in flag.validators)
   return {"name": flag.name, "type": "config file" if config_file else flag.flag_type(),
           "default": default if config_file else repr(flag.default), "help": flag.help,
           "required": required, "enum": list(getattr(flag.parser, "enum_values", None) or []),
@@ -354,6 +358,7 @@ def dump_flags() -> None:
     out[module] = [_flag_record(f) for f in flags.FLAGS.get_key_flags_for_module(module)]
     for flag in flags.FLAGS.get_flags_for_module(module):
       delattr(flags.FLAGS, flag.name)
+    sys.modules["ppojax.infra.cli"].DEFAULT_CONFIGS.clear()  # the next module defines its own
   print(FLAGS_MARK + json.dumps(out), flush=True)
 
 

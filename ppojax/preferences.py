@@ -25,8 +25,8 @@ from ppojax.supervised import preferences
 from ppojax.tasks import sources
 
 PROG = "ppojax.preferences"
-_CONFIG = config_flags.DEFINE_config_file("config", "configs/rlhf_arith.py",
-                                          "PPO config: its model.policy samples.")
+_CONFIG = config_flags.DEFINE_config_file(
+    "config", None, cli.default_config("rlhf_arith.py", "PPO config: its model.policy samples."))
 _OUT = flags.DEFINE_string("out", None, "JSONL file to write.", required=True)
 _N = flags.DEFINE_integer("n", 2048, "Problems the policy answers.", lower_bound=1)
 _SPLIT = flags.DEFINE_enum("split", "train", ["train", "test"], "Which problems.")

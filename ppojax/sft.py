@@ -22,7 +22,8 @@ from ppojax.supervised import checks as supervised_checks
 from ppojax.supervised import common, sft
 
 PROG = "ppojax.sft"
-_CONFIG = config_flags.DEFINE_config_file("config", "configs/sft_arith.py", "Config file.")
+_CONFIG = config_flags.DEFINE_config_file(
+    "config", None, cli.default_config("sft_arith.py", "Config file."))
 _WORKDIR = flags.DEFINE_string("workdir", None,
                                "Run directory: checkpoints (resumed), metrics, policy/.")
 flags.adopt_module_key_flags(cli)

@@ -28,10 +28,11 @@ from absl import flags, logging
 from ml_collections import config_flags
 
 from ppojax.infra import cli, hostmem
-from ppojax.run import build, runner
+from ppojax.run import build, reporting, runner
 
 PROG = "ppojax.train"
-_CONFIG = config_flags.DEFINE_config_file("config", "configs/toy.py", "Training config file.")
+_CONFIG = config_flags.DEFINE_config_file(
+    "config", None, cli.default_config("toy.py", "Training config file."))
 _WORKDIR = flags.DEFINE_string("workdir", None, "Run directory: checkpoints, metrics, plots.")
 flags.adopt_module_key_flags(cli)
 
@@ -63,8 +64,7 @@ def main(argv):
     return
   history, evals = runner.run(config, _WORKDIR.value)
   if history:
-    first, last = history[0]["objective/scores"], history[-1]["objective/scores"]
-    print(f"score: {first:.3f} -> {last:.3f} ({_logged(history, config.log_every)})", flush=True)
+    print(reporting.score_line(history, config.num_iterations, config.log_every), flush=True)
   if "before" in evals:  # and "after" unless num_iterations = 0
     # eval.baselines: the policy the run started from, with each instruction
     shown = [p for p in evals if p.startswith("before_")]
@@ -73,14 +73,6 @@ def main(argv):
       after = f" -> {get('after')}" if "after" in evals else ""
       also = "".join(f", {p.removeprefix('before_')} (starting policy) {get(p)}" for p in shown)
       print(f"held-out {name.removeprefix('eval/')}: {get('before')}{after}{also}", flush=True)
-
-
-def _logged(history: list[dict], log_every: int) -> str:
-  """"iterations 142-150, logged every 10": the logged rows the score line reads (a run stopped
-  by a signal between two logged iterations ends on an earlier one)."""
-  a, b = history[0]["iteration"], history[-1]["iteration"]
-  span = f"iterations {a}-{b}" if a != b else f"iteration {a}"
-  return span + (f", logged every {log_every}" if log_every > 1 else "")
 
 
 if __name__ == "__main__":

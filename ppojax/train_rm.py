@@ -22,7 +22,8 @@ from ppojax.supervised import checks as supervised_checks
 from ppojax.supervised import common, train_rm
 
 PROG = "ppojax.train_rm"
-_CONFIG = config_flags.DEFINE_config_file("config", "configs/rm_arith.py", "Config file.")
+_CONFIG = config_flags.DEFINE_config_file(
+    "config", None, cli.default_config("rm_arith.py", "Config file."))
 _WORKDIR = flags.DEFINE_string("workdir", None,
                                "Run directory: checkpoints (resumed), metrics, reward_model/.")
 flags.adopt_module_key_flags(cli)

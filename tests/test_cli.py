@@ -20,10 +20,11 @@ ROOT = pathlib.Path(__file__).parents[1]
 RL = "rl" if "rl" in defaults() else "ppo"
 
 
-def _run(module: str, *args: str, **env: str) -> subprocess.CompletedProcess:
+def _run(module: str, *args: str, cwd: pathlib.Path = ROOT,
+         **env: str) -> subprocess.CompletedProcess:
   environ = {k: v for k, v in os.environ.items() if k != "PPOJAX_DEBUG"}
   environ.update(JAX_PLATFORMS="cpu", **env)
-  return subprocess.run([sys.executable, "-m", module, *args], cwd=ROOT, env=environ,
+  return subprocess.run([sys.executable, "-m", module, *args], cwd=cwd, env=environ,
                         capture_output=True, text=True, timeout=120, check=False)
 
 
@@ -122,7 +123,8 @@ def test_preferences_a_bad_option_or_model_path_is_one_message(tmp_path):
                       "flag --samples=0: 0 is not a positive integer")
   missing = tmp_path / "no_policy"
   result = _run("ppojax.supervised.preferences", *common, f"--config.model.policy={missing}")
-  _assert_usage_error(result, "ppojax.preferences", f"{missing} is not a model directory")
+  _assert_usage_error(result, "ppojax.preferences",
+                      f"model.policy: {missing} is not a model directory (nothing is there)")
   assert not (tmp_path / "pairs.jsonl").exists()
 
 
@@ -173,3 +175,23 @@ def test_builtin_errors_are_usage_errors_only_while_loading():
   assert cli.usage_message(_caught(_loader, missing), loaders=[_loader]).startswith(
       "FileNotFoundError: [Errno 2] No such file or directory")
   assert cli.usage_message(_caught(_loader, RuntimeError("x")), loaders=[_loader]) is None
+
+
+def test_sft_a_missing_init_names_its_option_and_where_a_relative_path_is_read(tmp_path):
+  result = _run("ppojax.sft", "--config", str(ROOT / "configs" / "sft_arith.py"),
+                "--config.model.init=runs/sft/no_such_policy", cwd=tmp_path)
+  # (sft prints the resolved config before it loads the model)
+  assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-3000:]
+  assert result.stderr.strip().splitlines()[-1] == (
+      "ppojax.sft: error: model.init: runs/sft/no_such_policy is not a model directory (nothing "
+      f"is there; a relative path is read from {tmp_path})")
+
+
+@pytest.mark.parametrize("module, option", [("ppojax.train", f"{RL}.clp_eps"),
+                                            ("ppojax.sft", "train.batch_sz")])
+def test_the_default_config_loads_from_any_directory(tmp_path, module, option):
+  """Without --config, a command reads the clone's configs/ (an absolute default): from another
+  directory an override of it is checked as at the root (ml_collections raised a traceback on
+  the relative default there)."""
+  result = _run(module, f"--config.{option}=1", cwd=tmp_path)
+  _assert_usage_error(result, module, f"unknown config option {option} in --config.{option}")

@@ -93,3 +93,14 @@ def test_resume_from_an_earlier_checkpoint_drops_the_lost_rows(whole, tmp_path):
 
 if __name__ == "__main__":
   sys.exit(pytest.main([__file__]))
+
+
+@pytest.mark.parametrize("iterations, end, log_every, said", [
+    ([142, 150], 150, 10, "iterations 142-150, logged every 10"),  # resumed, every 10th logged
+    ([1], 150, 10, "iteration 1, logged every 10"),  # stopped after 9: 2-9 unlogged
+    ([1, 2], 2, 10, "iterations 1-2"),  # every iteration logged
+    (list(range(1, 21)), 20, 1, "iterations 1-20")])
+def test_the_score_line_says_which_iterations_it_reads(iterations, end, log_every, said):
+  rows = [{"iteration": i, "objective/scores": i / 1000} for i in iterations]
+  line = reporting.score_line(rows, end, log_every)
+  assert line == f"score: {iterations[0] / 1000:.3f} -> {iterations[-1] / 1000:.3f} ({said})"

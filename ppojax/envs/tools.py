@@ -84,7 +84,9 @@ class ToolEnv:
     text = self.tokenizer.decode(ids, skip_special_tokens=True)
     calls = parse_tool_calls(text, self.fmt)
     if not calls:
-      return HostAnswer([], done=self.end_without_call, info={"tool_calls": 0})
+      # every key of a call's info, 0: an iteration without a call logs the same metrics
+      return HostAnswer([], done=self.end_without_call,
+                        info={"tool_calls": 0, "tool_errors": 0, "results_cut": 0})
     results, errors = [], 0
     for call in calls:
       result, ok = self.run(call)

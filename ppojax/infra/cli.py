@@ -59,6 +59,39 @@ LOADING_ERRORS = (OSError, ImportError, ValueError, KeyError)
 DEBUG_HINT = "PPOJAX_DEBUG=1 shows the traceback"
 _PACKAGE = pathlib.Path(__file__).resolve().parents[1]  # ppojax/
 
+
+# flag name -> the config file a command reads when its command line names none
+DEFAULT_CONFIGS: dict[str, str] = {}
+
+
+def shipped_config(name: str) -> str | None:
+  """The clone's ``configs/NAME`` as an absolute path, so a command runs from any directory
+  (``pip install -e .`` runs ppojax from the clone); None where ppojax was installed without its
+  configs/."""
+  path = _PACKAGE.parent / "configs" / name
+  return str(path) if path.is_file() else None
+
+
+def default_config(default: str, help_: str, name: str = "config") -> str:
+  """The help of a CLI's ``config_flags.DEFINE_config_file(name, None, ...)`` flag, whose
+  default, the clone's ``configs/DEFAULT``, ``parse_flags`` puts on a command line that names no
+  config file. (A default given to ml_collections is loaded when the flag is defined, at import,
+  and the overrides on the command line are looked up in it there: a misspelt ``--config.x`` was
+  a traceback, not one message.) Without configs/ (not installed from a clone) the flag is
+  required."""
+  path = shipped_config(default)
+  if not path:
+    return help_
+  DEFAULT_CONFIGS[name] = path
+  return f"{help_} Without it: the clone's configs/{default}."
+
+
+def _with_default_configs(argv: list[str]) -> list[str]:
+  """argv with ``--NAME=PATH`` for each config flag of ``DEFAULT_CONFIGS`` it does not name."""
+  named = {m.group(1) for arg in argv[1:] if (m := re.match(r"--?(\w+)(?:=|$)", arg))}
+  return argv[:1] + [f"--{name}={path}" for name, path in DEFAULT_CONFIGS.items()
+                     if name not in named] + argv[1:]
+
 DEBUG = flags.DEFINE_bool("debug", False,
                           "Show the traceback of a usage error (also: PPOJAX_DEBUG=1).")
 COMPILE_CACHE = flags.DEFINE_string(
@@ -147,7 +180,7 @@ def _guarded(main, prog: str, loaders: tuple, compile_cache: bool, argv: list[st
 def parse_flags(prog: str, configs: tuple, argv: list[str]) -> list[str]:
   """absl's flag parsing, then each config file loaded; what fails is one message."""
   try:
-    rest = flags.FLAGS(argv)
+    rest = flags.FLAGS(_with_default_configs(argv))
     for holder in configs:
       error = _load_error(holder.value)
       if error is not None:

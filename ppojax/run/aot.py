@@ -11,24 +11,20 @@ fused iteration is compiled for them here; ``memory_analysis()`` gives each devi
 
     per device = arguments + outputs + temporaries − aliased (outputs written over donated inputs)
 
-``fits`` compares that with the chip's HBM per device (``HBM_GIB``). The last line printed is one
-JSON object with every figure.
+``fits`` compares that with the chip's HBM per device (``HBM_GIB``). The last line: one JSON object.
 """
 
 from __future__ import annotations
 
 import os
 
-# A deviceless compile needs no accelerator here: JAX's own backend stays the CPU (without this,
-# an installed libtpu probes for a TPU on import and prints warnings when it finds none).
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
-# No TPU is used, so several processes may load libtpu at once (it locks /tmp/libtpu_lockfile).
-os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
-# libtpu asks the machine which TPU host it is and, on one that is none, prints warnings and an
-# "INVALID_ARGUMENT: unexpected worker hostname" error line; a host type and name of its own
-# quiet it. The compiled program is the topology's: the same bytes and FLOPs with or without.
-os.environ.setdefault("TPU_ACCELERATOR_TYPE", "v5litepod-4")
-os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
+# Deviceless, where unset: JAX's own backend stays the CPU (an installed libtpu would probe for a
+# TPU on import); several processes may load libtpu at once (its lock file); libtpu is told a TPU
+# host of its own (else it warns and logs "unexpected worker hostname"; the program is the same).
+DEVICELESS_ENV = {"JAX_PLATFORMS": "cpu", "ALLOW_MULTIPLE_LIBTPU_LOAD": "1",
+                  "TPU_ACCELERATOR_TYPE": "v5litepod-4", "TPU_WORKER_HOSTNAMES": "localhost"}
+for _name, _value in DEVICELESS_ENV.items():
+  os.environ.setdefault(_name, _value)
 
 import math  # noqa: E402
 import re  # noqa: E402
@@ -53,9 +49,8 @@ from ppojax.tasks import sources
 
 TPU_INSTALL = 'pip install -e ".[tpu]"  (jax[tpu]: the libtpu that matches the installed jax)'
 
-# Per chip: HBM in GiB and peak dense bfloat16 TFLOP/s (Google Cloud TPU documentation). A
-# chip whose cores are separate JAX devices (v4 here) splits both. v5e: the 15.75 GiB that
-# XLA:TPU itself reports as available (its out-of-memory message), not the nominal 16.
+# Per chip: HBM in GiB and peak dense bfloat16 TFLOP/s (Google Cloud TPU documentation); a chip
+# whose cores are separate JAX devices (v4) splits both. v5e: the 15.75 GiB XLA:TPU reports.
 CHIPS = {
     "TPU v4": (32, 275.0),
     "TPU v5 lite": (15.75, 197.0),  # v5e

@@ -56,19 +56,26 @@ def load_tokenizer(name: str):
 
 
 def load_named(name: str, key, *, tiny=None, tokenizer: str = "", head: str = "lm",
-               abstract: bool = False, with_tokenizer: bool = True, **numerics) -> LoadedModel:
+               abstract: bool = False, with_tokenizer: bool = True, option: str = "",
+               **numerics) -> LoadedModel:
   """A model by config name: "tiny" (random init from the ``tiny`` section; with a
   ``tokenizer`` its vocabulary and special ids come from it, else from the token tasks of
   ppojax/tasks/count.py) or anything ``load_model`` accepts. ``tokenizer``, when set, replaces the
   checkpoint's. A value head is zero-initialised (V = 0, or r = 0 for a reward model).
   ``abstract``: the same model with ``jax.ShapeDtypeStruct`` params (``models.abstract_model``);
   no weights are read and no tokenizer is loaded; ``with_tokenizer=False``: none is read from
-  a Hugging Face directory either (``load_model``)."""
+  a Hugging Face directory either (``load_model``). ``option`` (``"model.policy"``) prefixes a
+  ``CheckpointError``'s message."""
   tok = load_tokenizer(tokenizer) if tokenizer and not abstract else None
   if name != "tiny":
     if abstract:
       return abstract_model(model_config(name, **numerics), head)
-    model = load_model(name, head=head, with_tokenizer=with_tokenizer, **numerics)
+    try:
+      model = load_model(name, head=head, with_tokenizer=with_tokenizer, **numerics)
+    except hf.CheckpointError as e:
+      if not option:
+        raise
+      raise hf.CheckpointError(f"{option}: {e}") from e
     return model._replace(tokenizer=tok) if tok is not None else model
   if tok is None:
     cfg = tiny_model_config(tiny)
@@ -90,14 +97,15 @@ def load_named(name: str, key, *, tiny=None, tokenizer: str = "", head: str = "l
 def load_policy(config, key, abstract: bool = False) -> LoadedModel:
   m = config.model
   return load_named(m.policy, key, tiny=m.tiny, tokenizer=m.tokenizer, abstract=abstract,
-                    **_numerics(config))
+                    option="model.policy", **_numerics(config))
 
 
 def load_reward_model(config, policy: LoadedModel, key, abstract: bool = False) -> LoadedModel:
   """``model.reward`` with a value head. It reads the policy's tokens (no tokenizer of its own
   is loaded), so its vocabulary must cover the policy's."""
   reward_model = load_named(config.model.reward, key, tiny=config.model.tiny, head="value",
-                            abstract=abstract, with_tokenizer=False, **_numerics(config))
+                            abstract=abstract, with_tokenizer=False, option="model.reward",
+                            **_numerics(config))
   if reward_model.cfg.vocab_size < policy.cfg.vocab_size:  # its embedding would read past
     raise ValueError(  # its end (NaN scores): it cannot share the policy's tokenizer
         f"model.reward={config.model.reward!r} has a vocabulary of "

@@ -60,7 +60,7 @@ def build_model(config: ml_collections.ConfigDict, head: str = "lm") -> LoadedMo
                      "file or 'smollm2') to size its vocabulary and encode the data")
   model = run_models.load_named(m.init, jax.random.key(config.seed), tiny=m.tiny,
                                 tokenizer=m.tokenizer, head=head, dtype=m.dtype, remat=m.remat,
-                                scan_layers=m.scan_layers)
+                                scan_layers=m.scan_layers, option="model.init")
   if model.tokenizer is None:
     raise ValueError(f"model.init={m.init!r} ships no tokenizer: set model.tokenizer")
   return model
