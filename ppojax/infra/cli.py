@@ -58,8 +58,6 @@ INPUT_ERRORS = (
 LOADING_ERRORS = (OSError, ImportError, ValueError, KeyError)
 DEBUG_HINT = "PPOJAX_DEBUG=1 shows the traceback"
 _PACKAGE = pathlib.Path(__file__).resolve().parents[1]  # ppojax/
-
-
 # flag name -> the config file a command reads when its command line names none
 DEFAULT_CONFIGS: dict[str, str] = {}
 
@@ -88,9 +86,10 @@ def default_config(default: str, help_: str, name: str = "config") -> str:
 
 def _with_default_configs(argv: list[str]) -> list[str]:
   """argv with ``--NAME=PATH`` for each config flag of ``DEFAULT_CONFIGS`` it does not name."""
-  named = {m.group(1) for arg in argv[1:] if (m := re.match(r"--?(\w+)(?:=|$)", arg))}
+  named = {name for name, _ in _flag_values(argv[1:], list(DEFAULT_CONFIGS))}
   return argv[:1] + [f"--{name}={path}" for name, path in DEFAULT_CONFIGS.items()
                      if name not in named] + argv[1:]
+
 
 DEBUG = flags.DEFINE_bool("debug", False,
                           "Show the traceback of a usage error (also: PPOJAX_DEBUG=1).")
