@@ -195,3 +195,12 @@ def test_the_default_config_loads_from_any_directory(tmp_path, module, option):
   the relative default there)."""
   result = _run(module, f"--config.{option}=1", cwd=tmp_path)
   _assert_usage_error(result, module, f"unknown config option {option} in --config.{option}")
+
+
+def test_a_hub_id_that_cannot_be_fetched_is_one_line(tmp_path):
+  """A name that could be a hub id ("owner/name") and is no directory here: huggingface_hub's
+  error (a failed connection here, several lines) is folded into the one message."""
+  result = _run("ppojax.preferences", "--config", "configs/rlhf_arith.py",
+                f"--out={tmp_path / 'pairs.jsonl'}", "--config.model.policy=nobody/no_such_model")
+  _assert_usage_error(result, "ppojax.preferences", "model.policy: 'nobody/no_such_model' is not "
+                      "a local directory and could not be downloaded from the Hugging Face Hub")

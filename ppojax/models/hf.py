@@ -253,9 +253,10 @@ def resolve(name_or_path: str) -> pathlib.Path:
     return pathlib.Path(snapshot_download(
         name_or_path, allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja"]))
   except Exception as e:
+    why = " ".join(str(e).split())  # huggingface_hub's messages run over several lines
     raise CheckpointError(
         f"{name_or_path!r} is not a local directory and could not be downloaded from the "
-        f"Hugging Face Hub ({type(e).__name__}: {e}). Offline? Download it on a connected "
+        f"Hugging Face Hub ({type(e).__name__}: {why}). Offline? Download it on a connected "
         "machine (hf download NAME --local-dir DIR) and pass DIR.") from e
 
 
