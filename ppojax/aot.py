@@ -12,12 +12,10 @@ from __future__ import annotations
 
 import os
 
-# As ppojax.run.aot: JAX itself stays on the CPU; several processes may load libtpu at once;
-# libtpu is told a host of its own, so it does not warn that this machine is no TPU host.
+# As ppojax.run.aot: JAX itself stays on the CPU; several processes may load libtpu at once.
+# (run.aot's DEVICELESS_ENV, imported below before any back end starts, sets the rest.)
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
-os.environ.setdefault("TPU_ACCELERATOR_TYPE", "v5litepod-4")
-os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
 
 import json
 

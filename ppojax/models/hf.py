@@ -245,8 +245,8 @@ def resolve(name_or_path: str) -> pathlib.Path:
   if path.is_dir():
     return path
   if path.exists() or name_or_path.startswith((".", "/", "~")) or name_or_path.count("/") > 1:
-    where = ("" if path.exists() else " (nothing is there" + (
-        f"; a relative path is read from {os.getcwd()})" if not path.is_absolute() else ")"))
+    where = ("" if path.exists() else " (nothing is there)" if path.is_absolute()
+             else f" (nothing is there; a relative path is read from {os.getcwd()})")
     raise CheckpointError(f"{name_or_path} is not a model directory{where}")
   try:
     from huggingface_hub import snapshot_download  # pylint: disable=import-outside-toplevel
