@@ -197,6 +197,14 @@ def test_the_default_config_loads_from_any_directory(tmp_path, module, option):
   _assert_usage_error(result, module, f"unknown config option {option} in --config.{option}")
 
 
+def test_help_says_what_a_missing_config_means_not_its_none_default():
+  """``--help`` gives the config flag's own words (the default file), not absl's rendering of
+  the flag's placeholder default, ``(default: 'None')``."""
+  result = _run("ppojax.train", "--help")  # (absl's help exits with 1)
+  assert "Without it: the clone's configs/toy.py." in result.stdout
+  assert "'None'" not in result.stdout, result.stdout
+
+
 def test_a_hub_id_that_cannot_be_fetched_is_one_line(tmp_path):
   """A name that could be a hub id ("owner/name") and is no directory here: huggingface_hub's
   error (a failed connection here, several lines) is folded into the one message."""

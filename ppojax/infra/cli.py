@@ -178,6 +178,8 @@ def _guarded(main, prog: str, loaders: tuple, compile_cache: bool, argv: list[st
 
 def parse_flags(prog: str, configs: tuple, argv: list[str]) -> list[str]:
   """absl's flag parsing, then each config file loaded; what fails is one message."""
+  for holder in configs:  # its help says what naming none does, not "(default: 'None')"
+    flags.FLAGS[holder.name].default_as_str = None
   try:
     rest = flags.FLAGS(_with_default_configs(argv))
     for holder in configs:
