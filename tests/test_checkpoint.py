@@ -4,6 +4,7 @@ fallback from a corrupt latest checkpoint to the previous complete one."""
 
 from __future__ import annotations
 
+import logging
 import os
 import pathlib
 import shutil
@@ -228,11 +229,16 @@ CORRUPTIONS = {  # what a disk, a copy or a user can do to a step directory afte
 
 
 @pytest.mark.parametrize("corrupt", CORRUPTIONS)
-def test_a_corrupt_latest_checkpoint_falls_back_to_the_previous_one(tmp_path, corrupt):
+def test_a_corrupt_latest_checkpoint_falls_back_to_the_previous_one(tmp_path, corrupt, caplog,
+                                                                    monkeypatch):
+  """The warnings name the step and its error; orbax's own errors and tracebacks about it (its
+  log records, tensorstore's reads dying on the closed event loop) are not shown besides."""
   with Checkpointer(tmp_path, save_every=1, keep=3) as ckpt:
     for step in (1, 2, 3):
       ckpt.save(step, make_state(step), {"step": step})
   CORRUPTIONS[corrupt](tmp_path / "3")
+  unraisable = []
+  monkeypatch.setattr(sys, "unraisablehook", unraisable.append)
   with Checkpointer(tmp_path, save_every=1, keep=3) as ckpt:
     assert ckpt.all_steps() == [1, 2, 3]  # still listed: orbax cannot tell
     checked = []
@@ -250,6 +256,8 @@ def test_a_corrupt_latest_checkpoint_falls_back_to_the_previous_one(tmp_path, co
     assert ckpt.save(3, make_state(4))
     assert_trees_equal(ckpt.restore_newest(make_state(9))[0], make_state(4))
   assert sorted(p.name for p in tmp_path.iterdir()) == ["1", "2", "3", "3.corrupt"]
+  assert not [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+  assert not [str(u.exc_value) for u in unraisable]
 
 
 def test_no_restorable_checkpoint_is_a_clear_error_that_changes_nothing(tmp_path):

@@ -2,6 +2,7 @@
 the one clear error (``files.DiskFullError``) a save or the export raises when they do not,
 leaving no partial directory behind."""
 
+import asyncio
 import errno
 import os
 
@@ -9,6 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from absl import logging as absl_logging
 from ml_collections import ConfigDict
 
 from ppojax.infra import cli, files
@@ -116,6 +118,47 @@ def test_a_save_on_a_full_disk_is_one_error_and_leaves_no_partial_step(tmp_path,
     assert sorted(os.listdir(ckpt.directory)) == ["1"]  # the partial step 2 removed
     assert ckpt.latest_step() == 1
   assert "ppojax.infra.files:DiskFullError" in cli.INPUT_ERRORS  # one message at the CLI
+
+
+class _LateCallback:
+  """Dies as a tensorstore write's callback does after orbax gave up on the save: its call into
+  the closed event loop raises where nothing catches it (``sys.unraisablehook``)."""
+
+  def __del__(self):
+    loop = asyncio.new_event_loop()
+    loop.close()
+    loop.call_soon_threadsafe(print)
+
+
+def _noisy_save(error):
+  def save(step, *args, **kwargs):
+    del step, args, kwargs
+    absl_logging.error("_SignalingThread.run() raised an exception: %s", error)
+    _LateCallback()
+    raise ValueError(f"RESOURCE_EXHAUSTED: {error}")
+  return save
+
+
+def test_a_full_disk_is_one_message_without_the_writer_threads_tracebacks(
+    tmp_path, monkeypatch, caplog, capfd):
+  """orbax's threads log an error each and tensorstore's leftover writes die on the closed
+  event loop (~250 lines on the toy's CLI before the one-line error): a full disk drops them,
+  also those that come after the save gave up."""
+  with checkpoint.Checkpointer(tmp_path / "ckpt", save_every=1, keep=2) as ckpt:
+    monkeypatch.setattr(ckpt._manager, "save", _noisy_save(FULL))  # pylint: disable=protected-access
+    with pytest.raises(files.DiskFullError):
+      ckpt.save(1, {"w": jnp.ones(4)})
+    _LateCallback()
+  assert not [r for r in caplog.records if "_SignalingThread" in r.getMessage()]
+  assert "Event loop is closed" not in capfd.readouterr().err
+
+
+def test_another_failure_shows_what_orbax_logged(tmp_path, monkeypatch, caplog):
+  with checkpoint.Checkpointer(tmp_path / "ckpt", save_every=1, keep=2) as ckpt:
+    monkeypatch.setattr(ckpt._manager, "save", _noisy_save("shape mismatch"))  # pylint: disable=protected-access
+    with pytest.raises(ValueError, match="shape mismatch"):
+      ckpt.save(1, {"w": jnp.ones(4)})
+  assert [r for r in caplog.records if "_SignalingThread" in r.getMessage()]
 
 
 def test_an_export_on_a_full_disk_is_one_error_and_leaves_nothing(tmp_path, monkeypatch):

@@ -9,18 +9,24 @@ with ``tempfile.mkstemp``, whose files are owner-only (0600) whatever the umask,
 exported for a serving process or another user could not be read. Directories made by
 ``tempfile.mkdtemp`` (and files that libraries write into them) get the same treatment from
 :func:`ordinary_permissions`: 0666 for files and 0777 for directories, minus the umask.
+
+A full disk is one :class:`DiskFullError` saying what did not fit, how much is free and what to
+do (:func:`disk_full`); :func:`quiet_if` keeps the writer threads' own tracebacks about it (and
+about a checkpoint that does not read back) from burying that message.
 """
 
 from __future__ import annotations
 
 import contextlib
 import errno
+import logging
 import os
 import pathlib
 import shutil
 import re
+import sys
 import uuid
-from typing import IO, Iterator
+from typing import IO, Callable, Iterator
 
 
 class DiskFullError(OSError):
@@ -35,6 +41,52 @@ def is_disk_full(error: BaseException) -> bool:
       return True
     error = error.__cause__ or error.__context__
   return False
+
+
+class _Held(logging.Filter):
+  """Keeps a logger's records instead of letting them through."""
+
+  def __init__(self):
+    super().__init__()
+    self.records: list[logging.LogRecord] = []
+
+  def filter(self, record: logging.LogRecord) -> bool:
+    self.records.append(record)
+    return False
+
+
+def _closed_loop_noise(unraisable) -> bool:
+  """The RuntimeError of a callback that reaches an event loop already closed: tensorstore's
+  writes still in flight when orbax abandons a save report back that way."""
+  error = unraisable.exc_value
+  return isinstance(error, RuntimeError) and "Event loop is closed" in str(error)
+
+
+@contextlib.contextmanager
+def quiet_if(reported: Callable[[BaseException], bool],
+             logger: str = "absl") -> Iterator[None]:
+  """Holds back ``logger``'s records (orbax logs through absl's) while the block runs and lets
+  them through after it, unless it raised an error that ``reported(error)`` says the caller
+  reports itself (a full disk: :func:`is_disk_full`; an unreadable checkpoint): then they, and
+  the closed-event-loop RuntimeErrors of the reads or writes it abandoned (from then on), are
+  dropped, so one clear message stands for what would be ~100 lines of tracebacks from orbax's
+  threads. Any other outcome shows every record, in order."""
+  held, log = _Held(), logging.getLogger(logger)
+  previous = sys.unraisablehook
+  sys.unraisablehook = lambda u: None if _closed_loop_noise(u) else previous(u)
+  log.addFilter(held)
+  dropped = False
+  try:
+    yield
+  except BaseException as e:
+    dropped = reported(e)
+    raise
+  finally:
+    log.removeFilter(held)
+    if not dropped:
+      sys.unraisablehook = previous
+      for record in held.records:
+        log.handle(record)
 
 
 def size_text(n: float) -> str:

@@ -32,6 +32,10 @@ array data carries checksums, so a flipped byte fails too) is an error, never a 
 sets the bad one aside as ``<step>.corrupt`` (kept, not deleted; orbax lists only integer
 names), so the run saves that step again. A fallback needs ``keep`` >= 2.
 
+What orbax's threads log about a save that ran out of disk or a step that does not read (their
+tracebacks, ~100 lines) is not shown: the one error or warning above says it
+(``files.quiet_if``); orbax's records about anything else are.
+
 Typed PRNG keys (``jax.random.key``) are stored as their ``key_data`` (uint32) and re-wrapped with
 the same implementation on restore. Every leaf is restored with the dtype and sharding of the
 corresponding leaf of the caller's target.
@@ -69,6 +73,12 @@ class CorruptCheckpointError(RuntimeError):
 
 class CheckpointWarning(UserWarning):
   """A checkpoint was skipped or set aside; the message names it and why."""
+
+
+def _skipped(error: BaseException) -> bool:
+  """Whether ``restore_newest`` skips a step that raised ``error`` (warning of it): anything but
+  a mismatch, which is another run's checkpoint, not a corrupt one."""
+  return not isinstance(error, CheckpointMismatchError)
 
 
 def remove_leftovers(directory: str | os.PathLike) -> list[str]:
@@ -175,7 +185,8 @@ class Checkpointer:
         _MANIFEST: ocp.args.JsonSave({"leaves": leaves.manifest(state)}),
     })
     try:
-      saved = bool(self._manager.save(step, args=args, force=True))
+      with files.quiet_if(files.is_disk_full):  # orbax's writer threads log tracebacks
+        saved = bool(self._manager.save(step, args=args, force=True))
     except Exception as e:
       if not files.is_disk_full(e):
         raise
@@ -244,14 +255,16 @@ class Checkpointer:
     failed: list[tuple[int, str]] = []
     for step in reversed(steps):
       try:
-        meta = self.read_meta(step)
+        with files.quiet_if(_skipped):
+          meta = self.read_meta(step)
       except Exception as e:  # pylint: disable=broad-exception-caught
         self._skip(step, e, failed)
         continue
       if check is not None:
         check(step, meta)
       try:
-        state, meta = self.restore(target, step)
+        with files.quiet_if(_skipped):
+          state, meta = self.restore(target, step)
       except CheckpointMismatchError:
         raise
       except Exception as e:  # pylint: disable=broad-exception-caught
