@@ -7,11 +7,14 @@ import stat
 import subprocess
 import sys
 
+import jax
 import pytest
 from conftest import runtime_env
 from test_step import toy_config
 
-from ppojax.run import reporting, runner
+from ppojax.infra.signals import StopSignals
+from ppojax.run import build as build_lib
+from ppojax.run import loop_state, reporting, runner
 
 ROOT = pathlib.Path(__file__).parents[1]
 VOLATILE = ("time/", "eps", "memory/", "compile/")  # differ between runs and processes
@@ -91,9 +94,6 @@ def test_resume_from_an_earlier_checkpoint_drops_the_lost_rows(whole, tmp_path):
   assert _stable(rows) == _stable(_read(whole[0])) and len(whole[1]) == 6
 
 
-if __name__ == "__main__":
-  sys.exit(pytest.main([__file__]))
-
 
 @pytest.mark.parametrize("iterations, end, log_every, said", [
     ([142, 150], 150, 10, "iterations 142-150, logged every 10"),  # resumed, every 10th logged
@@ -104,3 +104,33 @@ def test_the_score_line_says_which_iterations_it_reads(iterations, end, log_ever
   rows = [{"iteration": i, "objective/scores": i / 1000} for i in iterations]
   line = reporting.score_line(rows, end, log_every)
   assert line == f"score: {iterations[0] / 1000:.3f} -> {iterations[-1] / 1000:.3f} ({said})"
+
+
+def test_a_resume_frees_the_initial_state_before_reading_the_checkpoint(whole, tmp_path):
+  """Once the checkpoint is this run's, the initial state's buffers go before it is read, as the
+  first step's donation takes them in a fresh run (a resumed run held both: one state more for
+  its whole length); the reference, a copy, stays. A refused resume leaves them as they were."""
+  def opened(config):
+    r = build_lib.build(config)
+    loop = loop_state.LoopState(r, r.state, StopSignals(), {})
+    return r, loop
+  r, loop = opened(_config())
+  loop.open(whole[0])
+  loop.close()
+  assert loop.start == 6
+  initial = jax.tree.leaves(loop_state.saved(r.state))
+  assert initial and all(x.is_deleted() for x in initial if not _is_key(x))
+  assert not any(x.is_deleted() for x in jax.tree.leaves((loop.state, r.frozen)))
+  r, loop = opened(_config().copy_and_resolve_references())
+  loop.r.config.seed += 1  # another run's config: refused before any array is read
+  with pytest.raises(ValueError, match="seed"):
+    loop.open(whole[0])
+  assert not any(x.is_deleted() for x in jax.tree.leaves(r.state))
+
+
+def _is_key(x):
+  return jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
+
+
+if __name__ == "__main__":
+  sys.exit(pytest.main([__file__]))

@@ -1,4 +1,5 @@
-"""Whole-tree dtype changes: the one place a tree of parameters or optimizer state is cast."""
+"""Whole-tree operations: the one place a tree of parameters or optimizer state is cast, and
+where one is freed before its replacement is read (a resume)."""
 
 from __future__ import annotations
 
@@ -23,3 +24,27 @@ def cast_floats(tree, dtype, copy: bool = False):
     return jnp.copy(x) if copy else x
 
   return jax.tree.map(one, tree)
+
+
+def _arrays(tree) -> list[jax.Array]:
+  """``tree``'s live arrays, typed PRNG keys left out (their buffers are not exposed)."""
+  return [x for x in jax.tree.leaves(tree) if isinstance(x, jax.Array) and not x.is_deleted()
+          and not jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)]
+
+
+def _buffers(x: jax.Array) -> set[int]:
+  return {shard.data.unsafe_buffer_pointer() for shard in x.addressable_shards}
+
+
+def free(tree, keep=()) -> int:
+  """Deletes the device buffers of ``tree``'s arrays now, as donating them to a step would, but
+  none that an array of ``keep`` (a tree) shares. Returns the bytes freed (on this process's
+  devices). For a tree about to be replaced by one read from elsewhere: without it both are
+  held while the new one is read, and the old one for as long as anything refers to it."""
+  kept = set().union(*map(_buffers, _arrays(keep)))
+  freed = 0
+  for x in _arrays(tree):
+    if not _buffers(x) & kept:
+      freed += sum(shard.data.nbytes for shard in x.addressable_shards)
+      x.delete()
+  return freed

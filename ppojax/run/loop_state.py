@@ -6,13 +6,14 @@ files: checkpoints (resume, ``ppojax.run.resume``), config.json and the metric w
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import pathlib
 import shutil
 from typing import Any
 
 from ppojax.infra import compile as compile_lib
-from ppojax.infra import files
+from ppojax.infra import files, trees
 from ppojax.infra.signals import StopSignals
 from ppojax.learner import update as update_lib
 from ppojax.run import held_out, reporting
@@ -67,9 +68,13 @@ class LoopState:
 
   def _resume(self) -> None:
     from ppojax.run import resume  # pylint: disable=import-outside-toplevel
+    target = saved(_abstract(self.state, self.r.state_shardings))
+    # once the checkpoint is this run's, the initial state goes before it is read, as the first
+    # step's donation would take it (else a resumed run held both: +1 state on the device)
+    initial = saved(self.state)
+    free = functools.partial(trees.free, initial, keep=(self.r.frozen, self.state.base))
     try:  # refuses another run's checkpoint; skips (and sets aside) corrupt ones
-      state, meta = resume.restore(self.ckpt, saved(_abstract(self.state, self.r.state_shardings)),
-                                   self.fingerprint, self.r.config)
+      state, meta = resume.restore(self.ckpt, target, self.fingerprint, self.r.config, free)
       self.state = state._replace(base=self.r.state.base)  # LoRA's base is not in checkpoints
     except BaseException:
       self.ckpt.close()

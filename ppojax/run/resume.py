@@ -22,7 +22,7 @@ import json
 import os
 import pathlib
 import warnings
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
@@ -213,10 +213,15 @@ def check(meta: dict, current: dict, config, where: str) -> None:
                   stacklevel=2)
 
 
-def restore(ckpt, target, current: dict, config) -> tuple[Any, dict]:
+def restore(ckpt, target, current: dict, config,
+            accepted: Callable[[], None] | None = None) -> tuple[Any, dict]:
   """(state, meta) of the newest readable checkpoint of ``ckpt`` (``Checkpointer``) after
   ``check`` passed on its meta; corrupt newer steps are skipped and set aside with a warning
-  (``Checkpointer.restore_newest``)."""
-  state, meta, _ = ckpt.restore_newest(target, lambda step, meta: check(
-      meta, current, config, os.path.join(ckpt.directory, str(step))))
+  (``Checkpointer.restore_newest``). ``accepted()`` runs once a step's meta passed, before its
+  arrays are read (where the caller frees the state they replace); a refusal runs none."""
+  def checked(step: int, meta: dict) -> None:
+    check(meta, current, config, os.path.join(ckpt.directory, str(step)))
+    if accepted is not None:
+      accepted()
+  state, meta, _ = ckpt.restore_newest(target, checked)
   return state, meta

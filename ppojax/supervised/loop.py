@@ -18,7 +18,7 @@ import ml_collections
 
 from ppojax.data import encoding
 from ppojax.infra import compile as compile_lib
-from ppojax.infra import hostmem
+from ppojax.infra import hostmem, trees
 from ppojax.infra.signals import StopSignals
 from ppojax.models import LoadedModel
 from ppojax.run import checkpoint, reporting, resume
@@ -232,7 +232,9 @@ def _resume(config, workdir: pathlib.Path, state: dict, fingerprint: dict):
   try:  # refuses another run's checkpoint; skips (and sets aside) corrupt ones
     abstract = jax.tree.map(
         lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state)
-    state, meta = resume.restore(ckpt, abstract, fingerprint, config)
+    # the initial state (own buffers) goes before the checkpoint is read, once it is this run's
+    state, meta = resume.restore(ckpt, abstract, fingerprint, config,
+                                 functools.partial(trees.free, state))
   except BaseException:
     ckpt.close()
     raise
