@@ -1,9 +1,9 @@
 """Peak memory of whole training runs: GRPO (no critic) against PPO on the quickstart task.
 
 Tables: docs/algorithms.md, "Memory" (GRPO against PPO); docs/performance/memory.md, "Freed memory
-between phases".
+between phases" and "A resumed run".
 
-    python benchmarks/memory.py [--iterations 3] [--save-every 2] [--ab] \\
+    python benchmarks/memory.py [--iterations 3] [--save-every 2] [--ab] [--resume] \\
         [NAME=CONFIG[,--config.FIELD=VALUE...] ...]
 
 Each job is ``python -m ppojax.train`` on its config in a process of its own: loading, the
@@ -17,6 +17,10 @@ sampling half and the update half, built abstractly, no weights read): the state
 models (reference) and each half's temporaries. The difference between a run's peak and
 state + frozen + the larger temporaries is the process's own memory (Python, JAX, the
 tokenizer, compiled code) and whatever its allocator holds.
+
+``--resume`` reruns every job's workdir for one iteration more (``NAME_resumed``): a process
+that restores the last checkpoint, trains that iteration, evaluates and exports; its ratio to
+the first process says what a resume costs beyond a fresh start (which also evaluates before).
 
 ``--ab`` runs every job a second time with ``PPOJAX_RELEASE_MEMORY=0``: without
 ``hostmem.release`` returning the C heap's free pages between phases (``*_no_release``).
@@ -47,14 +51,16 @@ DEFAULT_JOBS = ("ppo=configs/quickstart.py", "grpo=configs/grpo_arith.py")
 
 
 def run_job(config: str, flags: list[str], workdir: pathlib.Path, iterations: int,
-            save_every: int, env: dict) -> dict:
-  """One training process: its peak resident set (MiB) and wall seconds."""
-  shutil.rmtree(workdir, ignore_errors=True)
+            save_every: int, env: dict, log_name: str | None = None) -> dict:
+  """One training process: its peak resident set (MiB) and wall seconds. ``log_name``: the
+  process resumes ``workdir`` (else it starts it afresh), logging to ``log_name``.log."""
+  if log_name is None:
+    shutil.rmtree(workdir, ignore_errors=True)
   cmd = [sys.executable, "-m", "ppojax.train", "--config", config, "--workdir", str(workdir),
          f"--config.num_iterations={iterations}", f"--config.save_every={save_every}",
          "--config.eval.every=0", *flags]
   t0 = time.perf_counter()
-  with open(workdir.parent / f"{workdir.name}.log", "w", encoding="utf-8") as log:
+  with open(workdir.parent / f"{log_name or workdir.name}.log", "w", encoding="utf-8") as log:
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=env)
     _, status, usage = os.wait4(proc.pid, 0)
   code = os.waitstatus_to_exitcode(status)
@@ -105,6 +111,8 @@ def main(argv=None) -> None:
   parser.add_argument("--out", default="/tmp/ppojax-memory")
   parser.add_argument("--compiled", action="store_true",
                       help="also report what the compiled programs need (no run)")
+  parser.add_argument("--resume", action="store_true",
+                      help="also resume every job's workdir for one iteration more")
   parser.add_argument("--ab", action="store_true",
                       help="also run every job with PPOJAX_RELEASE_MEMORY=0")
   args = parser.parse_args(argv)
@@ -126,6 +134,12 @@ def main(argv=None) -> None:
     for name, _, _ in jobs[1:]:
       ratios[f"{name}{suffix}/{jobs[0][0]}{suffix}"] = round(
           results[name + suffix]["peak_rss_mb"] / first, 3)
+  for name, config, flags in jobs if args.resume else ():
+    key = f"{name}_resumed"
+    results[key] = run_job(config, flags, out / name, args.iterations + 1, args.save_every,
+                           dict(os.environ), log_name=key)
+    ratios[f"{key}/{name}"] = round(results[key]["peak_rss_mb"] / results[name]["peak_rss_mb"], 3)
+    print(f"{key}: peak {results[key]['peak_rss_mb'] / 1024:.2f} GiB", file=sys.stderr, flush=True)
   if args.compiled:
     for name, config, flags in jobs:
       results[name]["compiled"] = compiled_mb(config, flags)
