@@ -3,6 +3,7 @@ the workdir, and a run stopped and resumed from its checkpoint equals an uninter
 
 import json
 import pathlib
+import shutil
 import stat
 import subprocess
 import sys
@@ -94,7 +95,6 @@ def test_resume_from_an_earlier_checkpoint_drops_the_lost_rows(whole, tmp_path):
   assert _stable(rows) == _stable(_read(whole[0])) and len(whole[1]) == 6
 
 
-
 @pytest.mark.parametrize("iterations, end, log_every, said", [
     ([142, 150], 150, 10, "iterations 142-150, logged every 10"),  # resumed, every 10th logged
     ([1], 150, 10, "iteration 1, logged every 10"),  # stopped after 9: 2-9 unlogged
@@ -114,8 +114,9 @@ def test_a_resume_frees_the_initial_state_before_reading_the_checkpoint(whole, t
     r = build_lib.build(config)
     loop = loop_state.LoopState(r, r.state, StopSignals(), {})
     return r, loop
+  workdir = shutil.copytree(whole[0], tmp_path / "run")  # its checkpoint of iteration 6
   r, loop = opened(_config())
-  loop.open(whole[0])
+  loop.open(workdir)
   loop.close()
   assert loop.start == 6
   initial = jax.tree.leaves(loop_state.saved(r.state))
@@ -124,7 +125,7 @@ def test_a_resume_frees_the_initial_state_before_reading_the_checkpoint(whole, t
   r, loop = opened(_config().copy_and_resolve_references())
   loop.r.config.seed += 1  # another run's config: refused before any array is read
   with pytest.raises(ValueError, match="seed"):
-    loop.open(whole[0])
+    loop.open(workdir)
   assert not any(x.is_deleted() for x in jax.tree.leaves(r.state))
 
 
