@@ -67,10 +67,12 @@ def quiet_if(reported: Callable[[BaseException], bool],
              logger: str = "absl") -> Iterator[None]:
   """Holds back ``logger``'s records (orbax logs through absl's) while the block runs and lets
   them through after it, unless it raised an error that ``reported(error)`` says the caller
-  reports itself (a full disk: :func:`is_disk_full`; an unreadable checkpoint): then they, and
-  the closed-event-loop RuntimeErrors of the reads or writes it abandoned (from then on), are
+  reports itself (a full disk: :func:`is_disk_full`; an unreadable checkpoint): then they are
   dropped, so one clear message stands for what would be ~100 lines of tracebacks from orbax's
-  threads. Any other outcome shows every record, in order."""
+  threads. Any other outcome shows every record, in order. The RuntimeErrors of callbacks into
+  a closed event loop (tensorstore's reads or writes that outlive an abandoned save or restore,
+  never the error itself) are dropped while the block runs and, after a reported error, from
+  then on."""
   held, log = _Held(), logging.getLogger(logger)
   previous = sys.unraisablehook
   sys.unraisablehook = lambda u: None if _closed_loop_noise(u) else previous(u)
