@@ -51,16 +51,17 @@ DEFAULT_JOBS = ("ppo=configs/quickstart.py", "grpo=configs/grpo_arith.py")
 
 
 def run_job(config: str, flags: list[str], workdir: pathlib.Path, iterations: int,
-            save_every: int, env: dict, log_name: str | None = None) -> dict:
-  """One training process: its peak resident set (MiB) and wall seconds. ``log_name``: the
-  process resumes ``workdir`` (else it starts it afresh), logging to ``log_name``.log."""
-  if log_name is None:
+            save_every: int, env: dict, resume: bool = False) -> dict:
+  """One training process: its peak resident set (MiB) and wall seconds. ``resume``: it resumes
+  ``workdir`` (its log: ``NAME_resumed.log``) instead of starting it afresh (``NAME.log``)."""
+  log_name = f"{workdir.name}_resumed" if resume else workdir.name
+  if not resume:
     shutil.rmtree(workdir, ignore_errors=True)
   cmd = [sys.executable, "-m", "ppojax.train", "--config", config, "--workdir", str(workdir),
          f"--config.num_iterations={iterations}", f"--config.save_every={save_every}",
          "--config.eval.every=0", *flags]
   t0 = time.perf_counter()
-  with open(workdir.parent / f"{log_name or workdir.name}.log", "w", encoding="utf-8") as log:
+  with open(workdir.parent / f"{log_name}.log", "w", encoding="utf-8") as log:
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=env)
     _, status, usage = os.wait4(proc.pid, 0)
   code = os.waitstatus_to_exitcode(status)
@@ -137,7 +138,7 @@ def main(argv=None) -> None:
   for name, config, flags in jobs if args.resume else ():
     key = f"{name}_resumed"
     results[key] = run_job(config, flags, out / name, args.iterations + 1, args.save_every,
-                           dict(os.environ), log_name=key)
+                           dict(os.environ), resume=True)
     ratios[f"{key}/{name}"] = round(results[key]["peak_rss_mb"] / results[name]["peak_rss_mb"], 3)
     print(f"{key}: peak {results[key]['peak_rss_mb'] / 1024:.2f} GiB", file=sys.stderr, flush=True)
   if args.compiled:
